@@ -1,0 +1,101 @@
+"""Per-thread run context and step-id allocation (the dotpath rules).
+
+Each scope (the workflow body, each parallel branch) has a counter starting at
+1; every step call and every `parallel` call advances it by one. An unnamed call
+takes the counter value as its id segment; a named one (`everystep_id=`) takes
+the name. A `parallel` call is a fork: branch i is the scope `<fork>.<i>`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from everystep.errors import EverystepError
+
+MAX_STEP_ID = 300
+
+# A name is one dotpath segment: no dots, no spaces, and not all digits
+# (those are the positional ids, so a name could never collide with one).
+_NAME = re.compile(r"(?!\d+$)[A-Za-z0-9_\-:]+")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A recorded step: `status` is done, failed or started."""
+
+    name: str
+    status: str
+    result: Any = None
+    error: BaseException | None = None
+
+
+class RunContext:
+    """What `everystep.current()` returns inside a running workflow."""
+
+    def __init__(self, workflow_id: uuid.UUID, workflow_name: str, replay: Any):
+        self.workflow_id = workflow_id
+        self.workflow_name = workflow_name
+        self.replay = replay  # the runner's Replay: records and serves steps
+
+    @property
+    def outcomes(self) -> Mapping[str, Outcome]:
+        """Recorded outcomes by step id, as of now."""
+        return self.replay.outcomes()
+
+    def __repr__(self) -> str:
+        return f"<everystep run {self.workflow_id} {self.workflow_name}>"
+
+
+class Scope:
+    """One counter of the dotpath: the workflow body or one parallel branch."""
+
+    __slots__ = ("run", "prefix", "counter", "used", "lock")
+
+    def __init__(self, run: RunContext, prefix: str = ""):
+        self.run = run
+        self.prefix = prefix
+        self.counter = 0
+        self.used: set[str] = set()
+        self.lock = threading.Lock()
+
+    def next_id(self, everystep_id: str | None) -> str:
+        """Advance the counter and return the full step id of this call."""
+        with self.lock:
+            self.counter += 1
+            if everystep_id is None:
+                segment = str(self.counter)
+            else:
+                if not isinstance(everystep_id, str) or not _NAME.fullmatch(everystep_id):
+                    raise EverystepError(
+                        f"bad everystep_id {everystep_id!r}: use letters, digits, '_', '-' or ':', "
+                        "not only digits, and no dots"
+                    )
+                segment = everystep_id
+            full = self.prefix + segment
+            if segment in self.used:
+                raise EverystepError(f"duplicate step id {full!r} in one scope")
+            if len(full) > MAX_STEP_ID:
+                raise EverystepError(f"step id {full[:60]}... is {len(full)} characters; at most {MAX_STEP_ID}")
+            self.used.add(segment)
+            return full
+
+    def branch(self, fork_id: str, index: int) -> Scope:
+        return Scope(self.run, f"{fork_id}.{index}.")
+
+
+# The scope that step calls on this thread are recorded in; None outside a
+# workflow and while a step's own function runs (nested steps are plain calls).
+current_scope: ContextVar[Scope | None] = ContextVar("everystep_scope", default=None)
+# The running workflow, also visible from inside a step's function.
+current_run: ContextVar[RunContext | None] = ContextVar("everystep_run", default=None)
+
+
+def current() -> RunContext | None:
+    """The running workflow's context, or None outside a workflow."""
+    return current_run.get()

@@ -1,0 +1,50 @@
+"""The exceptions everystep raises, and `Terminal`, which steps raise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class EverystepError(Exception):
+    """Misuse of the engine: a bad step id, an unserializable value, a
+    duplicate id in one scope, no transaction to schedule into."""
+
+
+class WorkflowCodeError(EverystepError):
+    """Replay diverged: the step recorded under this id was another function."""
+
+
+class StepFailure(EverystepError):
+    """A recorded step failure whose original exception class is not importable."""
+
+    def __init__(self, message: str, type: str | None = None, args: list | None = None):
+        super().__init__(message)
+        self.type = type
+        self.original_args = args or []
+
+
+class EffectUncertain(EverystepError):
+    """An unsafe-to-repeat step was started and has no recorded outcome: the run
+    is `blocked` until an operator says whether the effect happened."""
+
+
+class LostClaim(EverystepError):
+    """A write about a held run matched nothing: another claimer owns it now."""
+
+
+class Terminal(Exception):
+    """Raised by a step to stop its run deliberately (status `stopped`)."""
+
+    def __init__(self, reason: str, payload: Any = None):
+        super().__init__(reason, payload)
+        self.reason = reason
+        self.payload = payload
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+class Drain(BaseException):
+    """Internal: the worker is draining; unwind the run at a step boundary so it
+    can be requeued. A BaseException so `except Exception` in a workflow body
+    does not swallow it."""

@@ -1,0 +1,51 @@
+"""The engine's and workers' Prometheus metrics.
+
+Under the supervisor, PROMETHEUS_MULTIPROC_DIR is set before this module is
+imported, so every child writes its values to the shared folder and the HTTP
+child serves them aggregated. Live gauges use a `live*` mode so the values of a
+dead child disappear with it. Labels are code-defined names only (workflow,
+step, runner), never run ids.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+WORKFLOW_RUNS = Counter(
+    "everystep_workflow_runs", "Runs that reached an end on this process, by final status "
+    "(completed, failed, stopped, blocked, requeued, abandoned).", ["workflow", "status"]
+)
+WORKFLOW_DURATION = Histogram(
+    "everystep_workflow_duration_seconds", "Time from claim to the end of one execution of a run.",
+    ["workflow", "status"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
+)
+STEP_RUNS = Counter(
+    "everystep_step_runs", "Step executions (steps served from the store on replay are not counted), "
+    "by outcome (done, failed).", ["workflow", "step", "status"]
+)
+STEP_DURATION = Histogram(
+    "everystep_step_duration_seconds", "Time one step execution took, recording included.",
+    ["workflow", "step"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+)
+POOL_SIZE = Gauge(
+    "everystep_worker_pool_size", "Run slots (threads) of a worker.", ["runner"], multiprocess_mode="livesum"
+)
+INFLIGHT = Gauge(
+    "everystep_worker_inflight", "Runs a worker is executing now.", ["runner"], multiprocess_mode="livesum"
+)
+CLAIMS = Counter("everystep_worker_claims", "Runs claimed by a worker (catchup included).", ["runner"])
+REQUEUED = Counter(
+    "everystep_worker_requeued", "Runs a worker handed back to the queue (drain).", ["runner"]
+)
+STARTED_AT = Gauge(
+    "everystep_worker_started_at_seconds", "Unix time a worker started.", ["runner"], multiprocess_mode="livemax"
+)
+CLAIMS_LOST = Counter(
+    "everystep_claims_lost", "Runs a worker abandoned because a fenced write matched nothing.", ["runner"]
+)
+RECOVERED = Counter(
+    "everystep_recovered_runs", "Runs requeued from dead claimers by the sweep.", []
+)
+POISONED = Counter(
+    "everystep_poisoned_runs", "Runs failed because their worker kept dying on them (max_crashes).", []
+)

@@ -1,0 +1,377 @@
+"""Every SQL statement everystep runs, as named functions. Nobody else writes SQL.
+
+Fencing: every write about a held run is conditional on the run still being
+`running` and claimed by the writer (`_HELD`). Step rows are written under a
+`FOR SHARE` lock of the run row, so a concurrent requeue either waits for the
+step's commit or makes the insert match nothing — a worker that lost its claim
+cannot slip a write in. Functions that write about a held run return whether
+the write matched; False means the claim was lost.
+"""
+
+from __future__ import annotations
+
+import uuid
+from importlib import resources
+from typing import Any, NamedTuple
+
+import psycopg
+from psycopg import sql
+
+# Notifications go to a channel per schema, so deployments sharing a database
+# (or test schemas) do not wake each other's workers.
+_NOTIFY = "pg_notify('everystep:' || current_schema(), '')"
+TERMINAL = ("completed", "failed", "stopped")
+
+# The 64-bit advisory-lock key of a runner name, scoped to the schema so two
+# deployments sharing a database (or two test schemas) never collide.
+_LOCK_KEY = "hashtextextended('everystep:' || current_schema() || ':' || %s, 0)"
+_HELD = "id = %(run)s AND status = 'running' AND claimed_by = %(runner)s"
+
+
+class ClaimedRun(NamedTuple):
+    id: uuid.UUID
+    name: str
+    args: Any  # stored JSON, not yet decoded
+    steps: list  # [[step_id, name, status, result, error], ...] as stored
+
+
+# ---------------------------------------------------------------- migrations
+
+def migrate(conn: psycopg.Connection) -> list[str]:
+    """Apply the shipped migrations not yet applied, in one transaction, under
+    an advisory lock so concurrent migrators queue up. Returns what it applied."""
+    files = sorted(
+        (f for f in resources.files("everystep.migrations").iterdir() if f.name.endswith(".sql")),
+        key=lambda f: f.name,
+    )
+    applied = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended('everystep:migrate:' || current_schema(), 0))")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS everystep_migration ("
+            " name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {row[0] for row in conn.execute("SELECT name FROM everystep_migration")}
+        for f in files:
+            name = f.name.removesuffix(".sql")
+            if name in done:
+                continue
+            conn.execute(f.read_text())
+            conn.execute("INSERT INTO everystep_migration (name) VALUES (%s)", (name,))
+            applied.append(name)
+    return applied
+
+
+# ---------------------------------------------------------------- scheduling
+
+def insert_run(
+    conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None
+) -> tuple[uuid.UUID, bool]:
+    """Insert a scheduled run into the caller's transaction and notify workers
+    (Postgres delivers the notification at commit). With an idempotency key, an
+    existing run of the same (name, key) is returned instead: (id, created)."""
+    row = conn.execute(
+        "WITH ins AS ("
+        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)"
+        " VALUES (%s, %s, %s::jsonb, %s, 'scheduled')"
+        " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
+        " RETURNING id)"
+        f" SELECT id, {_NOTIFY} FROM ins",
+        (run_id, name, args_json, idempotency_key),
+    ).fetchone()
+    if row is not None:
+        return row[0], True
+    existing = conn.execute(
+        "SELECT id FROM everystep_workflow WHERE name = %s AND idempotency_key = %s",
+        (name, idempotency_key),
+    ).fetchone()
+    if existing is None:
+        # Only possible when the conflicting row is invisible to this
+        # transaction's snapshot (REPEATABLE READ or SERIALIZABLE).
+        raise psycopg.errors.SerializationFailure(
+            f"a run with idempotency key {idempotency_key!r} exists but is not visible to this transaction"
+        )
+    return existing[0], False
+
+
+# ---------------------------------------------------------------- liveness
+
+def try_lock(conn: psycopg.Connection, runner: str) -> bool:
+    """Take the runner's session-level advisory lock if it is free."""
+    return conn.execute(f"SELECT pg_try_advisory_lock({_LOCK_KEY})", (runner,)).fetchone()[0]
+
+
+def unlock(conn: psycopg.Connection, runner: str) -> None:
+    conn.execute(f"SELECT pg_advisory_unlock({_LOCK_KEY})", (runner,))
+
+
+def prepare_control_session(conn: psycopg.Connection, idle: int, interval: int, count: int) -> None:
+    """Set up a worker's control connection (lock, LISTEN, claims, requeues).
+
+    Server-side TCP keepalives make the server drop the session of a vanished
+    host, and so free its lock, in seconds (no effect over a Unix socket).
+
+    Its commits do not wait for the WAL flush: a claim or requeue lost to a
+    server crash is put right by the worker's catchup after it re-takes its
+    lock, or by the dead-claimer sweep, and every step write is fenced on the
+    claim and flushed synchronously, so nothing durable can depend on a lost
+    claim. This saves a flush on the latency path of every claim."""
+    user_timeout_ms = (idle + interval * count) * 1000
+    conn.execute(
+        "SELECT set_config('tcp_keepalives_idle', %s, false), set_config('tcp_keepalives_interval', %s, false),"
+        " set_config('tcp_keepalives_count', %s, false), set_config('tcp_user_timeout', %s, false),"
+        " set_config('synchronous_commit', 'off', false)",
+        (str(idle), str(interval), str(count), str(user_timeout_ms)),
+    )
+
+
+def listen(conn: psycopg.Connection) -> str:
+    """LISTEN for runs becoming claimable; returns the channel."""
+    channel = "everystep:" + conn.execute("SELECT current_schema()").fetchone()[0]
+    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+    return channel
+
+
+def ping(conn: psycopg.Connection) -> None:
+    conn.execute("SELECT 1")
+
+
+def running_claimers(conn: psycopg.Connection) -> list[str]:
+    """Every distinct claimer of a running run."""
+    return [
+        row[0]
+        for row in conn.execute(
+            "SELECT DISTINCT claimed_by FROM everystep_workflow WHERE status = 'running' AND claimed_by IS NOT NULL"
+        )
+    ]
+
+
+# ---------------------------------------------------------------- claiming
+
+_RUN_WITH_STEPS = (
+    "w.id, w.name, w.args, (SELECT coalesce(json_agg(json_build_array("
+    "s.step_id, s.name, s.status, s.result, s.error)), '[]') FROM everystep_step s WHERE s.workflow_id = w.id)"
+)
+
+
+def claim(conn: psycopg.Connection, runner: str, limit: int) -> list[ClaimedRun]:
+    """Claim up to `limit` scheduled runs, oldest first, with their recorded steps."""
+    rows = conn.execute(
+        "UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s"
+        " WHERE w.id IN (SELECT id FROM everystep_workflow WHERE status = 'scheduled'"
+        "  ORDER BY created_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
+        f" RETURNING {_RUN_WITH_STEPS}",
+        {"runner": runner, "limit": limit},
+        prepare=True,
+    ).fetchall()
+    runs = [ClaimedRun(*row) for row in rows]
+    runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
+    return runs
+
+
+def held_runs(conn: psycopg.Connection, runner: str) -> list[ClaimedRun]:
+    """Runs `running` under this runner's name: left by its previous incarnation."""
+    rows = conn.execute(
+        f"SELECT {_RUN_WITH_STEPS} FROM everystep_workflow w"
+        " WHERE w.status = 'running' AND w.claimed_by = %s ORDER BY w.created_at",
+        (runner,),
+    ).fetchall()
+    return [ClaimedRun(*row) for row in rows]
+
+
+def count_crashes(
+    conn: psycopg.Connection, run_ids: list[uuid.UUID], max_crashes: int, poison_error: str
+) -> list[uuid.UUID]:
+    """Count one crash (a claim that ended with its worker dead) for each run.
+    The count restarts when the run recorded new steps since its last crash.
+    Runs that reach `max_crashes` are failed with `poison_error`; returns them."""
+    if not run_ids:
+        return []
+    with conn.transaction():
+        rows = conn.execute(
+            "INSERT INTO everystep_crash (workflow_id, crashes, steps_seen)"
+            " SELECT w.id, 1, (SELECT count(*) FROM everystep_step s WHERE s.workflow_id = w.id)"
+            " FROM everystep_workflow w WHERE w.id = ANY(%s)"
+            " ON CONFLICT (workflow_id) DO UPDATE SET"
+            "  crashes = CASE WHEN everystep_crash.steps_seen = EXCLUDED.steps_seen"
+            "            THEN everystep_crash.crashes + 1 ELSE 1 END,"
+            "  steps_seen = EXCLUDED.steps_seen"
+            " RETURNING workflow_id, crashes",
+            (run_ids,),
+        ).fetchall()
+        poisoned = [run_id for run_id, crashes in rows if crashes >= max_crashes]
+        if poisoned:
+            conn.execute(
+                "UPDATE everystep_workflow SET status = 'failed', completed_at = now(), error = %s::jsonb"
+                " WHERE id = ANY(%s) AND status IN ('running', 'scheduled')",
+                (poison_error, poisoned),
+            )
+    return poisoned
+
+
+# ---------------------------------------------------------------- writes about a held run (fenced)
+
+def record_step(
+    conn: psycopg.Connection,
+    run: uuid.UUID,
+    runner: str,
+    step_id: str,
+    name: str,
+    args: str,
+    kwargs: str,
+    status: str,
+    result: str | None,
+    error: str | None,
+) -> bool:
+    """Record a step's outcome (`done`/`failed`), or the `started` mark of an
+    unsafe-to-repeat step. The unique (workflow, step_id) makes this insert the
+    claim on the step: False if the run is not held or the row exists."""
+    cur = conn.execute(
+        "INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
+        " SELECT id, %(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(status)s,"
+        " %(result)s::jsonb, %(error)s::jsonb"
+        f" FROM everystep_workflow WHERE {_HELD} FOR SHARE"
+        " ON CONFLICT (workflow_id, step_id) DO NOTHING",
+        {"run": run, "runner": runner, "step_id": step_id, "name": name, "args": args, "kwargs": kwargs,
+         "status": status, "result": result, "error": error},
+        prepare=True,
+    )
+    return cur.rowcount == 1
+
+
+def complete_started_step(
+    conn: psycopg.Connection,
+    run: uuid.UUID,
+    runner: str,
+    step_id: str,
+    name: str,
+    args: str,
+    kwargs: str,
+    status: str,
+    result: str | None,
+    error: str | None,
+) -> bool:
+    """Update a `started` step row in place with its outcome."""
+    cur = conn.execute(
+        "UPDATE everystep_step s SET name = %(name)s, args = %(args)s::jsonb, kwargs = %(kwargs)s::jsonb,"
+        " status = %(status)s, result = %(result)s::jsonb, error = %(error)s::jsonb"
+        " FROM (SELECT id FROM everystep_workflow WHERE " + _HELD + " FOR SHARE) w"
+        " WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s AND s.status = 'started'",
+        {"run": run, "runner": runner, "step_id": step_id, "name": name, "args": args, "kwargs": kwargs,
+         "status": status, "result": result, "error": error},
+        prepare=True,
+    )
+    return cur.rowcount == 1
+
+
+def step_row(conn: psycopg.Connection, run: uuid.UUID, step_id: str) -> tuple | None:
+    """(name, status) of one recorded step, or None."""
+    return conn.execute(
+        "SELECT name, status FROM everystep_step WHERE workflow_id = %s AND step_id = %s", (run, step_id)
+    ).fetchone()
+
+
+def is_held(conn: psycopg.Connection, run: uuid.UUID, runner: str) -> bool:
+    row = conn.execute(f"SELECT 1 FROM everystep_workflow WHERE {_HELD}", {"run": run, "runner": runner}).fetchone()
+    return row is not None
+
+
+def finish_run(
+    conn: psycopg.Connection, run: uuid.UUID, runner: str, status: str, result: str | None, error: str | None
+) -> bool:
+    """Move a held run to a final status (completed/failed/stopped/blocked)."""
+    cur = conn.execute(
+        "UPDATE everystep_workflow SET status = %(status)s::text, result = %(result)s::jsonb, error = %(error)s::jsonb,"
+        " completed_at = CASE WHEN %(status)s::text = 'blocked' THEN NULL ELSE now() END"
+        f" WHERE {_HELD}",
+        {"run": run, "runner": runner, "status": status, "result": result, "error": error},
+        prepare=True,
+    )
+    return cur.rowcount == 1
+
+
+def requeue_held(conn: psycopg.Connection, runs: list[uuid.UUID], runner: str) -> list[uuid.UUID]:
+    """Put held runs back to `scheduled` (drain); returns those that matched."""
+    rows = conn.execute(
+        "WITH q AS (UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL"
+        " WHERE id = ANY(%(runs)s) AND status = 'running' AND claimed_by = %(runner)s RETURNING id)"
+        f" SELECT id, {_NOTIFY} FROM q",
+        {"runs": runs, "runner": runner},
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+# ---------------------------------------------------------------- recovery of dead claimers
+
+def requeue_claimer(conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
+    """Requeue every running run of a claimer (whose lock the caller holds)."""
+    rows = conn.execute(
+        "WITH q AS (UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL"
+        " WHERE status = 'running' AND claimed_by = %s RETURNING id)"
+        f" SELECT id, {_NOTIFY} FROM q",
+        (claimer,),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+# ---------------------------------------------------------------- operators
+
+def load_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
+    cur = conn.execute(
+        "SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at"
+        " FROM everystep_workflow WHERE id = %s",
+        (run,),
+    )
+    row = cur.fetchone()
+    return None if row is None else dict(zip([c.name for c in cur.description], row))
+
+
+def load_steps(conn: psycopg.Connection, run: uuid.UUID) -> list[dict]:
+    cur = conn.execute(
+        "SELECT id, step_id, name, args, kwargs, status, result, error FROM everystep_step"
+        " WHERE workflow_id = %s ORDER BY id",
+        (run,),
+    )
+    names = [c.name for c in cur.description]
+    return [dict(zip(names, row)) for row in cur]
+
+
+class ResolveRefused(Exception):
+    """resolve_step was asked to resolve something that is not a blocked run's started step."""
+
+
+def resolve_step(
+    conn: psycopg.Connection, run: uuid.UUID, step_id: str, status: str | None, result: str | None, error: str | None
+) -> None:
+    """Resolve the `started` step of a blocked run: record its outcome
+    (status done/failed), or delete the row (status None: the effect did not
+    happen). The run goes back to `scheduled`. One transaction."""
+    with conn.transaction():
+        row = conn.execute(
+            "SELECT status FROM everystep_workflow WHERE id = %s FOR UPDATE", (run,)
+        ).fetchone()
+        if row is None:
+            raise ResolveRefused(f"no run {run}")
+        if row[0] != "blocked":
+            raise ResolveRefused(f"run {run} is {row[0]}, not blocked; only a blocked run can be resolved")
+        step = conn.execute(
+            "SELECT status FROM everystep_step WHERE workflow_id = %s AND step_id = %s", (run, step_id)
+        ).fetchone()
+        if step is None:
+            raise ResolveRefused(f"run {run} has no step {step_id!r}")
+        if step[0] != "started":
+            raise ResolveRefused(f"step {step_id!r} of run {run} is {step[0]}; only its started step can be resolved")
+        if status is None:
+            conn.execute("DELETE FROM everystep_step WHERE workflow_id = %s AND step_id = %s", (run, step_id))
+        else:
+            conn.execute(
+                "UPDATE everystep_step SET status = %s, result = %s::jsonb, error = %s::jsonb"
+                " WHERE workflow_id = %s AND step_id = %s",
+                (status, result, error, run, step_id),
+            )
+        conn.execute(
+            "UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL, error = NULL, completed_at = NULL"
+            " WHERE id = %s",
+            (run,),
+        )
+        conn.execute(f"SELECT {_NOTIFY}")

