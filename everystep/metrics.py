@@ -43,9 +43,18 @@ STARTED_AT = Gauge(
 CLAIMS_LOST = Counter(
     "everystep_claims_lost", "Runs a worker abandoned because a fenced write matched nothing.", ["runner"]
 )
-RECOVERED = Counter(
-    "everystep_recovered_runs", "Runs requeued from dead claimers by the sweep.", []
-)
+
+# Recovery (the maintenance child's sweep and the workers' catchup).
+RECOVERED = Counter("everystep_recovered_runs", "Runs requeued from dead claimers by the sweep.")
 POISONED = Counter(
-    "everystep_poisoned_runs", "Runs failed because their worker kept dying on them (max_crashes).", []
+    "everystep_poisoned_runs", "Runs failed because their worker kept dying on them (max_crashes)."
+)
+
+# The supervisor (written by the parent process, which holds no database connection).
+CHILD_RESTARTS = Counter(
+    "everystep_supervisor_child_restarts", "Children restarted after an unexpected exit, by child name.", ["child"]
+)
+CHILDREN = Gauge(
+    "everystep_supervisor_children", "Children alive, by role (worker, http, maintenance).", ["role"],
+    multiprocess_mode="livesum",
 )

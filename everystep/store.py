@@ -314,6 +314,9 @@ def requeue_claimer(conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
     return [row[0] for row in rows]
 
 
+# ---------------------------------------------------------------- observability
+
+
 # ---------------------------------------------------------------- operators
 
 def load_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
