@@ -59,11 +59,57 @@ def connect(args: argparse.Namespace) -> psycopg.Connection:
         raise CliError(f"cannot reach the database: {first_line}", EXIT_DATABASE) from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         applied = store.migrate(conn)
     print(f"applied {', '.join(applied)}" if applied else "nothing to apply: the schema is up to date")
     return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run one worker in this process until TERM/INT (drain) or QUIT (fast stop)."""
+    import importlib  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    from everystep import logs  # noqa: PLC0415
+    from everystep.worker import Worker  # noqa: PLC0415
+
+    logs.configure(args.log_level)
+    url = database_url(args)
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise CliError(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
+    worker = Worker(url, args.name, threads=args.threads, poll=args.poll, drain=args.drain, grace=args.grace,
+                    max_crashes=args.max_crashes)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    signal.signal(signal.SIGQUIT, lambda *_: worker.stop(fast=True))
+    worker.run()
+    sys.stdout.flush()
+    # Steps still running past the drain deadline were requeued; do not wait for their threads.
+    os._exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     add("migrate", cmd_migrate, "apply the schema migrations (safe to run concurrently and repeatedly)")
+
+    worker = add("worker", cmd_worker, "run one worker in this process (the supervisor runs a pool of them)")
+    worker.add_argument("--name", required=True, help="runner name: the claimed_by of its runs; unique while alive")
+    worker.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="module defining workflows (repeatable)")
+    worker.add_argument("--threads", type=_positive_int, default=8, help="runs in flight (default 8)")
+    worker.add_argument("--poll", type=_positive_float, default=1.0, help="seconds between polls (default 1)")
+    worker.add_argument("--drain", type=float, default=30.0, help="seconds to drain on TERM; 0 waits for ever")
+    worker.add_argument("--grace", type=float, default=10.0,
+                        help="seconds without its lock before the worker abandons its runs (default 10)")
+    worker.add_argument("--max-crashes", type=_positive_int, default=3,
+                        help="claims that die without progress before a run fails (default 3)")
+    worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 

