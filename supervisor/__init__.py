@@ -1,0 +1,1 @@
+"""The everystep supervisor: runs the engine's workers in production."""

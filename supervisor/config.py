@@ -1,0 +1,468 @@
+"""The supervisor's config file (everystep.yaml): YAML -> frozen dataclasses.
+
+Environment variables are expanded in every string value (never in keys):
+
+    ${VAR}           the variable's value; an error if it is not set (set but empty is fine)
+    ${VAR:-default}  the value, or `default` when the variable is unset or empty
+    $$               one literal `$`, so `$${VAR}` is the text `${VAR}`
+    any other `$`    kept as it is: `pa$word` stays `pa$word`
+
+Defaults are taken literally (they are not expanded again). Where a number or
+a boolean is expected, a substituted value is read as a YAML scalar, so
+`processes: ${WORKERS:-2}` works; elsewhere (strings, schedule args) it stays
+a string.
+
+Every problem — a missing file, a YAML syntax error, an unset variable, an
+unknown key, a wrong type, a value out of range — raises `ConfigError`, whose
+message is one line: `<file>: <dotted.key>: <problem>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import keyword
+import math
+import os
+import re
+import socket
+import zoneinfo
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from croniter import croniter
+
+from everystep import serde
+from everystep.errors import EverystepError
+
+
+class ConfigError(Exception):
+    """A problem with the config file. The message is one line naming the file,
+    the key and the problem; the supervisor prints it and exits with status 2."""
+
+    def __init__(self, message: str):
+        super().__init__(message.replace("\n", " "))
+
+
+# ---------------------------------------------------------------- the configuration
+
+@dataclass(frozen=True)
+class DatabaseConfig:
+    url: str = ""  # empty: the supervisor starts an embedded PostgreSQL
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    processes: int = 2
+    threads: int = 8
+    poll: float = 1.0
+    drain: float = 30.0  # 0: wait for ever
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    interval: float = 5.0
+    grace: float = 10.0
+    max_crashes: int = 3
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    bind: str = "0.0.0.0"
+    port: int = 9117  # 0: any free port (for tests)
+
+
+CATCHUP_POLICIES = ("skip", "fire_once", "fire_all")
+OVERLAP_POLICIES = ("allow", "forbid")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """One recurring schedule of the manifest (SPEC section 10)."""
+
+    workflow: str  # module.qualname of an @workflow
+    cron: str  # five fields, or @hourly, @daily, ...
+    args: tuple = ()
+    timezone: str = "UTC"
+    catchup: str = "fire_once"  # skip | fire_once | fire_all
+    max_catchup: int = 10  # fire_all: at most this many of the missed times
+    overlap: str = "allow"  # allow | forbid
+    max_lateness_seconds: float = 60.0  # a fire time reached later than this is missed
+    paused: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    database: DatabaseConfig = field(default_factory=DatabaseConfig)
+    name: str = field(default_factory=socket.gethostname)  # runners are <name>-<index>
+    imports: tuple[str, ...] = ()
+    migrate: bool = True
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    schedules: dict[str, ScheduleConfig] = field(default_factory=dict)
+
+
+# Room left after the base name for "-<index>" within the 255 characters of
+# `claimed_by`: a dash and six digits.
+MAX_NAME = 248
+MAX_SCHEDULE_KEY = 200  # "schedule:<key>:<fire time>" must fit an idempotency key (255)
+_SCHEDULE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_A_LEAP_YEAR = datetime.datetime(2028, 1, 1, tzinfo=datetime.UTC)
+CRON_MACROS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+
+
+def load(path: str | os.PathLike) -> Config:
+    """Read, expand and validate a config file."""
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read the file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file}: cannot read the file: it is not UTF-8 text") from None
+    try:
+        document = yaml.load(text, Loader=_Loader)  # a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        context = f" ({exc.context})" if exc.problem and exc.context else ""
+        raise ConfigError(f"{file}: {where}{exc.problem or exc.context}{context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+    return _read_config(file, Path(path), _expand(file, "", document))
+
+
+# ---------------------------------------------------------------- sections
+
+def _read_config(file: str, path: Path, document: Any) -> Config:
+    if document is not None and not isinstance(document, dict):
+        raise ConfigError(f"{file}: the file must be a mapping of sections, got {_show(document)}")
+    top = _Section(file, "", document, Config)
+    database = _Section(file, "database", top.raw.get("database"), DatabaseConfig)
+    workers = _Section(file, "workers", top.raw.get("workers"), WorkersConfig)
+    recovery = _Section(file, "recovery", top.raw.get("recovery"), RecoveryConfig)
+    http = _Section(file, "http", top.raw.get("http"), HttpConfig)
+    return Config(
+        path=path,
+        database=DatabaseConfig(url=database.text("url")),
+        name=_runner_base_name(top),
+        imports=tuple(_module_names(top)),
+        migrate=top.boolean("migrate"),
+        workers=WorkersConfig(
+            processes=workers.integer("processes", minimum=1),
+            threads=workers.integer("threads", minimum=1),
+            poll=workers.number("poll", above=0),
+            drain=workers.number("drain", at_least=0),
+        ),
+        recovery=RecoveryConfig(
+            interval=recovery.number("interval", above=0),
+            grace=recovery.number("grace", at_least=0),
+            max_crashes=recovery.integer("max_crashes", minimum=1),
+        ),
+        http=HttpConfig(bind=_bind_address(http), port=http.integer("port", minimum=0, maximum=65535)),
+        schedules=_schedules(file, top.raw.get("schedules")),
+    )
+
+
+def _runner_base_name(top: _Section) -> str:
+    name = top.text("name") or socket.gethostname()
+    if len(name) > MAX_NAME:
+        raise top.error("name", f"must be at most {MAX_NAME} characters (runner names are <name>-<index>), "
+                                f"got {len(name)}")
+    if not name.isprintable() or any(ch.isspace() for ch in name):
+        raise top.error("name", f"must be printable characters without whitespace, got {_show(name)}")
+    return name
+
+
+def _module_names(top: _Section) -> list[str]:
+    names = top.items("imports")
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not _is_dotted_name(name):
+            raise top.error(f"imports[{i}]", f"must be a dotted module name like myapp.workflows, got {_show(name)}")
+    return [str(name) for name in names]
+
+
+def _bind_address(http: _Section) -> str:
+    bind = http.text("bind")
+    if not bind or any(ch.isspace() for ch in bind):
+        raise http.error("bind", f"must be an address or host name, got {_show(bind)}")
+    return bind
+
+
+def _schedules(file: str, raw: Any) -> dict[str, ScheduleConfig]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: schedules: must be a mapping of schedule keys, got {_show(raw)}")
+    schedules = {}
+    for key, entry in raw.items():
+        if not isinstance(key, str) or len(key) > MAX_SCHEDULE_KEY or not _SCHEDULE_KEY.fullmatch(key):
+            raise ConfigError(
+                f"{file}: schedules: the key {_show(key)} must be 1 to {MAX_SCHEDULE_KEY} letters, digits, "
+                "'.', '_' or '-', starting with a letter or digit"
+            )
+        schedules[key] = _schedule(_Section(file, f"schedules.{key}", entry, ScheduleConfig))
+    return schedules
+
+
+def _schedule(section: _Section) -> ScheduleConfig:
+    workflow = section.text("workflow")
+    if "." not in workflow or len(workflow) > 300 or not _is_dotted_name(workflow):
+        raise section.error("workflow", f"must be the module.qualname of an @workflow, got {_show(workflow)}")
+    catchup = section.choice("catchup", CATCHUP_POLICIES)
+    if "max_catchup" in section.raw and catchup != "fire_all":
+        raise section.error("max_catchup", f"only applies to catchup: fire_all (this schedule has {catchup})")
+    return ScheduleConfig(
+        workflow=workflow,
+        cron=_cron(section),
+        args=_schedule_args(section),
+        timezone=_timezone(section),
+        catchup=catchup,
+        max_catchup=section.integer("max_catchup", minimum=1),
+        overlap=section.choice("overlap", OVERLAP_POLICIES),
+        max_lateness_seconds=section.number("max_lateness_seconds", above=0),
+        paused=section.boolean("paused"),
+    )
+
+
+def _cron(section: _Section) -> str:
+    expression = " ".join(section.text("cron").split())
+    if not (len(expression.split()) == 5 or expression in CRON_MACROS):
+        raise section.error(
+            "cron",
+            f"must have 5 fields (minute hour day-of-month month day-of-week) or be one of "
+            f"{', '.join(CRON_MACROS)}, got {_show(expression)}",
+        )
+    try:
+        croniter(expression, _A_LEAP_YEAR).get_next()  # also refuses dates that never come (Feb 30)
+    except ValueError as exc:  # croniter's errors are ValueErrors
+        raise section.error("cron", f"invalid cron expression {_show(expression)}: {exc}") from None
+    return expression
+
+
+def _timezone(section: _Section) -> str:
+    name = section.text("timezone")
+    try:
+        zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise section.error("timezone", f"must be an IANA time zone like UTC or Europe/Paris, got {_show(name)}") \
+            from None
+    return name
+
+
+def _schedule_args(section: _Section) -> tuple:
+    args = _plain(section.items("args"))
+    try:
+        serde.dumps(args)
+    except EverystepError as exc:
+        raise section.error("args", f"cannot be stored: {exc}") from None
+    return tuple(args)
+
+
+def _is_dotted_name(text: str) -> bool:
+    return all(part.isidentifier() and not keyword.iskeyword(part) for part in text.split("."))
+
+
+class _Section:
+    """One mapping of the file, read key by key against the fields of a
+    dataclass: unknown keys are refused up front, absent keys take the
+    field's default, and each reader checks type and range."""
+
+    def __init__(self, file: str, path: str, raw: Any, cls: type):
+        self.file = file
+        self.path = path
+        if raw is None:
+            raw = {}  # a section whose keys are all commented out
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{file}: {path}: must be a mapping, got {_show(raw)}")
+        self.raw = raw
+        self.fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "path"}
+        for key in raw:
+            if key not in self.fields:
+                raise self.error(str(key), _unknown_key_problem(str(key), list(self.fields)))
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        dotted = f"{self.path}.{key}" if self.path else key
+        return ConfigError(f"{self.file}: {dotted}: {problem}")
+
+    def get(self, key: str) -> Any:
+        if key in self.raw:
+            return self.raw[key]
+        default = self.fields[key]
+        if default.default is not dataclasses.MISSING:
+            return default.default
+        if default.default_factory is not dataclasses.MISSING:
+            return default.default_factory()
+        raise self.error(key, "is required")
+
+    def integer(self, key: str, minimum: int, maximum: int | None = None) -> int:
+        value = self.get(key)
+        number = _scalar(value)
+        if type(number) is not int or number < minimum or (maximum is not None and number > maximum):
+            wanted = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
+            raise self.error(key, f"must be {wanted}, got {_show(value)}")
+        return number
+
+    def number(self, key: str, above: float | None = None, at_least: float | None = None) -> float:
+        value = self.get(key)
+        number = _scalar(value)
+        in_range = type(number) in (int, float) and math.isfinite(number) and (
+            number > above if above is not None else number >= at_least
+        )
+        if not in_range:
+            wanted = f"> {above:g}" if above is not None else f">= {at_least:g}"
+            raise self.error(key, f"must be a number {wanted}, got {_show(value)}")
+        return float(number)
+
+    def boolean(self, key: str) -> bool:
+        value = self.get(key)
+        flag = _scalar(value)
+        if type(flag) is not bool:
+            raise self.error(key, f"must be true or false, got {_show(value)}")
+        return flag
+
+    def text(self, key: str) -> str:
+        value = self.get(key)
+        if value is None:
+            return ""  # `url:` with nothing after it is an empty URL
+        if not isinstance(value, str):
+            raise self.error(key, f"must be a string, got {_show(value)}")
+        return str(value)
+
+    def choice(self, key: str, choices: tuple[str, ...]) -> str:
+        value = self.get(key)
+        if value not in choices:
+            raise self.error(key, f"must be one of {', '.join(choices)}, got {_show(value)}")
+        return str(value)
+
+    def items(self, key: str) -> list:
+        value = self.get(key)
+        if value is None or value == ():
+            return []
+        if not isinstance(value, list):
+            raise self.error(key, f"must be a list, got {_show(value)}")
+        return value
+
+
+def _unknown_key_problem(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f"unknown key (did you mean {close[0]!r}?)"
+    return f"unknown key (known keys: {', '.join(known)})"
+
+
+def _show(value: Any) -> str:
+    """A value as the problem message shows it: YAML spellings, strings quoted."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return repr(str(value))
+    return str(value)
+
+
+# ---------------------------------------------------------------- environment variables
+
+class _Expanded(str):
+    """A string that had a variable substituted: read as a YAML scalar where a
+    number or boolean is expected."""
+
+
+_SUBSTITUTION = re.compile(r"\$\$|\$\{(?P<body>[^}]*)(?P<close>\}?)")
+_REFERENCE = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>.*))?", re.DOTALL)
+
+
+def _expand(file: str, key: str, node: Any) -> Any:
+    """Expand variables in every string of the document; `key` is where `node` is."""
+    if isinstance(node, str):
+        return _expand_text(file, key, node)
+    if isinstance(node, list):
+        return [_expand(file, f"{key}[{i}]", item) for i, item in enumerate(node)]
+    if isinstance(node, dict):
+        return {k: _expand(file, f"{key}.{k}" if key else str(k), v) for k, v in node.items()}
+    return node
+
+
+def _expand_text(file: str, key: str, text: str) -> str:
+    substituted = False
+
+    def replace(match: re.Match) -> str:
+        nonlocal substituted
+        if match.group(0) == "$$":
+            return "$"
+        if not match.group("close"):
+            raise ConfigError(f"{file}: {key}: unterminated '${{' in {_show(text)}")
+        reference = _REFERENCE.fullmatch(match.group("body"))
+        if reference is None:
+            raise ConfigError(
+                f"{file}: {key}: bad substitution {match.group(0)!r} (write ${{VAR}} or ${{VAR:-default}}, "
+                "or $$ for a literal $)"
+            )
+        substituted = True
+        value = os.environ.get(reference["name"])
+        if reference["default"] is not None:
+            return value or reference["default"]
+        if value is None:
+            raise ConfigError(
+                f"{file}: {key}: environment variable {reference['name']} is not set "
+                f"(write ${{{reference['name']}:-default}} to give it a default)"
+            )
+        return value
+
+    expanded = _SUBSTITUTION.sub(replace, text)
+    return _Expanded(expanded) if substituted else expanded
+
+
+def _scalar(value: Any) -> Any:
+    """A substituted string as the YAML scalar it spells (int, float, bool);
+    anything else unchanged."""
+    if not isinstance(value, _Expanded):
+        return value
+    try:
+        parsed = yaml.safe_load(str(value))
+    except yaml.YAMLError:
+        return value
+    return parsed if type(parsed) in (int, float, bool) else value
+
+
+def _plain(node: Any) -> Any:
+    """The document with substituted strings turned back into plain `str`."""
+    if isinstance(node, str):
+        return str(node)
+    if isinstance(node, list):
+        return [_plain(item) for item in node]
+    if isinstance(node, dict):
+        return {k: _plain(v) for k, v in node.items()}
+    return node
+
+
+# ---------------------------------------------------------------- YAML
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain PyYAML
+    silently keeps the last one, which hides a misplaced section)."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *defaults` may be overridden by the keys beside it
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
