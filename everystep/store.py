@@ -179,6 +179,12 @@ def held_runs(conn: psycopg.Connection, runner: str) -> list[ClaimedRun]:
     return [ClaimedRun(*row) for row in rows]
 
 
+def held_run_ids(conn: psycopg.Connection, runner: str) -> list[uuid.UUID]:
+    return [row[0] for row in conn.execute(
+        "SELECT id FROM everystep_workflow WHERE status = 'running' AND claimed_by = %s", (runner,)
+    )]
+
+
 def count_crashes(
     conn: psycopg.Connection, run_ids: list[uuid.UUID], max_crashes: int, poison_error: str
 ) -> list[uuid.UUID]:

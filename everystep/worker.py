@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, serde, store
+from everystep import liveness, metrics, store
 from everystep.errors import Drain, LostClaim
 from everystep.runner import Lease, Runner
 
@@ -224,18 +224,7 @@ class Worker:
         held = store.held_runs(conn, self.name)
         if not held:
             return
-        error = serde.dumps({
-            "type": "everystep.errors.EverystepError",
-            "message": f"the worker died during {self.max_crashes} claims of this run in a row with no new step "
-            "recorded (killed by the out-of-memory killer, or a crash inside a step?); failed so that it cannot "
-            "crash-loop the fleet",
-            "args": [],
-        })
-        poisoned = set(store.count_crashes(conn, [run.id for run in held], self.max_crashes, error))
-        for run_id in poisoned:
-            log.error("poison run failed after %d crashes of its worker", self.max_crashes,
-                      extra={**self._extra, "run": str(run_id)})
-        metrics.POISONED.inc(len(poisoned))
+        poisoned = liveness.fail_poison_runs(conn, [run.id for run in held], self.max_crashes)
         resumed = [run for run in held if run.id not in poisoned]
         if resumed:
             log.info("catchup: resuming %d runs left running under %s", len(resumed), self.name, extra=self._extra)

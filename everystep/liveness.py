@@ -1,0 +1,87 @@
+"""Who is alive: the per-name advisory lock, and the sweep that recovers runs
+held by dead claimers.
+
+A worker holds the session-level advisory lock of its name for its whole life,
+so a claimer is alive exactly while its lock is held. The sweep probes the lock
+of every claimer of a `running` run with `pg_try_advisory_lock`; a claimer
+whose lock is free on two probes at least `grace` seconds apart is dead (the
+grace only covers a live worker re-taking its lock after a database restart).
+Its runs are then requeued while the sweep holds its lock, so the claimer
+cannot come back half-way. No heartbeats, no clock comparisons: a slow, paused
+or swapping worker keeps its lock and is never mistaken for dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import psycopg
+
+from everystep import metrics, serde, store
+
+log = logging.getLogger("everystep")
+
+
+def fail_poison_runs(conn: psycopg.Connection, run_ids: list[uuid.UUID], max_crashes: int) -> set[uuid.UUID]:
+    """Count a crash for runs whose claimer died holding them; fail those that
+    died `max_crashes` claims in a row with no new step. Returns the failed."""
+    error = serde.dumps({
+        "type": "everystep.errors.EverystepError",
+        "message": f"the worker died during {max_crashes} claims of this run in a row with no new step recorded "
+        "(killed by the out-of-memory killer, or a crash inside a step?); failed so that it cannot crash-loop "
+        "the fleet",
+        "args": [],
+    })
+    poisoned = set(store.count_crashes(conn, run_ids, max_crashes, error))
+    for run_id in poisoned:
+        log.error("poison run failed after %d crashes of its worker", max_crashes, extra={"run": str(run_id)})
+    metrics.POISONED.inc(len(poisoned))
+    return poisoned
+
+
+class DeadClaimerSweep:
+    """Recovers the runs of dead claimers; call `sweep` every few seconds.
+    Any number of sweepers may run at once: the probe lock serialises them."""
+
+    def __init__(self, grace: float, max_crashes: int):
+        self.grace = grace
+        self.max_crashes = max_crashes
+        self.suspects: dict[str, float] = {}  # claimer -> when its lock was first seen free
+
+    def sweep(self, conn: psycopg.Connection) -> list[uuid.UUID]:
+        """One probe of every claimer; returns the runs requeued."""
+        claimers = store.running_claimers(conn)
+        self.suspects = {name: seen for name, seen in self.suspects.items() if name in claimers}
+        recovered: list[uuid.UUID] = []
+        for claimer in claimers:
+            if not store.try_lock(conn, claimer):
+                self.suspects.pop(claimer, None)  # alive
+                continue
+            try:
+                now = time.monotonic()
+                first_seen = self.suspects.setdefault(claimer, now)
+                if now - first_seen >= self.grace:
+                    recovered += self._recover(conn, claimer)
+                    del self.suspects[claimer]
+            finally:
+                store.unlock(conn, claimer)
+        return recovered
+
+    def next_probe_in(self, interval: float) -> float:
+        """Seconds until the next sweep should run: the interval, or sooner
+        when a suspect's grace runs out before it."""
+        if not self.suspects:
+            return interval
+        due = min(self.suspects.values()) + self.grace - time.monotonic()
+        return max(0.0, min(interval, due))
+
+    def _recover(self, conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
+        held = store.held_run_ids(conn, claimer)
+        fail_poison_runs(conn, held, self.max_crashes)
+        requeued = store.requeue_claimer(conn, claimer)
+        if requeued:
+            log.warning("claimer %s is dead: requeued %d runs", claimer, len(requeued), extra={"runner": claimer})
+            metrics.RECOVERED.inc(len(requeued))
+        return requeued
