@@ -8,12 +8,13 @@ and its outcome is recorded before the call returns.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import psycopg
@@ -85,30 +86,18 @@ class Runner:
             log.exception("engine error on run; marking it failed", extra=extra)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
-                self.write(run.id, store.finish_run, run.id, self.name, "failed", None, error)
+                replay.write(store.finish_run, run.id, self.name, "failed", None, error)
                 outcome = "failed"
             except Exception:
                 log.exception("could not mark the run failed; it stays claimed", extra=extra)
                 outcome = "abandoned"
+        finally:
+            replay.release()
         elapsed = time.perf_counter() - started
         metrics.WORKFLOW_RUNS.labels(run.name, outcome).inc()
         metrics.WORKFLOW_DURATION.labels(run.name, outcome).observe(elapsed)
         log.debug("run %s in %.1f ms", outcome, elapsed * 1000, extra=extra)
         return outcome
-
-    def write(self, run_id: uuid.UUID, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one store write about a held run on a pooled connection,
-        retrying connection errors as the lease allows."""
-        attempt = 0
-        while True:
-            self.lease.before_write(run_id)
-            try:
-                with self.pool.connection() as conn:
-                    return fn(conn, *args)
-            except psycopg.OperationalError as exc:
-                self.lease.wait_after_error(run_id, attempt, exc)
-                attempt += 1
-
 
 class Replay:
     """One execution of one run: serves recorded steps and records new ones."""
@@ -122,6 +111,44 @@ class Replay:
         self.halt: BaseException | None = None
         self._halt_lock = threading.Lock()
         self.context = RunContext(run.id, run.name, self)
+        # The run's own connection, for the writes of the thread executing it;
+        # parallel branches borrow from the pool for each write.
+        self._owner = threading.get_ident()
+        self._conn: psycopg.Connection | None = None
+
+    # -------------------------------------------------------------- writes
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        if threading.get_ident() != self._owner:
+            with self.runner.pool.connection() as conn:
+                yield conn
+            return
+        if self._conn is None:
+            self._conn = self.runner.pool.getconn()
+        try:
+            yield self._conn
+        except psycopg.OperationalError:
+            self.release()  # the pool discards a broken connection; the retry gets another
+            raise
+
+    def release(self) -> None:
+        if self._conn is not None:
+            self.runner.pool.putconn(self._conn)
+            self._conn = None
+
+    def write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one store write about this run, retrying connection errors
+        as the lease allows."""
+        attempt = 0
+        while True:
+            self.runner.lease.before_write(self.run_id)
+            try:
+                with self.connection() as conn:
+                    return fn(conn, *args)
+            except psycopg.OperationalError as exc:
+                self.runner.lease.wait_after_error(self.run_id, attempt, exc)
+                attempt += 1
 
     # -------------------------------------------------------------- the run
 
@@ -149,7 +176,7 @@ class Replay:
         if isinstance(exc, LostClaim):
             raise exc
         if isinstance(exc, Drain):
-            self.runner.write(self.run_id, store.requeue_held, [self.run_id], self.runner.name)
+            self.write(store.requeue_held, [self.run_id], self.runner.name)
             metrics.REQUEUED.labels(self.runner.name).inc()
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
@@ -170,7 +197,7 @@ class Replay:
                     extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
                     exc_info=exc,
                 )
-        if not self.runner.write(self.run_id, store.finish_run, self.run_id, self.runner.name, status, result, error):
+        if not self.write(store.finish_run, self.run_id, self.runner.name, status, result, error):
             raise LostClaim(f"run {self.run_id} is no longer running under {self.runner.name}")
         return status
 
@@ -258,7 +285,7 @@ class Replay:
         while True:
             try:
                 self.runner.lease.before_write(self.run_id)
-                with self.runner.pool.connection() as conn:
+                with self.connection() as conn:
                     if write(conn, self.run_id, self.runner.name, step_id, name, args, kwargs, status,
                              result_json, error_json):
                         break

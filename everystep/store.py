@@ -285,10 +285,17 @@ def is_held(conn: psycopg.Connection, run: uuid.UUID, runner: str) -> bool:
 def finish_run(
     conn: psycopg.Connection, run: uuid.UUID, runner: str, status: str, result: str | None, error: str | None
 ) -> bool:
-    """Move a held run to a final status (completed/failed/stopped/blocked)."""
+    """Move a held run to its end (completed/failed/stopped/blocked).
+
+    This commit does not wait for its WAL flush: the end of a run is derived
+    by replay from its recorded steps, which are flushed, so a final status
+    lost to a server crash leaves the run `running` under this worker, whose
+    catchup replays it to the same end. Any later flushed commit, of anyone,
+    makes it durable too."""
     cur = conn.execute(
-        "UPDATE everystep_workflow SET status = %(status)s::text, result = %(result)s::jsonb, error = %(error)s::jsonb,"
-        " completed_at = CASE WHEN %(status)s::text = 'blocked' THEN NULL ELSE now() END"
+        "UPDATE everystep_workflow SET status = %(status)s::text, result = %(result)s::jsonb,"
+        " error = %(error)s::jsonb, completed_at = CASE WHEN %(status)s::text = 'blocked' THEN NULL ELSE now() END"
+        " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"
         f" WHERE {_HELD}",
         {"run": run, "runner": runner, "status": status, "result": result, "error": error},
         prepare=True,
