@@ -1,0 +1,374 @@
+"""The supervisor's parent process: fork, reap, restart, forward signals.
+
+It stays single-threaded and holds no database connection. Everything that
+talks to the database or serves HTTP is a supervised child: the workers
+`<name>-0 .. <name>-(n-1)`, one HTTP child, one maintenance child (the
+dead-claimer sweep), and at start a one-shot migrate child.
+
+Signals: TERM/INT drain every child then exit 0; QUIT stops fast (workers
+requeue at once); HUP re-reads the config and replaces the children; TTIN/TTOU
+add or remove one worker; CHLD reaps (as PID 1 in a container, whatever exits).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import select
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from setproctitle import setproctitle
+
+from everystep import logs, metrics
+from supervisor import http, metrics_dir
+from supervisor.children import BOOTED, CLAIMED, EXIT_BOOT_FAILED, ChildSpec, run_child
+from supervisor.config import Config, ConfigError, load
+
+log = logging.getLogger("everystep.supervisor")
+
+BACKOFF_FIRST = 0.5  # seconds before the second restart in a row; doubles from there
+BACKOFF_CEILING = 30.0
+STABLE_AFTER = 60.0  # a child that lived this long (or claimed work) was not crash-looping
+KILL_AFTER_DRAIN = 10.0  # seconds past the drain before a child that will not exit is killed
+
+
+class FatalError(Exception):
+    """The supervisor cannot run; the message says why."""
+
+
+@dataclass
+class Slot:
+    """A place for one child, kept across its restarts."""
+
+    role: str
+    name: str
+    pid: int | None = None
+    status_fd: int | None = None
+    started: float = 0.0
+    booted: bool = False
+    claimed: bool = False
+    stopping: bool = False  # asked to exit: its exit is expected
+    restart: bool = True  # start it again after it exits
+    crashes: int = 0  # unexpected exits in a row
+    start_at: float = 0.0  # monotonic time it may be started
+    messages: bytes = field(default=b"", repr=False)
+
+
+class Arbiter:
+    def __init__(self, config: Config, runtime_dir: str):
+        self.config = config
+        self.runtime_dir = Path(runtime_dir)
+        self.multiproc_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        self.slots: dict[str, Slot] = {}
+        self.phase = "starting"  # starting (migrating) -> running -> stopping
+        self.fatal: str | None = None
+        self.processes = config.workers.processes
+        self.database_url = ""
+        self._stop_embedded = None
+        self._kill_at: float | None = None
+
+    # ---------------------------------------------------------------- life
+
+    def run(self) -> int:
+        logs.configure()
+        self._import_modules(self.config.imports)
+        self.database_url = self._database_url()
+        self._install_signals()
+        log.info("supervisor %s starting (pid %d, %d workers)", self.config.name, os.getpid(), self.processes)
+        self._add("http", "http")
+        if self.config.migrate:
+            self._add("migrate", "migrate").restart = False
+        else:
+            self._start_workers()
+        try:
+            self._loop()
+        finally:
+            if self._stop_embedded:
+                self._stop_embedded()
+        if self.fatal:
+            raise FatalError(self.fatal)
+        log.info("supervisor %s stopped", self.config.name)
+        return 0
+
+    def _database_url(self) -> str:
+        if self.config.database.url:
+            return self.config.database.url
+        from supervisor import embedded  # noqa: PLC0415
+
+        url, self._stop_embedded = embedded.start(Path(".everystep"))
+        return url
+
+    def _import_modules(self, modules: tuple[str, ...]) -> None:
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except Exception as exc:
+                raise FatalError(f"cannot import workflow module {module}: {type(exc).__name__}: {exc}") from None
+
+    def _start_workers(self) -> None:
+        self.phase = "running"
+        self._add("maintenance", "maintenance")
+        for index in range(self.processes):
+            self._add("worker", self._worker_name(index))
+
+    def _worker_name(self, index: int) -> str:
+        return f"{self.config.name}-{index}"
+
+    def _add(self, role: str, name: str) -> Slot:
+        slot = self.slots[name] = Slot(role, name)
+        return slot
+
+    # ---------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        while True:
+            self._start_due()
+            self._publish()
+            if self.phase == "stopping" and not any(s.pid for s in self.slots.values()):
+                return
+            fds = [self._signal_r] + [s.status_fd for s in self.slots.values() if s.status_fd is not None]
+            readable, _, _ = select.select(fds, [], [], self._next_timeout())
+            for fd in readable:
+                if fd == self._signal_r:
+                    for signum in os.read(self._signal_r, 64):
+                        self._on_signal(signum)
+                else:
+                    self._read_status(fd)
+            self._reap()
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                for slot in self.slots.values():
+                    if slot.pid:
+                        log.warning("%s %s did not exit after the drain; killing it", slot.role, slot.name)
+                        self._signal(slot, signal.SIGKILL)
+                self._kill_at = None
+
+    def _next_timeout(self) -> float:
+        now = time.monotonic()
+        waits = [1.0] + [s.start_at - now for s in self.slots.values() if not s.pid and s.restart]
+        return max(0.0, min(waits))
+
+    def _start_due(self) -> None:
+        if self.phase == "stopping":
+            return
+        now = time.monotonic()
+        for slot in list(self.slots.values()):
+            if slot.pid is None and slot.restart and slot.start_at <= now:
+                self._spawn(slot)
+
+    def _spawn(self, slot: Slot) -> None:
+        read_fd, write_fd = os.pipe()
+        spec = ChildSpec(slot.role, slot.name, self.database_url, str(self.runtime_dir))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            os.close(read_fd)
+            for fd in [self._signal_r, self._signal_w] + [s.status_fd for s in self.slots.values() if s.status_fd]:
+                os.close(fd)
+            run_child(spec, self.config, write_fd, parent)
+        os.close(write_fd)
+        os.set_blocking(read_fd, False)
+        slot.pid, slot.status_fd, slot.started = pid, read_fd, time.monotonic()
+        slot.booted = slot.claimed = slot.stopping = False
+        log.info("started %s %s (pid %d)", slot.role, slot.name, pid)
+
+    def _read_status(self, fd: int) -> None:
+        slot = next((s for s in self.slots.values() if s.status_fd == fd), None)
+        if slot is None:
+            return
+        try:
+            data = os.read(fd, 64)
+        except BlockingIOError:
+            return
+        if BOOTED in data:
+            slot.booted = True
+        if CLAIMED in data:
+            slot.claimed = True
+            slot.crashes = 0  # it works: the back-off starts over
+
+    # ---------------------------------------------------------------- exits
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            slot = next((s for s in self.slots.values() if s.pid == pid), None)
+            if slot is None:
+                continue  # not ours (as PID 1, orphans are re-parented to us)
+            self._exited(slot, status)
+
+    def _exited(self, slot: Slot, status: int) -> None:
+        metrics_dir.mark_dead(self.multiproc_dir, slot.pid)
+        if slot.status_fd is not None:
+            try:
+                self._read_status(slot.status_fd)  # a last message may be waiting
+            finally:
+                os.close(slot.status_fd)
+        cause = _describe(status)
+        uptime = time.monotonic() - slot.started
+        pid, slot.pid, slot.status_fd = slot.pid, None, None
+        expected = slot.stopping or self.phase == "stopping"
+        if slot.role == "migrate":
+            self._migrated(slot, status, cause)
+            return
+        if expected:
+            log.info("%s %s (pid %d) %s", slot.role, slot.name, pid, cause)
+        else:
+            log.warning("%s %s (pid %d) %s unexpectedly after %.1f s", slot.role, slot.name, pid, cause, uptime)
+        if not expected and os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_BOOT_FAILED:
+            self._fail(f"{slot.role} {slot.name} could not boot (see its log above); not restarting it in a loop")
+            return
+        if not slot.restart:
+            del self.slots[slot.name]
+            return
+        if expected:
+            slot.start_at = time.monotonic()  # a roll (HUP): back at once, with the new config
+            return
+        if slot.claimed or uptime >= STABLE_AFTER:
+            slot.crashes = 0
+        slot.crashes += 1
+        delay = 0.0 if slot.crashes == 1 else min(BACKOFF_CEILING, BACKOFF_FIRST * 2 ** (slot.crashes - 2))
+        slot.start_at = time.monotonic() + delay
+        metrics.CHILD_RESTARTS.labels(slot.name).inc()
+        if delay:
+            log.warning("%s %s: %d crashes in a row; restarting in %.1f s", slot.role, slot.name, slot.crashes, delay)
+
+    def _migrated(self, slot: Slot, status: int, cause: str) -> None:
+        del self.slots[slot.name]
+        if self.phase != "starting":
+            return
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            self._start_workers()
+        else:
+            self._fail(f"the migrations failed ({cause}); see the log above")
+
+    def _fail(self, message: str) -> None:
+        log.error("%s", message)
+        self.fatal = message
+        self._stop(signal.SIGTERM)
+
+    # ---------------------------------------------------------------- signals
+
+    def _install_signals(self) -> None:
+        self._signal_r, self._signal_w = os.pipe()
+        os.set_blocking(self._signal_r, False)
+        os.set_blocking(self._signal_w, False)
+        # The handlers do nothing: the wakeup fd carries the signal numbers to the loop.
+        signal.set_wakeup_fd(self._signal_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGCHLD,
+                    signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(sig, lambda *_: None)
+
+    def _on_signal(self, signum: int) -> None:
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            self._stop(signal.SIGTERM)
+        elif signum == signal.SIGQUIT:
+            self._stop(signal.SIGQUIT)
+        elif signum == signal.SIGHUP:
+            self._reload()
+        elif signum == signal.SIGTTIN:
+            self._scale(self.processes + 1)
+        elif signum == signal.SIGTTOU:
+            self._scale(self.processes - 1)
+
+    def _stop(self, how: int) -> None:
+        """Drain (TERM) or stop fast (QUIT): the workers first, then the rest
+        once the workers are gone (see `_publish`)."""
+        first = self.phase != "stopping"
+        self.phase = "stopping"
+        log.info("%s: stopping %s", signal.Signals(how).name, "(draining workers)" if how == signal.SIGTERM else "fast")
+        for slot in self.slots.values():
+            if slot.role in ("worker", "migrate"):
+                self._signal(slot, how)
+        if first and how == signal.SIGTERM and self.config.workers.drain > 0:
+            self._kill_at = time.monotonic() + self.config.workers.drain + KILL_AFTER_DRAIN
+        if how == signal.SIGQUIT:
+            self._kill_at = time.monotonic() + KILL_AFTER_DRAIN
+
+    def _signal(self, slot: Slot, sig: int) -> None:
+        if slot.pid:
+            slot.stopping = True
+            try:
+                os.kill(slot.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _scale(self, processes: int) -> None:
+        if self.phase != "running":
+            return
+        if processes < 1:
+            log.warning("TTOU: already at one worker")
+            return
+        self.processes = processes
+        self._sync_workers()
+        log.info("now %d workers", processes)
+
+    def _sync_workers(self) -> None:
+        """Make the worker slots `<name>-0 .. <name>-(processes-1)`: add the
+        missing ones, drain and retire the others (the highest index first)."""
+        wanted = {self._worker_name(i) for i in range(self.processes)}
+        for slot in sorted(self.slots.values(), key=lambda s: s.name, reverse=True):
+            if slot.role == "worker" and slot.name not in wanted:
+                slot.restart = False
+                if slot.pid:
+                    self._signal(slot, signal.SIGTERM)
+                else:
+                    del self.slots[slot.name]
+        for name in sorted(wanted - set(self.slots)):
+            self._add("worker", name)
+
+    def _reload(self) -> None:
+        try:
+            config = load(self.config.path)
+            self._import_modules(tuple(m for m in config.imports if m not in self.config.imports))
+        except (ConfigError, FatalError) as exc:
+            log.error("HUP: keeping the running config: %s", exc)
+            return
+        if config.database.url and config.database.url != self.database_url:
+            self.database_url = config.database.url
+        log.info("HUP: config reloaded; replacing the children")
+        self.config = config
+        if self.phase != "running":
+            return
+        self.processes = config.workers.processes
+        for slot in self.slots.values():
+            self._signal(slot, signal.SIGTERM)  # each comes back with the new config when it exits
+        self._sync_workers()
+
+    # ---------------------------------------------------------------- state
+
+    def _publish(self) -> None:
+        """The process title, the children gauge, and the state file the HTTP
+        child reads for /healthz and /readyz."""
+        if self.phase == "stopping" and not any(s.pid for s in self.slots.values() if s.role == "worker"):
+            for slot in self.slots.values():
+                if slot.role != "worker" and slot.pid and not slot.stopping:
+                    self._signal(slot, signal.SIGTERM)
+        live = [(s.role, s.name, s.pid) for s in self.slots.values() if s.pid]
+        state = (self.phase, tuple(sorted(live)))
+        if state == getattr(self, "_published", None):
+            return
+        self._published = state
+        workers = sum(1 for role, _, _ in live if role == "worker")
+        setproctitle(f"everystep: supervisor {self.config.name} [{workers} workers]")
+        for role in ("worker", "http", "maintenance"):
+            metrics.CHILDREN.labels(role).set(sum(1 for r, _, _ in live if r == role))
+        expected = [s.name for s in self.slots.values() if s.role == "worker" and s.restart]
+        http.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "migrate"], expected)
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"was killed by signal {sig} ({signal.Signals(sig).name})"
+    return f"exited with code {os.WEXITSTATUS(status)}"

