@@ -1,11 +1,13 @@
-"""The HTTP child (/metrics, /healthz, /readyz) and the multiprocess metrics
-folder — with real processes and the real PostgreSQL."""
+"""The HTTP child (/metrics, /healthz, /readyz), the multiprocess metrics
+folder, the alert rules and the scrape config — with real processes, the real
+PostgreSQL and a real Prometheus server."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,17 +15,21 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import psycopg
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from everystep import store
 from supervisor import http, metrics_dir
 
 ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "config" / "prometheus" / "everystep.rules.yml"
+SCRAPE_CONFIG = ROOT / "config" / "prometheus" / "scrape.yml"
 UNREACHABLE_DATABASE = "host=127.0.0.1 port=1 user=postgres dbname=test"
 UUID_SHAPED = re.compile(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}", re.IGNORECASE)
 
@@ -65,6 +71,13 @@ def samples(exposition: str) -> dict[tuple[str, frozenset], float]:
 
 def value(exposition: dict, name: str, **labels: str) -> float | None:
     return exposition.get((name, frozenset(labels.items())))
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed (apt-get install prometheus); these tests need it")
+    return path
 
 
 class Folders:
@@ -490,3 +503,135 @@ def test_write_state_replaces_the_file_whole(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [http.STATE_FILE]
     with pytest.raises(ValueError, match="role 'web'"):
         http.write_state(tmp_path, 10, [("web", "a-0", 11)], [])
+
+
+# ---------------------------------------------------------------- Prometheus
+
+def test_alert_rules_are_valid_and_fire_when_they_should():
+    promtool = binary("promtool")
+    check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    cases = ROOT / "tests" / "prometheus" / "everystep.rules.test.yml"
+    unit = subprocess.run([promtool, "test", "rules", str(cases)], capture_output=True, text=True)
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+
+
+def kubernetes_job_as_file_sd(config: dict, targets_file: Path) -> dict:
+    """The scrape config with its Kubernetes discovery replaced by a file of
+    targets carrying the same meta labels: Debian's Prometheus is built
+    without Kubernetes discovery, and the relabelling is what matters here."""
+    for job in config["scrape_configs"]:
+        if "kubernetes_sd_configs" in job:
+            del job["kubernetes_sd_configs"]
+            job["file_sd_configs"] = [{"files": [str(targets_file)], "refresh_interval": "1s"}]
+    return config
+
+
+def test_scrape_config_is_valid(tmp_path):
+    config = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert "static_configs" in jobs["everystep"]
+    assert jobs["everystep-pods"]["kubernetes_sd_configs"] == [{"role": "pod"}]
+    config["rule_files"] = [str(RULES)]
+    (tmp_path / "targets.json").write_text("[]")
+    checked = tmp_path / "prometheus.yml"
+    checked.write_text(yaml.safe_dump(kubernetes_job_as_file_sd(config, tmp_path / "targets.json")))
+    result = subprocess.run([binary("promtool"), "check", "config", str(checked)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+class Prometheus:
+    def __init__(self, config: Path, data: Path, log: Path):
+        self.base = f"http://127.0.0.1:{free_port()}"
+        self.log = log
+        self.process = subprocess.Popen(
+            [binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={data}",
+             f"--web.listen-address={self.base.removeprefix('http://')}"],
+            stdout=subprocess.DEVNULL, stderr=log.open("w"),
+        )
+        wait_for(self._ready, timeout=30, what=f"Prometheus to start (log: {log})")
+
+    def _ready(self) -> bool:
+        assert self.process.poll() is None, f"Prometheus exited: {self.log.read_text()}"
+        try:
+            return get(self.base + "/-/ready", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def api(self, path: str, **params: str) -> dict:
+        status, body = get(f"{self.base}/api/v1/{path}?{urllib.parse.urlencode(params)}")
+        assert status == 200, body
+        return json.loads(body)["data"]
+
+    def query(self, promql: str) -> dict[frozenset, float]:
+        result = self.api("query", query=promql)["result"]
+        return {frozenset(r["metric"].items()): float(r["value"][1]) for r in result}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(20)
+
+
+def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
+    insert_runs(db, "scheduled", 4, age_seconds=30)
+    insert_runs(db, "blocked", 1)
+    start.child("web-0-0", claims=3, completed=2)
+    server = start.http(db.url)
+    port = server.base.rsplit(":", 1)[1]
+
+    # The example config, pointed at this server: the static job, and the
+    # Kubernetes job with pods described by a file (see kubernetes_job_as_file_sd).
+    pods = [
+        {"targets": [f"127.0.0.1:{port}"], "labels": {
+            "__meta_kubernetes_pod_annotation_everystep_io_scrape": "true",
+            "__meta_kubernetes_pod_container_port_name": "metrics",
+            "__meta_kubernetes_namespace": "shop", "__meta_kubernetes_pod_name": "web-0"}},
+        {"targets": ["127.0.0.1:1"], "labels": {  # not annotated
+            "__meta_kubernetes_pod_container_port_name": "metrics",
+            "__meta_kubernetes_namespace": "shop", "__meta_kubernetes_pod_name": "db-0"}},
+        {"targets": ["127.0.0.1:2"], "labels": {  # annotated, another port
+            "__meta_kubernetes_pod_annotation_everystep_io_scrape": "true",
+            "__meta_kubernetes_pod_container_port_name": "http",
+            "__meta_kubernetes_namespace": "shop", "__meta_kubernetes_pod_name": "web-0"}},
+    ]
+    (tmp_path / "pods.json").write_text(json.dumps(pods))
+    config = kubernetes_job_as_file_sd(yaml.safe_load(SCRAPE_CONFIG.read_text()), tmp_path / "pods.json")
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(RULES)]
+    next(job for job in config["scrape_configs"] if job["job_name"] == "everystep")["static_configs"] = [
+        {"targets": [f"127.0.0.1:{port}"]}
+    ]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+
+    prometheus = Prometheus(tmp_path / "prometheus.yml", tmp_path / "tsdb", folders.logs / "prometheus.log")
+    try:
+        claims = wait_for(lambda: (found := prometheus.query('everystep_worker_claims_total{runner="web-0-0"}'))
+                          and len(found) == 2 and found, timeout=30, what="the claims series of both jobs")
+        assert {dict(labels)["job"]: v for labels, v in claims.items()} == {"everystep": 3, "everystep-pods": 3}
+        pending = prometheus.query('everystep_workflows_pending{job="everystep-pods"}')
+        assert pending == {frozenset({"__name__": "everystep_workflows_pending", "job": "everystep-pods",
+                                      "instance": f"127.0.0.1:{port}", "namespace": "shop", "pod": "web-0"}.items()): 4}
+
+        targets = prometheus.api("targets")["activeTargets"]
+        assert sorted((t["labels"]["job"], t["scrapeUrl"]) for t in targets) == [
+            ("everystep", f"http://127.0.0.1:{port}/metrics"), ("everystep-pods", f"http://127.0.0.1:{port}/metrics"),
+        ]
+
+        # The rules run on what was scraped: the blocked run is noticed (the
+        # alert waits out its `for`), the worker's slots keep "no workers" quiet.
+        expected = {"EverystepRunsBlocked": "pending", "EverystepNoWorkers": "inactive",
+                    "EverystepDatabaseDown": "inactive", "EverystepPendingTooOld": "inactive"}
+
+        def rules_as_expected() -> list | None:
+            rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+            states = {r["name"]: r["state"] for r in rules}
+            return rules if all(states.get(name) == state for name, state in expected.items()) else None
+
+        rules = wait_for(rules_as_expected, timeout=30, what=f"the alert rules to reach {expected}")
+        assert {r["name"] for r in rules} == {
+            "EverystepRunsBlocked", "EverystepPendingTooOld", "EverystepChildCrashLooping", "EverystepNoWorkers",
+            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns",
+        }
+        assert all(r["health"] == "ok" for r in rules), rules
+    finally:
+        prometheus.stop()
