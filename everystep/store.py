@@ -329,6 +329,50 @@ def requeue_claimer(conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
 
 # ---------------------------------------------------------------- observability
 
+class QueueStats(NamedTuple):
+    pending: int
+    running: int
+    blocked: int
+    oldest_pending_age_seconds: float  # database time; 0 when nothing is pending
+
+
+def set_statement_timeout(conn: psycopg.Connection, milliseconds: int) -> None:
+    """Bound every statement of this session (the observer's connection)."""
+    conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(milliseconds),))
+
+
+def queue_stats(conn: psycopg.Connection) -> QueueStats:
+    """The queue as it stands: counts of the unfinished statuses and the age of
+    the oldest scheduled run, measured with the server's clock."""
+    row = conn.execute(
+        "SELECT count(*) FILTER (WHERE status = 'scheduled'), count(*) FILTER (WHERE status = 'running'),"
+        " count(*) FILTER (WHERE status = 'blocked'),"
+        " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'scheduled')), 0)"
+        " FROM everystep_workflow WHERE status IN ('scheduled', 'running', 'blocked')"
+    ).fetchone()
+    return QueueStats(row[0], row[1], row[2], max(float(row[3]), 0.0))
+
+
+# The runner-name lock key, applied to the column `expected.name`.
+_LOCK_KEY_OF_EXPECTED = _LOCK_KEY % "expected.name"
+
+
+def runners_without_lock(conn: psycopg.Connection, runners: list[str]) -> list[str]:
+    """The runner names, among `runners`, whose advisory lock nobody holds in
+    this database. pg_locks shows a 64-bit advisory key as classid (high 32
+    bits), objid (low 32 bits) and objsubid 1."""
+    rows = conn.execute(
+        "SELECT expected.name FROM unnest(%s::text[]) WITH ORDINALITY AS expected(name, position)"
+        " WHERE NOT EXISTS (SELECT 1 FROM pg_locks l"
+        "  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+        "  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        f"  AND l.classid = (({_LOCK_KEY_OF_EXPECTED} >> 32) & 4294967295)::oid"
+        f"  AND l.objid = ({_LOCK_KEY_OF_EXPECTED} & 4294967295)::oid)"
+        " ORDER BY expected.position",
+        (runners,),
+    ).fetchall()
+    return [row[0] for row in rows]
+
 
 # ---------------------------------------------------------------- operators
 

@@ -1,0 +1,77 @@
+"""The HTTP child's interface: the state file the arbiter writes, and `serve`.
+
+The arbiter holds no database connection and serves nothing; it tells the HTTP
+child which processes should be alive through a small JSON file in the runtime
+folder, replaced atomically whenever its children change (`write_state`). The
+HTTP child (`serve`) reads it on every health and readiness probe.
+
+This module imports only the standard library at its top, so the arbiter can
+import it before it sets PROMETHEUS_MULTIPROC_DIR (prometheus_client chooses
+its multiprocess mode when first imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+STATE_FILE = "supervisor-state.json"
+ROLES = ("worker", "http", "maintenance")
+
+
+class Child(NamedTuple):
+    role: str  # worker, http or maintenance
+    name: str
+    pid: int
+
+
+class SupervisorState(NamedTuple):
+    supervisor_pid: int
+    children: list[Child]
+    expected_workers: list[str]  # runner names that should hold their lock
+
+
+def write_state(
+    runtime_dir: str | os.PathLike,
+    supervisor_pid: int,
+    children: list[tuple[str, str, int]],
+    expected_workers: list[str],
+) -> None:
+    """Replace the state file: the supervisor's pid, its live children as
+    (role, name, pid), and the worker names it expects to run."""
+    for role, name, _ in children:
+        if role not in ROLES:
+            raise ValueError(f"child {name!r}: role {role!r} is not one of {', '.join(ROLES)}")
+    document = {
+        "supervisor_pid": supervisor_pid,
+        "children": [{"role": role, "name": name, "pid": pid} for role, name, pid in children],
+        "expected_workers": list(expected_workers),
+    }
+    folder = Path(runtime_dir)
+    aside = folder / f".{STATE_FILE}.{os.getpid()}.tmp"
+    aside.write_text(json.dumps(document, indent=1))
+    os.replace(aside, folder / STATE_FILE)  # readers see the old file or the new one, never half of one
+
+
+def read_state(runtime_dir: str | os.PathLike) -> SupervisorState | None:
+    """The state the arbiter last wrote; None before it wrote any."""
+    try:
+        document = json.loads((Path(runtime_dir) / STATE_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    return SupervisorState(
+        supervisor_pid=int(document["supervisor_pid"]),
+        children=[Child(c["role"], c["name"], int(c["pid"])) for c in document["children"]],
+        expected_workers=[str(name) for name in document["expected_workers"]],
+    )
+
+
+def serve(bind: str, port: int, database_url: str, runtime_dir: Path, multiproc_dir: Path) -> None:
+    """Serve /metrics, /healthz and /readyz on bind:port until SIGTERM or
+    SIGINT, then return. Runs in the HTTP child."""
+    # Imported here, not at the top: see the module docstring.
+    from supervisor import endpoints  # noqa: PLC0415
+
+    endpoints.serve(bind, port, database_url, Path(runtime_dir), Path(multiproc_dir))

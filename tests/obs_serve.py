@@ -1,0 +1,13 @@
+"""The HTTP child, as a process of its own for the tests:
+python -m tests.obs_serve BIND PORT DATABASE_URL RUNTIME_DIR MULTIPROC_DIR"""
+
+import logging
+import sys
+from pathlib import Path
+
+from supervisor import http
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    bind, port, database_url, runtime_dir, multiproc_dir = sys.argv[1:]
+    http.serve(bind, int(port), database_url, Path(runtime_dir), Path(multiproc_dir))

@@ -1,0 +1,637 @@
+"""The HTTP child (/metrics, /healthz, /readyz), the multiprocess metrics
+folder, the alert rules and the scrape config — with real processes, the real
+PostgreSQL and a real Prometheus server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import psycopg
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from everystep import store
+from supervisor import http, metrics_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "config" / "prometheus" / "everystep.rules.yml"
+SCRAPE_CONFIG = ROOT / "config" / "prometheus" / "scrape.yml"
+UNREACHABLE_DATABASE = "host=127.0.0.1 port=1 user=postgres dbname=test"
+UUID_SHAPED = re.compile(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}", re.IGNORECASE)
+
+
+# ---------------------------------------------------------------- helpers
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def get(url: str, timeout: float = 15.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def samples(exposition: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of a text exposition."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(exposition)
+        for s in family.samples
+    }
+
+
+def value(exposition: dict, name: str, **labels: str) -> float | None:
+    return exposition.get((name, frozenset(labels.items())))
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed (apt-get install prometheus); these tests need it")
+    return path
+
+
+class Folders:
+    def __init__(self, tmp_path: Path):
+        self.metrics = tmp_path / "metrics"
+        self.runtime = tmp_path / "run"
+        self.logs = tmp_path / "logs"
+        metrics_dir.prepare(self.metrics)
+        self.runtime.mkdir()
+        self.logs.mkdir()
+        self.env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics)}
+
+
+class HttpChild:
+    """`serve()` in a process of its own, as the supervisor's HTTP child."""
+
+    def __init__(self, folders: Folders, database_url: str):
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.log = folders.logs / f"http-{port}.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.obs_serve", "127.0.0.1", str(port), database_url,
+             str(folders.runtime), str(folders.metrics)],
+            cwd=ROOT, env=folders.env, stdout=subprocess.DEVNULL, stderr=self.log.open("w"),
+        )
+        wait_for(self._answers, what=f"the HTTP child on port {port} (log: {self.log})")
+
+    def _answers(self) -> bool:
+        assert self.process.poll() is None, f"the HTTP child exited: {self.log.read_text()}"
+        try:
+            get(self.base + "/healthz", timeout=1)
+            return True
+        except OSError:
+            return False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def get(self, path: str) -> tuple[int, str]:
+        return get(self.base + path)
+
+    def metrics(self) -> dict:
+        status, body = self.get("/metrics")
+        assert status == 200, body
+        return samples(body)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class MetricsChild:
+    """A process that records worker metrics and stays alive (tests/obs_child.py)."""
+
+    def __init__(self, folders: Folders, runner: str, claims: int, completed: int):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.obs_child", runner, str(claims), str(completed)],
+            cwd=ROOT, env=folders.env, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.process.stdout.readline().strip() == "ready"
+        self.pid = self.process.pid
+
+    def kill(self, reap: bool = True) -> None:
+        self.process.kill()
+        if reap:
+            self.process.wait()
+
+
+@pytest.fixture
+def folders(tmp_path) -> Folders:
+    return Folders(tmp_path)
+
+
+@pytest.fixture
+def start(folders):
+    """start.http(database_url) / start.child(runner, claims, completed); all stopped at the end."""
+    started: list = []
+
+    class Start:
+        @staticmethod
+        def http(database_url: str) -> HttpChild:
+            started.append(HttpChild(folders, database_url))
+            return started[-1]
+
+        @staticmethod
+        def child(runner: str, claims: int = 0, completed: int = 0) -> MetricsChild:
+            started.append(MetricsChild(folders, runner, claims, completed))
+            return started[-1]
+
+    yield Start
+    for process in reversed(started):
+        if isinstance(process, HttpChild):
+            process.stop()
+        else:
+            process.kill()
+
+
+def insert_runs(db, status: str, count: int, age_seconds: float = 0, claimed_by: str | None = None) -> None:
+    with db.connect() as conn:
+        conn.execute(
+            "INSERT INTO everystep_workflow (id, name, args, status, claimed_by, created_at)"
+            " SELECT gen_random_uuid(), 'demo.flow', '[]', %s, %s, now() - make_interval(secs => %s)"
+            " FROM generate_series(1, %s)",
+            (status, claimed_by, age_seconds, count),
+        )
+
+
+# ---------------------------------------------------------------- the metrics folder
+
+def test_counters_add_up_across_children_and_a_dead_childs_counts_stay(db, folders, start):
+    server = start.http(db.url)
+    first = start.child("web-0-0", claims=3, completed=2)
+    second = start.child("web-0-1", claims=4, completed=5)
+
+    scrape = server.metrics()
+    assert value(scrape, "everystep_workflow_runs_total", workflow="demo.flow", status="completed") == 7
+    assert value(scrape, "everystep_worker_claims_total", runner="web-0-0") == 3
+    assert value(scrape, "everystep_worker_claims_total", runner="web-0-1") == 4
+    assert value(scrape, "everystep_step_duration_seconds_count", workflow="demo.flow", step="demo.step") == 2
+    for runner in ("web-0-0", "web-0-1"):
+        assert value(scrape, "everystep_worker_pool_size", runner=runner) == 8
+        assert value(scrape, "everystep_worker_inflight", runner=runner) == 2
+        assert value(scrape, "everystep_worker_started_at_seconds", runner=runner) > 0
+
+    second.kill()
+    metrics_dir.mark_dead(folders.metrics, second.pid)  # as the arbiter does when it reaps a child
+
+    scrape = server.metrics()
+    assert value(scrape, "everystep_workflow_runs_total", workflow="demo.flow", status="completed") == 7
+    assert value(scrape, "everystep_worker_claims_total", runner="web-0-1") == 4
+    assert value(scrape, "everystep_step_duration_seconds_count", workflow="demo.flow", step="demo.step") == 2
+    assert value(scrape, "everystep_step_duration_seconds_bucket", workflow="demo.flow", step="demo.step",
+                 le="0.025") == 2
+    for gone in ("everystep_worker_pool_size", "everystep_worker_inflight", "everystep_worker_started_at_seconds"):
+        assert value(scrape, gone, runner="web-0-1") is None, gone
+        assert value(scrape, gone, runner="web-0-0") is not None, gone
+    assert not list(folders.metrics.glob(f"*_{second.pid}.db"))
+    assert list(folders.metrics.glob(f"*_{first.pid}.db"))
+
+
+def test_archived_gauges_keep_their_multiprocess_mode(db, folders, start):
+    server = start.http(db.url)
+    children = [start.child(f"web-0-{i}", claims=claims) for i, claims in enumerate((5, 9, 2))]
+    for child in children[1:]:
+        child.kill()
+        metrics_dir.mark_dead(folders.metrics, child.pid)
+
+    scrape = server.metrics()
+    assert value(scrape, "test_biggest_batch", runner="all") == 9  # max over live and dead children
+    assert value(scrape, "test_batches") == 3  # sum
+    assert {p.name for p in folders.metrics.glob("*_archive.db")} == {
+        "counter_archive.db", "histogram_archive.db", "gauge_max_archive.db", "gauge_sum_archive.db",
+    }
+
+
+def test_restarts_keep_the_folder_small_and_every_count(db, folders, start):
+    server = start.http(db.url)
+    restarts, runners = 200, 4
+    scrapes: list[dict] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def scrape_meanwhile() -> None:
+        try:
+            while not done.is_set():
+                scrapes.append(server.metrics())
+        except BaseException as exc:  # reported by the test below
+            errors.append(exc)
+
+    scraper = threading.Thread(target=scrape_meanwhile)
+    scraper.start()
+    try:
+        arbiter = subprocess.Popen(
+            [sys.executable, "-m", "tests.obs_restarts", str(folders.metrics), str(restarts), str(runners)],
+            cwd=ROOT, env=folders.env,
+        )
+        assert arbiter.wait(120) == 0
+    finally:
+        done.set()
+        scraper.join()
+
+    assert not errors, f"a scrape failed while children were archived: {errors[0]!r}; log: {server.log.read_text()}"
+    final = server.metrics()
+    assert value(final, "everystep_workflow_runs_total", workflow="demo.flow", status="completed") == restarts
+    assert value(final, "everystep_step_runs_total", workflow="demo.flow", step="demo.step", status="done") == restarts
+    assert value(final, "everystep_step_duration_seconds_count", workflow="demo.flow", step="demo.step") == restarts
+    for i in range(runners):
+        assert value(final, "everystep_worker_claims_total", runner=f"web-0-{i}") == restarts / runners
+        assert value(final, "everystep_worker_pool_size", runner=f"web-0-{i}") is None
+        assert value(final, "everystep_worker_inflight", runner=f"web-0-{i}") is None
+    # One archive per kind, and the files of the two processes that imported
+    # everystep.metrics without being restarted (its unlabelled counters).
+    files = {p.name for p in folders.metrics.glob("*.db")}
+    assert {"counter_archive.db", "histogram_archive.db"} <= files
+    assert files <= {"counter_archive.db", "histogram_archive.db", f"counter_{arbiter.pid}.db",
+                     f"counter_{server.pid}.db"}, files
+
+    # Scrapes taken while children were archived never counted one twice nor
+    # lost one: the total only grows.
+    seen = [value(s, "everystep_workflow_runs_total", workflow="demo.flow", status="completed") or 0 for s in scrapes]
+    assert len(seen) > 5
+    assert all(a <= b for a, b in zip(seen, seen[1:])), seen
+    assert max(seen) <= restarts
+
+
+def test_prepare_empties_only_metrics_files(tmp_path):
+    folder = tmp_path / "metrics"
+    metrics_dir.prepare(folder)
+    assert folder.is_dir() and (folder.stat().st_mode & 0o777) == 0o700
+    for name in ("counter_12.db", "gauge_livesum_12.db", "counter_archive.db", ".counter_archive.db.tmp", "notes.txt"):
+        (folder / name).write_text("x")
+    metrics_dir.prepare(folder)
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+
+
+# ---------------------------------------------------------------- queue gauges
+
+def test_queue_gauges_match_the_tables(db, folders, start):
+    insert_runs(db, "scheduled", 2, age_seconds=5)
+    insert_runs(db, "scheduled", 1, age_seconds=90)
+    insert_runs(db, "running", 2, claimed_by="web-0-0")
+    insert_runs(db, "blocked", 1)
+    insert_runs(db, "completed", 4, age_seconds=600)
+    insert_runs(db, "failed", 1, age_seconds=600)
+    server = start.http(db.url)
+
+    scrape = server.metrics()
+    assert value(scrape, "everystep_database_up") == 1
+    assert value(scrape, "everystep_workflows_pending") == 3
+    assert value(scrape, "everystep_workflows_running") == 2
+    assert value(scrape, "everystep_workflows_blocked") == 1
+    assert 90 <= value(scrape, "everystep_workflows_oldest_pending_age_seconds") < 150
+
+    with db.connect() as conn:
+        conn.execute("UPDATE everystep_workflow SET status = 'running', claimed_by = 'web-0-1'"
+                     " WHERE status = 'scheduled'")
+    scrape = server.metrics()
+    assert value(scrape, "everystep_workflows_pending") == 0
+    assert value(scrape, "everystep_workflows_running") == 5
+    assert value(scrape, "everystep_workflows_oldest_pending_age_seconds") == 0
+
+
+def serving_pending_runs(db, start, count: int) -> HttpChild:
+    """An HTTP child on db that has seen `count` pending runs."""
+    insert_runs(db, "scheduled", count)
+    server = start.http(db.url)
+    scrape = server.metrics()
+    assert (value(scrape, "everystep_database_up"), value(scrape, "everystep_workflows_pending")) == (1, count)
+    return server
+
+
+def test_queue_gauges_come_back_after_the_connection_is_dropped(db, folders, start):
+    server = serving_pending_runs(db, start, 2)
+
+    # What a database restart does to the kept connection. (Every observer
+    # session of this database is cut; other tests' observers reconnect too.)
+    cut = db.value(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+        " WHERE application_name = 'everystep-observer' AND datname = current_database()"
+    )
+    assert cut >= 1
+    insert_runs(db, "scheduled", 1)
+    scrape = server.metrics()
+    assert value(scrape, "everystep_database_up") == 1
+    assert value(scrape, "everystep_workflows_pending") == 3
+
+
+def test_a_query_stuck_on_a_lock_is_cut_short(db, folders, start):
+    server = serving_pending_runs(db, start, 1)
+
+    with db.connect() as locker, locker.transaction():
+        locker.execute("LOCK TABLE everystep_workflow IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        scrape = server.metrics()
+        elapsed = time.monotonic() - started
+        assert value(scrape, "everystep_database_up") == 0
+        assert value(scrape, "everystep_workflows_pending") is None
+        assert elapsed < 6, elapsed
+    scrape = server.metrics()  # the same connection, still good after a statement timeout
+    assert value(scrape, "everystep_database_up") == 1
+    assert value(scrape, "everystep_workflows_pending") == 1
+
+
+def test_an_unreachable_database_answers_fast_and_does_not_touch_liveness(folders, start):
+    child = start.child("web-0-0", claims=1)
+    server = start.http(UNREACHABLE_DATABASE)
+    http.write_state(folders.runtime, os.getpid(), [("worker", "web-0-0", child.pid), ("http", "http", server.pid)],
+                     ["web-0-0"])
+
+    started = time.monotonic()
+    status, body = server.get("/readyz")
+    assert time.monotonic() - started < 5
+    assert status == 503 and "database" in body, body
+
+    started = time.monotonic()
+    scrape = server.metrics()
+    assert time.monotonic() - started < 5
+    assert value(scrape, "everystep_database_up") == 0
+    assert value(scrape, "everystep_workflows_pending") is None
+    assert value(scrape, "everystep_worker_claims_total", runner="web-0-0") == 1  # the children's metrics still
+
+    assert server.get("/healthz") == (200, "ok\n")
+
+
+def test_a_database_that_never_answers_does_not_hang_a_scrape(folders, start):
+    # Accepts connections and says nothing: a server that froze, a black hole.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        server = start.http(f"host=127.0.0.1 port={port} user=postgres dbname=test")
+        for _ in range(2):
+            started = time.monotonic()
+            scrape = server.metrics()
+            assert time.monotonic() - started < 6
+            assert value(scrape, "everystep_database_up") == 0
+
+
+# ---------------------------------------------------------------- labels
+
+def test_label_values_never_hold_run_ids(db, folders, start, server_url):
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.obs_workload", server_url, db.schema],
+        cwd=ROOT, env=folders.env, check=True, capture_output=True, text=True, timeout=120,
+    )
+    ended = json.loads(result.stdout.strip().splitlines()[-1])
+    assert ended == {"completed": 3, "failed": 1, "stopped": 1}
+    # The run ids are in the results, so they would be at hand for a careless label.
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE result::text ~ 'r-[0-9a-f]{8}-'") == 3
+
+    server = start.http(db.url)
+    status, body = server.get("/metrics")
+    assert status == 200
+    scrape = samples(body)
+    flow = "tests.obs_workflows.place_order"
+    assert value(scrape, "everystep_workflow_runs_total", workflow=flow, status="completed") == 3
+    assert value(scrape, "everystep_workflow_runs_total", workflow=flow, status="stopped") == 1
+    assert value(scrape, "everystep_step_runs_total", workflow=flow, step="tests.obs_workflows.notify",
+                 status="done") == 7  # 3 x (mail, sms) + 1 refund
+    label_values = {v for (_, labels) in scrape for _, v in labels}
+    assert label_values, "no labels at all"
+    assert not [v for v in label_values if UUID_SHAPED.search(v)]
+    assert not UUID_SHAPED.search(body)
+
+
+# ---------------------------------------------------------------- health and readiness
+
+def test_healthz_follows_the_supervisor_and_its_children(db, folders, start):
+    server = start.http(db.url)
+    status, body = server.get("/healthz")
+    assert status == 503 and "not written its state" in body
+
+    first = start.child("web-0-0")
+    second = start.child("web-0-1")
+    children = [("worker", "web-0-0", first.pid), ("worker", "web-0-1", second.pid), ("http", "http", server.pid)]
+    http.write_state(folders.runtime, os.getpid(), children, ["web-0-0", "web-0-1"])
+    assert server.get("/healthz") == (200, "ok\n")
+
+    second.kill(reap=False)  # dead, not reaped yet: a zombie is not alive
+    status, body = wait_for(lambda: (r := server.get("/healthz"))[0] == 503 and r, what="/healthz to fail")
+    assert body == f"worker web-0-1 (pid {second.pid}) is not running\n"
+    second.process.wait()
+    assert server.get("/healthz")[0] == 503
+
+    # The arbiter lists the children it has; while it backs off, the dead one is not listed.
+    http.write_state(folders.runtime, os.getpid(), [c for c in children if c[1] != "web-0-1"], ["web-0-0", "web-0-1"])
+    assert server.get("/healthz") == (200, "ok\n")
+
+    # A listed pid that now belongs to another process (this test's parent).
+    http.write_state(folders.runtime, os.getpid(), [("worker", "web-0-9", os.getppid())], [])
+    status, body = server.get("/healthz")
+    assert status == 503 and body == f"worker web-0-9 (pid {os.getppid()}) is not running\n"
+
+    # A state file left by a supervisor that is not this child's parent.
+    http.write_state(folders.runtime, first.pid, [], [])
+    status, body = server.get("/healthz")
+    assert status == 503 and f"supervisor (pid {first.pid}) is not this process's parent" in body
+
+
+def test_readyz_follows_the_workers_locks(db, folders, start):
+    server = start.http(db.url)
+    http.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], ["web-0-0", "web-0-1"])
+    status, body = server.get("/readyz")
+    assert status == 503 and "web-0-0, web-0-1" in body, body
+
+    with db.connect() as holder:
+        assert store.try_lock(holder, "web-0-0") and store.try_lock(holder, "web-0-1")
+        assert server.get("/readyz") == (200, "ok\n")
+
+        store.unlock(holder, "web-0-1")
+        status, body = server.get("/readyz")
+        assert status == 503 and body == "workers not holding their lock: web-0-1\n"
+
+    # The same names locked in another schema (another deployment) do not count.
+    with psycopg.connect(db.url.replace(db.schema, "public"), autocommit=True) as elsewhere:
+        assert store.try_lock(elsewhere, "web-0-0") and store.try_lock(elsewhere, "web-0-1")
+        assert server.get("/readyz")[0] == 503
+
+
+def test_unknown_paths_are_404_and_sigterm_stops_the_server(db, folders, start):
+    server = start.http(db.url)
+    assert server.get("/")[0] == 404
+    assert server.get("/metrics/extra")[0] == 404
+    assert server.get("/metrics?name[]=x")[0] == 200
+
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(10) == 0
+    assert time.monotonic() - started < 3
+    assert "SIGTERM received" in server.log.read_text()
+
+
+def test_write_state_replaces_the_file_whole(tmp_path):
+    http.write_state(tmp_path, 10, [("worker", "a-0", 11), ("maintenance", "maintenance", 12)], ["a-0"])
+    http.write_state(tmp_path, 10, [("worker", "a-0", 13)], ["a-0", "a-1"])
+    assert http.read_state(tmp_path) == http.SupervisorState(10, [http.Child("worker", "a-0", 13)], ["a-0", "a-1"])
+    assert [p.name for p in tmp_path.iterdir()] == [http.STATE_FILE]
+    with pytest.raises(ValueError, match="role 'web'"):
+        http.write_state(tmp_path, 10, [("web", "a-0", 11)], [])
+
+
+# ---------------------------------------------------------------- Prometheus
+
+def test_alert_rules_are_valid_and_fire_when_they_should():
+    promtool = binary("promtool")
+    check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    cases = ROOT / "tests" / "prometheus" / "everystep.rules.test.yml"
+    unit = subprocess.run([promtool, "test", "rules", str(cases)], capture_output=True, text=True)
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+
+
+def kubernetes_job_as_file_sd(config: dict, targets_file: Path) -> dict:
+    """The scrape config with its Kubernetes discovery replaced by a file of
+    targets carrying the same meta labels: Debian's Prometheus is built
+    without Kubernetes discovery, and the relabelling is what matters here."""
+    for job in config["scrape_configs"]:
+        if "kubernetes_sd_configs" in job:
+            del job["kubernetes_sd_configs"]
+            job["file_sd_configs"] = [{"files": [str(targets_file)], "refresh_interval": "1s"}]
+    return config
+
+
+def test_scrape_config_is_valid(tmp_path):
+    config = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert "static_configs" in jobs["everystep"]
+    assert jobs["everystep-pods"]["kubernetes_sd_configs"] == [{"role": "pod"}]
+    config["rule_files"] = [str(RULES)]
+    (tmp_path / "targets.json").write_text("[]")
+    checked = tmp_path / "prometheus.yml"
+    checked.write_text(yaml.safe_dump(kubernetes_job_as_file_sd(config, tmp_path / "targets.json")))
+    result = subprocess.run([binary("promtool"), "check", "config", str(checked)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+class Prometheus:
+    def __init__(self, config: Path, data: Path, log: Path):
+        self.base = f"http://127.0.0.1:{free_port()}"
+        self.log = log
+        self.process = subprocess.Popen(
+            [binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={data}",
+             f"--web.listen-address={self.base.removeprefix('http://')}"],
+            stdout=subprocess.DEVNULL, stderr=log.open("w"),
+        )
+        wait_for(self._ready, timeout=30, what=f"Prometheus to start (log: {log})")
+
+    def _ready(self) -> bool:
+        assert self.process.poll() is None, f"Prometheus exited: {self.log.read_text()}"
+        try:
+            return get(self.base + "/-/ready", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def api(self, path: str, **params: str) -> dict:
+        status, body = get(f"{self.base}/api/v1/{path}?{urllib.parse.urlencode(params)}")
+        assert status == 200, body
+        return json.loads(body)["data"]
+
+    def query(self, promql: str) -> dict[frozenset, float]:
+        result = self.api("query", query=promql)["result"]
+        return {frozenset(r["metric"].items()): float(r["value"][1]) for r in result}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(20)
+
+
+def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
+    insert_runs(db, "scheduled", 4, age_seconds=30)
+    insert_runs(db, "blocked", 1)
+    start.child("web-0-0", claims=3, completed=2)
+    server = start.http(db.url)
+    port = server.base.rsplit(":", 1)[1]
+
+    # The example config, pointed at this server: the static job, and the
+    # Kubernetes job with pods described by a file (see kubernetes_job_as_file_sd).
+    pods = [
+        {"targets": [f"127.0.0.1:{port}"], "labels": {
+            "__meta_kubernetes_pod_annotation_everystep_io_scrape": "true",
+            "__meta_kubernetes_pod_container_port_name": "metrics",
+            "__meta_kubernetes_namespace": "shop", "__meta_kubernetes_pod_name": "web-0"}},
+        {"targets": ["127.0.0.1:1"], "labels": {  # not annotated
+            "__meta_kubernetes_pod_container_port_name": "metrics",
+            "__meta_kubernetes_namespace": "shop", "__meta_kubernetes_pod_name": "db-0"}},
+        {"targets": ["127.0.0.1:2"], "labels": {  # annotated, another port
+            "__meta_kubernetes_pod_annotation_everystep_io_scrape": "true",
+            "__meta_kubernetes_pod_container_port_name": "http",
+            "__meta_kubernetes_namespace": "shop", "__meta_kubernetes_pod_name": "web-0"}},
+    ]
+    (tmp_path / "pods.json").write_text(json.dumps(pods))
+    config = kubernetes_job_as_file_sd(yaml.safe_load(SCRAPE_CONFIG.read_text()), tmp_path / "pods.json")
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(RULES)]
+    next(job for job in config["scrape_configs"] if job["job_name"] == "everystep")["static_configs"] = [
+        {"targets": [f"127.0.0.1:{port}"]}
+    ]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+
+    prometheus = Prometheus(tmp_path / "prometheus.yml", tmp_path / "tsdb", folders.logs / "prometheus.log")
+    try:
+        claims = wait_for(lambda: (found := prometheus.query('everystep_worker_claims_total{runner="web-0-0"}'))
+                          and len(found) == 2 and found, timeout=30, what="the claims series of both jobs")
+        assert {dict(labels)["job"]: v for labels, v in claims.items()} == {"everystep": 3, "everystep-pods": 3}
+        pending = prometheus.query('everystep_workflows_pending{job="everystep-pods"}')
+        assert pending == {frozenset({"__name__": "everystep_workflows_pending", "job": "everystep-pods",
+                                      "instance": f"127.0.0.1:{port}", "namespace": "shop", "pod": "web-0"}.items()): 4}
+
+        targets = prometheus.api("targets")["activeTargets"]
+        assert sorted((t["labels"]["job"], t["scrapeUrl"]) for t in targets) == [
+            ("everystep", f"http://127.0.0.1:{port}/metrics"), ("everystep-pods", f"http://127.0.0.1:{port}/metrics"),
+        ]
+
+        # The rules run on what was scraped: the blocked run is noticed (the
+        # alert waits out its `for`), the worker's slots keep "no workers" quiet.
+        expected = {"EverystepRunsBlocked": "pending", "EverystepNoWorkers": "inactive",
+                    "EverystepDatabaseDown": "inactive", "EverystepPendingTooOld": "inactive"}
+
+        def rules_as_expected() -> list | None:
+            rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+            states = {r["name"]: r["state"] for r in rules}
+            return rules if all(states.get(name) == state for name, state in expected.items()) else None
+
+        rules = wait_for(rules_as_expected, timeout=30, what=f"the alert rules to reach {expected}")
+        assert {r["name"] for r in rules} == {
+            "EverystepRunsBlocked", "EverystepPendingTooOld", "EverystepChildCrashLooping", "EverystepNoWorkers",
+            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns",
+        }
+        assert all(r["health"] == "ok" for r in rules), rules
+    finally:
+        prometheus.stop()
