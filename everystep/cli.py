@@ -1,24 +1,49 @@
 """The `everystep` operations CLI.
 
+    everystep migrate
+    everystep runs list [--status S] [--workflow NAME] [--limit N] [--json]
+    everystep runs show RUN [--json]
+    everystep resolve-step RUN STEP (--result JSON | --error MSG | --discard)
+    everystep requeue RUN...
+    everystep prune --older-than DAYS [--dry-run]
+    everystep schedule MODULE:FUNC [JSON ...] [--idempotency-key K]
+
+The database comes from --database-url, else $EVERYSTEP_DATABASE_URL, else
+the `database.url` of `-c FILE`.
+
+A command either does all it was asked or nothing: bad input and refusals are
+found before anything is written, and reported as one line on stderr.
+
 Exit codes: 0 success; 1 the command ran and refused (a run in the wrong
-state, nothing to do where something was asked); 2 bad input (usage, a
-malformed id or JSON, an unknown workflow); 3 the database is unreachable.
+state, a claimer that is alive) or the database rejected it; 2 bad input
+(usage, a malformed id or JSON value, an unknown run, step, workflow or
+module); 3 the database is unreachable; 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import importlib
+import json
 import os
 import sys
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import psycopg
 
-from everystep import store
+from everystep import api, serde, store
+from everystep.errors import EverystepError
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_DATABASE = 3
+
+STATUSES = ("scheduled", "running", "completed", "failed", "stopped", "blocked")
+MAX_DAYS = 36500  # 100 years: the bound of --older-than
+PRUNE_BATCH = 1000  # runs deleted per transaction, so prune never holds locks for long
 
 
 class CliError(Exception):
@@ -28,6 +53,13 @@ class CliError(Exception):
         super().__init__(message)
         self.code = code
 
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# ---------------------------------------------------------------- the database
 
 def database_url(args: argparse.Namespace) -> str:
     """--database-url, else EVERYSTEP_DATABASE_URL, else -c FILE's database.url."""
@@ -55,18 +87,9 @@ def connect(args: argparse.Namespace) -> psycopg.Connection:
     try:
         return psycopg.connect(url, autocommit=True, connect_timeout=10)
     except psycopg.OperationalError as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "connection failed"
-        raise CliError(f"cannot reach the database: {first_line}", EXIT_DATABASE) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+        raise CliError(f"cannot reach the database: {_first_line(exc)}", EXIT_DATABASE) from None
+    except psycopg.ProgrammingError as exc:  # a malformed URL
+        raise CliError(f"bad database URL: {_first_line(exc)}") from None
 
 
 def _positive_float(text: str) -> float:
@@ -78,6 +101,100 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
     return value
 
+
+def _load_run(conn: psycopg.Connection, run_id: uuid.UUID) -> dict:
+    run = store.load_run(conn, run_id)
+    if run is None:
+        raise CliError(f"no run {run_id}")
+    return run
+
+
+# ---------------------------------------------------------------- argument types
+
+def _run_id(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a run id (a run id is a UUID)") from None
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_value(text: str) -> Any:
+    """A value in everystep's extended JSON: plain JSON, or the tagged
+    encodings of the stored columns ({"$es": "date", "v": "2026-01-02"})."""
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({exc})") from None
+    try:
+        return serde.from_json(data)
+    except Exception as exc:  # a malformed tagged value, whatever it trips on
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid everystep value ({_first_line(exc)})") from None
+
+
+def _whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            number = None
+        if number is None or number < low or (high is not None and number > high):
+            bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
+            raise argparse.ArgumentTypeError(f"expected a whole number {bounds}, not {text!r}")
+        return number
+
+    return parse
+
+
+# ---------------------------------------------------------------- output
+
+def _utc(moment: dt.datetime | None) -> str:
+    return "-" if moment is None else moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _json_text(data: Any) -> str:
+    """Stored JSON as one line."""
+    return json.dumps(data, ensure_ascii=False)
+
+
+def _describe_error(error: Any) -> str:
+    """An encoded exception as `module.Class: message`, with its args when
+    they say more than the message (a Terminal's payload)."""
+    if not isinstance(error, dict) or "type" not in error:
+        return _json_text(error)
+    message = str(error.get("message", "")).replace("\r", "\\r").replace("\n", "\\n")
+    args = error.get("args", [])
+    extra = f" (args: {_json_text(args)})" if args not in ([], [error.get("message")]) else ""
+    return f"{error['type']}: {message}{extra}"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, dt.datetime):
+        return value.astimezone(dt.UTC).isoformat()
+    raise TypeError(f"cannot print a {type(value).__name__} as JSON")
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, default=_plain, ensure_ascii=False, indent=2))
+
+
+def _table(headers: Sequence[str], rows: list[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in (headers, *rows)) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (headers, *rows)
+    )
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+# ---------------------------------------------------------------- commands
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     with connect(args) as conn:
@@ -112,48 +229,316 @@ def cmd_worker(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="everystep", description="Operate everystep runs on PostgreSQL.")
-    parser.add_argument("--database-url", help="PostgreSQL URL (default: $EVERYSTEP_DATABASE_URL, else -c FILE)")
-    parser.add_argument("-c", "--config", help="everystep.yaml to take database.url from")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def cmd_runs_list(args: argparse.Namespace) -> int:
+    # MODULE:FUNC (as `schedule` takes it) names the same workflow as module.FUNC.
+    name = args.workflow.replace(":", ".") if args.workflow else None
+    with connect(args) as conn:
+        runs = store.list_runs(conn, args.status, name, args.limit + 1)
+    more, runs = len(runs) > args.limit, runs[: args.limit]
+    if args.json:
+        _print_json(runs)
+        return 0
+    if not runs:
+        print("no runs")
+        return 0
+    print(_table(
+        ("ID", "STATUS", "WORKFLOW", "CREATED", "ENDED", "CLAIMED BY"),
+        [(str(run["id"]), run["status"], run["name"], _utc(run["created_at"]), _utc(run["completed_at"]),
+          run["claimed_by"] or "-") for run in runs],
+    ))
+    if more:
+        print(f"(the newest {args.limit}; more runs match: raise --limit)")
+    return 0
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help, description=help)
-        sub.set_defaults(func=fn)
+
+def cmd_runs_show(args: argparse.Namespace) -> int:
+    with connect(args) as conn:
+        # One snapshot, so the steps shown are the steps of the run shown.
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        with conn.transaction():
+            run = _load_run(conn, args.run)
+            steps = store.load_steps(conn, args.run)
+    if args.json:
+        _print_json({**run, "steps": steps})
+        return 0
+    fields = [
+        ("run", str(run["id"])),
+        ("workflow", run["name"]),
+        ("status", run["status"]),
+        ("claimed by", run["claimed_by"] or "-"),
+        ("idempotency key", run["idempotency_key"] or "-"),
+        ("created", _utc(run["created_at"])),
+        ("ended", _utc(run["completed_at"])),
+        ("args", _json_text(run["args"])),
+    ]
+    if run["status"] == "completed":
+        fields.append(("result", _json_text(run["result"])))
+    if run["error"] is not None:
+        fields.append(("error", _describe_error(run["error"])))
+    for label, value in fields:
+        print(f"{label:<16}{value}")
+    print()
+    if not steps:
+        print("no steps recorded")
+    else:
+        print(_table(("STEP", "STATUS", "FUNCTION", "ARGS", "RESULT OR ERROR"), [_step_row(s) for s in steps]))
+    started = [s["step_id"] for s in steps if s["status"] == "started"]
+    if run["status"] == "blocked" and started:
+        print()
+        print(f"blocked on step {started[0]}: resolve it with `everystep resolve-step {run['id']} {started[0]}` and"
+              " --result JSON (it happened), --error MSG (it happened and failed) or --discard (it did not)")
+    return 0
+
+
+def _step_row(step: dict) -> tuple[str, ...]:
+    args = _json_text(step["args"]) + (f" {_json_text(step['kwargs'])}" if step["kwargs"] else "")
+    if step["status"] == "done":
+        outcome = _json_text(step["result"])
+    elif step["status"] == "failed":
+        outcome = _describe_error(step["error"])
+    else:
+        outcome = "(started; outcome unknown)"
+    return step["step_id"], step["status"], step["name"], args, outcome
+
+
+# argparse tells options apart from their defaults by value: `--result null`
+# (None) must not look like "not given", or it would not conflict with --discard.
+_NOT_GIVEN: Any = object()
+
+
+def cmd_resolve_step(args: argparse.Namespace) -> int:
+    with connect(args) as conn:
+        _load_run(conn, args.run)
+        if store.step_row(conn, args.run, args.step) is None:
+            raise CliError(f"run {args.run} has no step {args.step!r}")
+        if args.discard:
+            how, done = {"discard": True}, "discarded: the step will run again"
+        elif args.error is not None:
+            how, done = {"error": args.error}, f"recorded as failed with the error {args.error!r}"
+        else:
+            how, done = {"result": args.result}, f"recorded as done with the result {serde.dumps(args.result)}"
+        try:
+            api.resolve_step(conn, args.run, args.step, **how)
+        except EverystepError as refused:
+            raise CliError(str(refused), EXIT_REFUSED) from None
+    print(f"step {args.step!r} of run {args.run} {done}; the run is scheduled again")
+    return 0
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    run_ids = list(dict.fromkeys(args.runs))
+    with connect(args) as conn:
+        runs = [_load_run(conn, run_id) for run_id in run_ids]
+        refusals = [why for run in runs if (why := _why_not_requeued(run))]
+        # A claimer holds its advisory lock for as long as it lives: a lock we
+        # can take is a dead claimer's, and holding it keeps that name from
+        # coming back while we requeue.
+        claimers = {run["claimed_by"] for run in runs if run["status"] == "running"}
+        dead = [claimer for claimer in claimers if claimer is None or store.try_lock(conn, claimer)]
+        try:
+            refusals += [
+                f"run {run['id']} is running on {run['claimed_by']}, which holds its lock: the claimer is alive"
+                for run in runs if run["status"] == "running" and run["claimed_by"] not in dead
+            ]
+            if refusals:
+                raise CliError("; ".join(refusals) + ("; nothing was requeued" if len(runs) > 1 else ""),
+                               EXIT_REFUSED)
+            with conn.transaction():
+                requeued = store.requeue_from_dead_claimers(conn, [(run["id"], run["claimed_by"]) for run in runs])
+                if len(requeued) != len(runs):
+                    changed = ", ".join(str(run["id"]) for run in runs if run["id"] not in requeued)
+                    raise CliError(f"run {changed} changed while being requeued; nothing was requeued", EXIT_REFUSED)
+        finally:
+            for claimer in dead:
+                if claimer is not None:
+                    store.unlock(conn, claimer)
+    for run in runs:
+        why = f"its claimer {run['claimed_by']} is dead" if run["claimed_by"] is not None else "it had no claimer"
+        print(f"requeued run {run['id']} ({why})")
+    return 0
+
+
+def _why_not_requeued(run: dict) -> str | None:
+    """Why a run that is not `running` is not requeued (None for a running run)."""
+    status = run["status"]
+    if status == "scheduled":
+        return f"run {run['id']} is scheduled: it needs nothing, a worker will claim it"
+    if status == "blocked":
+        return f"run {run['id']} is blocked: resolve its started step with `everystep resolve-step`"
+    if status in store.TERMINAL:
+        return f"run {run['id']} is {status}: a finished run is never requeued; schedule it again"
+    return None
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    what = f"completed, failed or stopped more than {_plural(args.older_than, 'day')} ago"
+    with connect(args) as conn:
+        if args.dry_run:
+            count = store.count_prunable(conn, args.older_than)
+            print(f"would delete {_plural(count, 'run')} {what}, with their steps (dry run: nothing deleted)")
+            return 0
+        deleted = 0
+        while batch := store.prune_batch(conn, args.older_than, PRUNE_BATCH):
+            deleted += batch
+    print(f"deleted {_plural(deleted, 'run')} {what}, with their steps")
+    return 0
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    workflow_fn = _import_workflow(args.target)
+    with connect(args) as conn:
+        try:
+            with api.transaction(conn):
+                run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key)
+        except EverystepError as exc:
+            raise CliError(str(exc)) from None
+    if run.created:
+        print(f"created run {run.id} of {run.name}")
+    else:
+        print(f"existing run {run.id} of {run.name} has the idempotency key {args.idempotency_key!r};"
+              " nothing scheduled")
+    return 0
+
+
+def _import_workflow(target: str) -> Callable:
+    module_name, _, qualname = target.partition(":")
+    if not module_name or not qualname:
+        raise CliError(f"expected MODULE:FUNC (e.g. myapp.workflows:provision_vm), not {target!r}")
+    # Like `python -m`: the application's modules are found from the current directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found: Any = importlib.import_module(module_name)
+    except Exception as exc:  # whatever the module raises while importing
+        raise CliError(f"cannot import {module_name}: {type(exc).__name__}: {_first_line(exc)}") from None
+    try:
+        for attr in qualname.split("."):
+            found = getattr(found, attr)
+    except AttributeError:
+        raise CliError(f"module {module_name} has no {qualname!r}") from None
+    if getattr(found, "__everystep_workflow__", None) is None:
+        raise CliError(f"{target} is not an @workflow")
+    return found
+
+
+# ---------------------------------------------------------------- the parser
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line and the exit code for bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _database_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("--database-url", default=default,
+                        help="PostgreSQL URL (default: $EVERYSTEP_DATABASE_URL, else -c FILE)")
+    parser.add_argument("-c", "--config", default=default, help="everystep.yaml to take database.url from")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="everystep", description="Operate everystep runs on PostgreSQL.")
+    _database_options(parser, None)
+    # The same options after the command; SUPPRESS keeps them from resetting
+    # what was given before it.
+    database = argparse.ArgumentParser(add_help=False)
+    _database_options(database, argparse.SUPPRESS)
+
+    def add(commands: Any, name: str, fn: Callable[[argparse.Namespace], int] | None, help: str
+            ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help, parents=[database])
+        if fn is not None:
+            sub.set_defaults(func=fn)
         return sub
 
-    add("migrate", cmd_migrate, "apply the schema migrations (safe to run concurrently and repeatedly)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add(commands, "migrate", cmd_migrate, "apply the schema migrations (safe to run concurrently and repeatedly)")
 
-    worker = add("worker", cmd_worker, "run one worker in this process (the supervisor runs a pool of them)")
+    runs = add(commands, "runs", None, "list runs, or show one with its steps")
+    runs_commands = runs.add_subparsers(dest="runs_command", required=True, metavar="COMMAND")
+    listing = add(runs_commands, "list", cmd_runs_list, "list runs, newest first")
+    listing.add_argument("--status", choices=STATUSES, help="only runs in this status")
+    listing.add_argument("--workflow", metavar="NAME", help="only runs of this workflow (module.qualname)")
+    listing.add_argument("--limit", type=_whole_number(1), default=50, metavar="N",
+                         help="at most N runs (default 50)")
+    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
+    show = add(runs_commands, "show", cmd_runs_show, "show a run and its recorded steps")
+    show.add_argument("run", type=_run_id, metavar="RUN")
+    show.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    resolve = add(commands, "resolve-step", cmd_resolve_step,
+                  "say what happened to the started step of a blocked run, and schedule the run again")
+    resolve.add_argument("run", type=_run_id, metavar="RUN")
+    resolve.add_argument("step", metavar="STEP", help="the step id, e.g. 3 or charge or fan.0.1")
+    outcome = resolve.add_mutually_exclusive_group(required=True)
+    outcome.add_argument("--result", type=_json_value, default=_NOT_GIVEN, metavar="JSON",
+                         help="the effect happened: record this result")
+    outcome.add_argument("--error", metavar="MSG", help="the effect happened and failed with this message")
+    outcome.add_argument("--discard", action="store_true", help="the effect did not happen: run the step again")
+
+    requeue = add(commands, "requeue", cmd_requeue,
+                  "put running runs whose claimer is dead back to scheduled")
+    requeue.add_argument("runs", type=_run_id, nargs="+", metavar="RUN")
+
+    prune = add(commands, "prune", cmd_prune,
+                "delete completed, failed and stopped runs (with their steps) older than a bound")
+    prune.add_argument("--older-than", type=_whole_number(1, MAX_DAYS), required=True,
+                       metavar="DAYS", help="days since the run ended")
+    prune.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
+
+    schedule = add(commands, "schedule", cmd_schedule, "schedule a run of a workflow")
+    schedule.add_argument("target", metavar="MODULE:FUNC", help="the @workflow, e.g. myapp.workflows:provision_vm")
+    schedule.add_argument("values", type=_json_value, nargs="*", metavar="JSON",
+                          help="each one positional argument, in everystep's JSON")
+    schedule.add_argument("--idempotency-key", metavar="K", help="return the existing run of this workflow and key")
+
+    worker = add(commands, "worker", cmd_worker, "run one worker in this process (the supervisor runs a pool of them)")
     worker.add_argument("--name", required=True, help="runner name: the claimed_by of its runs; unique while alive")
     worker.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="module defining workflows (repeatable)")
-    worker.add_argument("--threads", type=_positive_int, default=8, help="runs in flight (default 8)")
+    worker.add_argument("--threads", type=_whole_number(1), default=8, help="runs in flight (default 8)")
     worker.add_argument("--poll", type=_positive_float, default=1.0, help="seconds between polls (default 1)")
     worker.add_argument("--drain", type=float, default=30.0, help="seconds to drain on TERM; 0 waits for ever")
     worker.add_argument("--grace", type=float, default=10.0,
                         help="seconds without its lock before the worker abandons its runs (default 10)")
-    worker.add_argument("--max-crashes", type=_positive_int, default=3,
+    worker.add_argument("--max-crashes", type=_whole_number(1), default=3,
                         help="claims that die without progress before a run fails (default 3)")
     worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
+def _connection_lost(exc: psycopg.OperationalError) -> bool:
+    # No SQLSTATE: the client lost the connection; 08: connection exception;
+    # 57P: the server shut down or is starting.
+    return exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P"))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, so a closed pipe is handled below
+        return code
     except CliError as exc:
-        print(f"everystep: {exc}", file=sys.stderr)
-        return exc.code
+        message, code = str(exc), exc.code
     except psycopg.OperationalError as exc:
-        print(f"everystep: database error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
-        return EXIT_DATABASE
+        message = f"database error: {_first_line(exc)}"
+        code = EXIT_DATABASE if _connection_lost(exc) else EXIT_REFUSED
+    except psycopg.errors.UndefinedTable as exc:
+        message, code = f"database error: {_first_line(exc)} (run `everystep migrate` first?)", EXIT_REFUSED
+    except psycopg.DataError as exc:
+        message, code = f"the database refused a value: {_first_line(exc)}", EXIT_USAGE
     except psycopg.Error as exc:
-        print(f"everystep: database error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
-        return EXIT_REFUSED
+        message, code = f"database error: {_first_line(exc)}", EXIT_REFUSED
+    except BrokenPipeError:
+        # The reader went away (`| head`): not an error; silence the final flush.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        message, code = "interrupted", 130
+    print(f"everystep: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -435,3 +435,66 @@ def resolve_step(
             (run,),
         )
         conn.execute(f"SELECT {_NOTIFY}")
+
+
+def _dicts(cur: psycopg.Cursor) -> list[dict]:
+    names = [c.name for c in cur.description]
+    return [dict(zip(names, row)) for row in cur]
+
+
+def list_runs(conn: psycopg.Connection, status: str | None, name: str | None, limit: int) -> list[dict]:
+    """The newest runs (without their payloads), optionally of one status and
+    one workflow name."""
+    where = [sql.SQL("true")]
+    if status is not None:
+        where.append(sql.SQL("status = %(status)s"))
+    if name is not None:
+        where.append(sql.SQL("name = %(name)s"))
+    query = sql.SQL(
+        "SELECT id, name, status, idempotency_key, claimed_by, created_at, completed_at FROM everystep_workflow"
+        " WHERE {} ORDER BY created_at DESC, id DESC LIMIT %(limit)s"
+    ).format(sql.SQL(" AND ").join(where))
+    return _dicts(conn.execute(query, {"status": status, "name": name, "limit": limit}))
+
+
+def requeue_from_dead_claimers(conn: psycopg.Connection, claims: list[tuple[uuid.UUID, str | None]]) -> list[uuid.UUID]:
+    """Put `running` runs back to `scheduled`, each only if it is still claimed
+    by the given claimer (one the caller found dead and whose lock it holds).
+    Returns the runs that matched."""
+    rows = conn.execute(
+        "WITH q AS (UPDATE everystep_workflow w SET status = 'scheduled', claimed_by = NULL"
+        " FROM unnest(%s::uuid[], %s::text[]) AS c(id, claimer)"
+        " WHERE w.id = c.id AND w.status = 'running' AND w.claimed_by IS NOT DISTINCT FROM c.claimer"
+        " RETURNING w.id)"
+        f" SELECT id, {_NOTIFY} FROM q",
+        ([run for run, _ in claims], [claimer for _, claimer in claims]),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+# Terminal runs completed more than %(days)s days ago (by the database's
+# clock). A run completes after it is created, so the bound on created_at adds
+# nothing to the condition but lets the (status, created_at) index limit the scan.
+_PRUNABLE = (
+    "status IN ('completed', 'failed', 'stopped')"
+    " AND created_at < now() - make_interval(days => %(days)s::int)"
+    " AND completed_at < now() - make_interval(days => %(days)s::int)"
+)
+
+
+def count_prunable(conn: psycopg.Connection, days: int) -> int:
+    return conn.execute(f"SELECT count(*) FROM everystep_workflow WHERE {_PRUNABLE}", {"days": days}).fetchone()[0]
+
+
+def prune_batch(conn: psycopg.Connection, days: int, limit: int) -> int:
+    """Delete up to `limit` terminal runs completed more than `days` days ago,
+    with their steps (FK cascade), in one short transaction. Rows locked by
+    someone else are skipped rather than waited for. Returns how many runs it
+    deleted."""
+    with conn.transaction():
+        cur = conn.execute(
+            "DELETE FROM everystep_workflow WHERE id IN"
+            f" (SELECT id FROM everystep_workflow WHERE {_PRUNABLE} LIMIT %(limit)s FOR UPDATE SKIP LOCKED)",
+            {"days": days, "limit": limit},
+        )
+        return cur.rowcount
