@@ -498,3 +498,105 @@ def prune_batch(conn: psycopg.Connection, days: int, limit: int) -> int:
             {"days": days, "limit": limit},
         )
         return cur.rowcount
+# ---------------------------------------------------------------- recurring schedules
+
+import datetime  # noqa: E402  (imported here: this section is appended whole, to keep merges clean)
+
+# One scheduler fires at a time per schema, across the fleet; `apply` waits
+# for it, so a tick never sees half an apply.
+_SCHEDULER_LOCK = "hashtextextended('everystep:scheduler:' || current_schema(), 0)"
+_SCHEDULE_WITH_LAST_RUN = (
+    "SELECT s.*, w.status AS last_run_status FROM everystep_schedule s"
+    " LEFT JOIN everystep_workflow w ON w.id = s.last_run_id"
+)
+
+
+class ScheduleRefused(Exception):
+    """An operation on a schedule that does not apply to it (unknown, already retired)."""
+
+
+def try_lock_scheduler(conn: psycopg.Connection) -> bool:
+    """Take the scheduler's lock until the transaction ends, if no other scheduler holds it."""
+    return conn.execute(f"SELECT pg_try_advisory_xact_lock({_SCHEDULER_LOCK})").fetchone()[0]
+
+
+def lock_scheduler(conn: psycopg.Connection) -> None:
+    """Wait for the scheduler's lock and hold it until the transaction ends."""
+    conn.execute(f"SELECT pg_advisory_xact_lock({_SCHEDULER_LOCK})")
+
+
+def database_now(conn: psycopg.Connection) -> datetime.datetime:
+    """The server's time (the transaction's start): the only clock schedules use."""
+    return conn.execute("SELECT now()").fetchone()[0]
+
+
+def load_schedules(conn: psycopg.Connection) -> list[dict]:
+    """Every schedule, retired ones included, by key, with its last run's status."""
+    return _dicts(conn.execute(f"{_SCHEDULE_WITH_LAST_RUN} ORDER BY s.key"))
+
+
+def due_schedules(conn: psycopg.Connection) -> list[dict]:
+    """Live schedules whose next fire time has come (database time), locked
+    until the transaction ends."""
+    return _dicts(conn.execute(
+        f"{_SCHEDULE_WITH_LAST_RUN} WHERE s.retired_at IS NULL AND NOT s.paused AND s.next_fire_at <= now()"
+        " ORDER BY s.next_fire_at, s.key FOR UPDATE OF s"
+    ))
+
+
+def put_schedule(conn: psycopg.Connection, key: str, definition: dict, next_fire_at: datetime.datetime) -> None:
+    """Write a schedule's definition (workflow, args as JSON text, cron,
+    timezone, catchup, max_catchup, overlap, max_lateness_seconds, paused) and
+    its next fire time, adding the schedule or reviving a retired one."""
+    conn.execute(
+        "INSERT INTO everystep_schedule (key, workflow, args, cron, timezone, catchup, max_catchup, overlap,"
+        " max_lateness_seconds, paused, next_fire_at)"
+        " VALUES (%(key)s, %(workflow)s, %(args)s::jsonb, %(cron)s, %(timezone)s, %(catchup)s, %(max_catchup)s,"
+        " %(overlap)s, %(max_lateness_seconds)s, %(paused)s, %(next_fire_at)s)"
+        " ON CONFLICT (key) DO UPDATE SET workflow = EXCLUDED.workflow, args = EXCLUDED.args, cron = EXCLUDED.cron,"
+        "  timezone = EXCLUDED.timezone, catchup = EXCLUDED.catchup, max_catchup = EXCLUDED.max_catchup,"
+        "  overlap = EXCLUDED.overlap, max_lateness_seconds = EXCLUDED.max_lateness_seconds,"
+        "  paused = EXCLUDED.paused, version = everystep_schedule.version + 1, updated_at = now(),"
+        "  next_fire_at = EXCLUDED.next_fire_at, retired_at = NULL, last_error = NULL",
+        {**definition, "key": key, "next_fire_at": next_fire_at},
+    )
+
+
+def retire_schedule(conn: psycopg.Connection, key: str) -> datetime.datetime:
+    """Retire a live schedule: it never fires again (its row stays). Returns when."""
+    with conn.transaction():
+        row = conn.execute("SELECT retired_at FROM everystep_schedule WHERE key = %s FOR UPDATE", (key,)).fetchone()
+        if row is None:
+            raise ScheduleRefused(f"no schedule {key!r}")
+        if row[0] is not None:
+            raise ScheduleRefused(f"schedule {key!r} was already retired at {row[0].isoformat(timespec='seconds')}")
+        return conn.execute(
+            "UPDATE everystep_schedule SET retired_at = now(), updated_at = now() WHERE key = %s RETURNING retired_at",
+            (key,),
+        ).fetchone()[0]
+
+
+def advance_schedule(
+    conn: psycopg.Connection,
+    key: str,
+    next_fire_at: datetime.datetime,
+    fired_at: datetime.datetime | None,
+    run_id: uuid.UUID | None,
+) -> None:
+    """Move a schedule past the fire times just decided, remembering the
+    latest run it made (if any), and clear its error."""
+    conn.execute(
+        "UPDATE everystep_schedule SET next_fire_at = %s, last_fire_at = coalesce(%s, last_fire_at),"
+        " last_run_id = coalesce(%s, last_run_id), last_error = NULL WHERE key = %s",
+        (next_fire_at, fired_at, run_id, key),
+    )
+
+
+def set_schedule_error(conn: psycopg.Connection, key: str, error: str) -> None:
+    """Record why a due schedule did not fire (its next fire time stays)."""
+    conn.execute("UPDATE everystep_schedule SET last_error = %s WHERE key = %s", (error, key))
+
+
+def _dicts(cur: psycopg.Cursor) -> list[dict]:
+    names = [c.name for c in cur.description]
+    return [dict(zip(names, row)) for row in cur]

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from croniter import croniter
 
 from everystep import serde
 from everystep.errors import EverystepError
+from everystep.scheduler import CATCHUP_POLICIES, OVERLAP_POLICIES, Schedule, next_fire_time
 
 
 class ConfigError(Exception):
@@ -75,23 +75,8 @@ class HttpConfig:
     port: int = 9117  # 0: any free port (for tests)
 
 
-CATCHUP_POLICIES = ("skip", "fire_once", "fire_all")
-OVERLAP_POLICIES = ("allow", "forbid")
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """One recurring schedule of the manifest (SPEC section 10)."""
-
-    workflow: str  # module.qualname of an @workflow
-    cron: str  # five fields, or @hourly, @daily, ...
-    args: tuple = ()
-    timezone: str = "UTC"
-    catchup: str = "fire_once"  # skip | fire_once | fire_all
-    max_catchup: int = 10  # fire_all: at most this many of the missed times
-    overlap: str = "allow"  # allow | forbid
-    max_lateness_seconds: float = 60.0  # a fire time reached later than this is missed
-    paused: bool = False
+# The manifest's entries are the engine's schedule definitions.
+ScheduleConfig = Schedule
 
 
 @dataclass(frozen=True)
@@ -239,7 +224,7 @@ def _cron(section: _Section) -> str:
             f"{', '.join(CRON_MACROS)}, got {_show(expression)}",
         )
     try:
-        croniter(expression, _A_LEAP_YEAR).get_next()  # also refuses dates that never come (Feb 30)
+        next_fire_time(expression, "UTC", _A_LEAP_YEAR)  # also refuses dates that never come (Feb 30)
     except ValueError as exc:  # croniter's errors are ValueErrors
         raise section.error("cron", f"invalid cron expression {_show(expression)}: {exc}") from None
     return expression

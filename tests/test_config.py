@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import zoneinfo
 from pathlib import Path
 
 import pytest
@@ -374,6 +375,17 @@ def test_schedule_mistakes(config_dir, entry, message):
     assert error_of(f"schedules:\n  s: {entry}\n").startswith(f"everystep.yaml: {message}")
 
 
+def test_time_zones_do_not_need_the_hosts_time_zone_database(config_dir):
+    # A slim container may have no /usr/share/zoneinfo: the tzdata package serves.
+    zoneinfo.ZoneInfo.clear_cache()
+    zoneinfo.reset_tzpath(to=[])
+    try:
+        config = load_text(f"schedules:\n  s: {{{GOOD}, timezone: America/Sao_Paulo}}\n")
+    finally:
+        zoneinfo.reset_tzpath()
+    assert config.schedules["s"].timezone == "America/Sao_Paulo"
+
+
 @pytest.mark.parametrize("key", ["a b", "-lead", "has:colon", "x" * 201, "é"])
 def test_schedule_keys_are_restricted(config_dir, key):
     assert error_of(f"schedules:\n  '{key}': {{{GOOD}}}\n") == (
@@ -418,3 +430,17 @@ def test_cli_reports_a_bad_config_file_in_one_line(tmp_path):
     done = cli("-c", str(config), "migrate", env=cli_env())
     assert done.returncode == 2
     assert done.stderr == f"everystep: {config}: workers.threads: must be an integer >= 1, got 'eight'\n"
+
+
+def test_the_readme_manifest_example_is_valid(config_dir):
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Recurring schedules"):]
+    example = section[section.index("```yaml\n") + len("```yaml\n"):section.index("```\n")]
+    schedules = load_text(example).schedules
+    assert schedules["nightly-cleanup"] == ScheduleConfig(
+        workflow="myapp.maintenance.cleanup", args=({"older_than_days": 30},), cron="30 2 * * *",
+        timezone="Europe/Paris", catchup="fire_once", overlap="forbid", max_lateness_seconds=3600.0,
+    )
+    assert schedules["hourly-report"] == ScheduleConfig(
+        workflow="myapp.reports.hourly", args=("sales",), cron="@hourly", paused=True
+    )

@@ -1,0 +1,284 @@
+"""Recurring schedules (SPEC section 10): plan and apply the manifest, and
+the tick that fires what is due.
+
+The clock is the database's: `now()` of the server, never the host's. A tick
+holds a transaction-level advisory lock, so exactly one scheduler fires at a
+time across the fleet, and every firing is `everystep.schedule()` with the
+idempotency key `schedule:<key>:<fire time in UTC>` in the same transaction
+that advances the schedule: a fire time can never produce two runs, even
+across a failover.
+
+Which fire times fire. At each tick, the due fire times of a schedule are
+those from its next fire time up to now. One that is at most
+`max_lateness_seconds` old is on time and fires. Older ones were missed (the
+scheduler was down, the workflow was not importable, a run overlapped) and
+the catch-up policy decides: `skip` fires none of them, `fire_once` fires the
+latest, `fire_all` fires the latest `max_catchup` of them. With overlap
+`forbid`, nothing fires while the schedule's previous run is scheduled,
+running or blocked: its due times wait, and are judged as above once the run
+has ended; then at most one run is made per tick. A paused schedule fires
+nothing; un-pausing it (or changing its cron or time zone) starts again from
+the next fire time after the apply.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import uuid
+import zoneinfo
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import psycopg
+from croniter import croniter
+
+from everystep import serde, store
+from everystep.api import schedule
+from everystep.runner import REGISTRY
+
+log = logging.getLogger("everystep")
+
+# The fields that make a schedule's definition, in the order plans show them.
+DEFINITION = ("workflow", "args", "cron", "timezone", "catchup", "max_catchup", "overlap",
+              "max_lateness_seconds", "paused")
+CATCHUP_POLICIES = ("skip", "fire_once", "fire_all")
+OVERLAP_POLICIES = ("allow", "forbid")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A recurring schedule's definition: what each entry of the manifest
+    (the `schedules:` section of everystep.yaml) becomes."""
+
+    workflow: str  # module.qualname of an @workflow
+    cron: str  # five fields, or @hourly, @daily, ...
+    args: tuple = ()
+    timezone: str = "UTC"
+    catchup: str = "fire_once"  # skip | fire_once | fire_all
+    max_catchup: int = 10  # fire_all: at most this many of the missed times
+    overlap: str = "allow"  # allow | forbid
+    max_lateness_seconds: float = 60.0  # a fire time reached later than this is missed
+    paused: bool = False
+
+
+# ---------------------------------------------------------------- fire times
+
+class Decision(NamedTuple):
+    fire: list[datetime.datetime]  # the fire times to fire now, oldest first, in UTC
+    next_fire_at: datetime.datetime  # the earliest fire time left undecided
+    dropped_missed: bool  # some missed fire times were not fired (catch-up policy)
+
+
+def next_fire_time(cron: str, timezone: str, after: datetime.datetime) -> datetime.datetime:
+    """The first fire time strictly after `after`, in UTC."""
+    zone = zoneinfo.ZoneInfo(timezone)
+    return croniter(cron, after.astimezone(zone)).get_next(datetime.datetime).astimezone(datetime.UTC)
+
+
+def decide(
+    cron: str,
+    timezone: str,
+    next_fire_at: datetime.datetime,
+    now: datetime.datetime,
+    catchup: str,
+    max_catchup: int,
+    max_lateness_seconds: float,
+    one_at_a_time: bool = False,
+) -> Decision:
+    """Which of the fire times from `next_fire_at` up to `now` fire now.
+
+    Walks back from now, so a long downtime costs no more than the fire times
+    it keeps. With `one_at_a_time` (overlap forbid) only the oldest of them
+    fires, and the rest stay due."""
+    keep_missed = {"skip": 0, "fire_once": 1, "fire_all": max_catchup}[catchup]
+    on_time: list[datetime.datetime] = []
+    missed: list[datetime.datetime] = []
+    dropped = False
+    # get_prev is strict: start just after now, so a fire time of exactly now counts.
+    times = croniter(cron, (now + datetime.timedelta(microseconds=1)).astimezone(zoneinfo.ZoneInfo(timezone)))
+    # In UTC: two times of one zone compare by wall clock, so the two 02:30s of
+    # a daylight-saving fall-back would compare equal.
+    while (fire_time := times.get_prev(datetime.datetime).astimezone(datetime.UTC)) >= next_fire_at:
+        if (now - fire_time).total_seconds() <= max_lateness_seconds:
+            on_time.append(fire_time)
+        elif len(missed) < keep_missed:
+            missed.append(fire_time)
+        else:
+            dropped = True
+            break
+    fire = sorted(missed + on_time)
+    if one_at_a_time and fire:
+        return Decision(fire[:1], next_fire_time(cron, timezone, fire[0]), dropped)
+    return Decision(fire, next_fire_time(cron, timezone, now), dropped)
+
+
+def idempotency_key(key: str, fire_time: datetime.datetime) -> str:
+    return f"schedule:{key}:{iso_utc(fire_time)}"
+
+
+def iso_utc(moment: datetime.datetime) -> str:
+    """A moment as the idempotency keys, the log and the CLI write it."""
+    return moment.astimezone(datetime.UTC).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------- the tick
+
+class Fired(NamedTuple):
+    key: str
+    fire_time: datetime.datetime
+    run_id: uuid.UUID
+
+
+def tick(conn: psycopg.Connection) -> list[Fired]:
+    """Fire every due schedule, if no other scheduler is doing so right now.
+
+    Call it every few seconds with an autocommit connection: it runs one
+    transaction, holding the scheduler's advisory lock until it commits.
+    Returns the runs it made."""
+    fired: list[Fired] = []
+    with conn.transaction():
+        if not store.try_lock_scheduler(conn):
+            return fired  # another scheduler is ticking
+        now = store.database_now(conn)
+        for row in store.due_schedules(conn):
+            fired += _fire_due(conn, row, now)
+    return fired
+
+
+def _fire_due(conn: psycopg.Connection, row: dict, now: datetime.datetime) -> list[Fired]:
+    key = row["key"]
+    if row["overlap"] == "forbid" and row["last_run_status"] not in (None, *store.TERMINAL):
+        return []  # its previous run has not ended: the due times wait
+    decision = decide(row["cron"], row["timezone"], row["next_fire_at"], now, row["catchup"],
+                      row["max_catchup"], row["max_lateness_seconds"], one_at_a_time=row["overlap"] == "forbid")
+    workflow_fn = None
+    if decision.fire:
+        try:
+            workflow_fn = _resolve(row["workflow"])
+        except Exception as exc:  # noqa: BLE001  (whatever importing the module raised)
+            _cannot_fire(conn, row, f"cannot fire: workflow {row['workflow']}: {exc}", exc)
+            return []
+    try:
+        with conn.transaction():  # a savepoint: one schedule's failure leaves the others' firings
+            fired = _fire(conn, key, workflow_fn, serde.from_json(row["args"]), decision)
+    except psycopg.OperationalError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (kept on the schedule's row, and logged)
+        _cannot_fire(conn, row, f"firing failed: {type(exc).__name__}: {exc}", exc)
+        return []
+    if decision.dropped_missed:
+        log.warning("schedule %s: fire times missed before %s were not fired (catchup: %s)",
+                    key, iso_utc(decision.fire[0] if decision.fire else decision.next_fire_at), row["catchup"],
+                    extra={"schedule": key})
+    return fired
+
+
+def _fire(conn: psycopg.Connection, key: str, workflow_fn: Callable | None, args: list,
+          decision: Decision) -> list[Fired]:
+    fired = []
+    last_run_id = None
+    for fire_time in decision.fire:
+        run = schedule(workflow_fn, *args, idempotency_key=idempotency_key(key, fire_time), conn=conn)
+        last_run_id = run.id
+        if run.created:
+            fired.append(Fired(key, fire_time, run.id))
+            log.info("schedule %s fired for %s: run %s", key, iso_utc(fire_time), run.id,
+                     extra={"schedule": key, "run": str(run.id)})
+        else:
+            log.info("schedule %s: %s had already fired (run %s)", key, iso_utc(fire_time), run.id,
+                     extra={"schedule": key, "run": str(run.id)})
+    last_fire_at = decision.fire[-1] if decision.fire else None
+    store.advance_schedule(conn, key, decision.next_fire_at, last_fire_at, last_run_id)
+    return fired
+
+
+def _resolve(name: str) -> Callable:
+    """The @workflow function registered or importable under `name`."""
+    workflow_fn = REGISTRY.get(name) or serde.import_path(name)
+    if getattr(workflow_fn, "__everystep_workflow__", None) != name:
+        raise TypeError(f"{name} is not an @workflow function")
+    return workflow_fn
+
+
+def _cannot_fire(conn: psycopg.Connection, row: dict, error: str, exc: BaseException) -> None:
+    """Keep the due times (they fire, or are judged missed, once the cause is
+    fixed) and say why: on the schedule's row, and in the log once, not on
+    every tick."""
+    if error != row["last_error"]:
+        log.error("schedule %s: %s", row["key"], error, exc_info=exc, extra={"schedule": row["key"]})
+        store.set_schedule_error(conn, row["key"], error)
+
+
+# ---------------------------------------------------------------- plan and apply
+
+class PlanEntry(NamedTuple):
+    key: str
+    action: str  # add, revive (a retired key back in the file), change, unchanged, not_in_file
+    changes: dict[str, tuple[Any, Any]]  # field -> (in the database, in the file), for change
+    next_fire_at: datetime.datetime  # the next fire time once applied
+    paused: bool
+
+
+def plan(conn: psycopg.Connection, manifest: Mapping[str, Schedule]) -> list[PlanEntry]:
+    """What `apply` would do (read-only): each key of the manifest, then the
+    live keys of the database that the manifest no longer has (apply leaves
+    them alone; they are retired explicitly)."""
+    now = store.database_now(conn)
+    rows = {row["key"]: row for row in store.load_schedules(conn)}
+    entries = []
+    for key in sorted(manifest):
+        spec = manifest[key]
+        wanted = definition(spec)
+        row = rows.get(key)
+        if row is None:
+            entries.append(PlanEntry(key, "add", {}, next_fire_time(spec.cron, spec.timezone, now), spec.paused))
+            continue
+        changes = {name: (row[name], wanted[name]) for name in DEFINITION if row[name] != wanted[name]}
+        if row["retired_at"] is not None:
+            entries.append(PlanEntry(key, "revive", changes, next_fire_time(spec.cron, spec.timezone, now),
+                                     spec.paused))
+        elif changes:
+            # A new cron, time zone or un-pausing starts from the next fire time
+            # after now: nothing is caught up for the old timing or the pause.
+            restart = "cron" in changes or "timezone" in changes or ("paused" in changes and not spec.paused)
+            next_fire_at = next_fire_time(spec.cron, spec.timezone, now) if restart else row["next_fire_at"]
+            entries.append(PlanEntry(key, "change", changes, next_fire_at, spec.paused))
+        else:
+            entries.append(PlanEntry(key, "unchanged", {}, row["next_fire_at"], spec.paused))
+    for key, row in sorted(rows.items()):
+        if key not in manifest and row["retired_at"] is None:
+            entries.append(PlanEntry(key, "not_in_file", {}, row["next_fire_at"], row["paused"]))
+    return entries
+
+
+def apply(conn: psycopg.Connection, manifest: Mapping[str, Schedule]) -> list[PlanEntry]:
+    """Write the manifest: add, revive and change schedules, in one
+    transaction, while no tick runs. Keys not in the manifest are left as they
+    are. Returns the plan it carried out."""
+    with conn.transaction():
+        store.lock_scheduler(conn)
+        entries = plan(conn, manifest)
+        for entry in entries:
+            if entry.action in ("add", "revive", "change"):
+                wanted = definition(manifest[entry.key])
+                store.put_schedule(conn, entry.key, {**wanted, "args": serde.dump_data(wanted["args"])},
+                                   entry.next_fire_at)
+    return entries
+
+
+def definition(spec: Schedule) -> dict[str, Any]:
+    """A manifest schedule as the database row holds it (args as stored JSON)."""
+    return {
+        "workflow": spec.workflow,
+        "args": serde.encode(list(spec.args)),
+        "cron": spec.cron,
+        "timezone": spec.timezone,
+        "catchup": spec.catchup,
+        "max_catchup": spec.max_catchup,
+        "overlap": spec.overlap,
+        "max_lateness_seconds": float(spec.max_lateness_seconds),
+        "paused": spec.paused,
+    }
+
