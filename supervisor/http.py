@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,10 +69,12 @@ def read_state(runtime_dir: str | os.PathLike) -> SupervisorState | None:
     )
 
 
-def serve(bind: str, port: int, database_url: str, runtime_dir: Path, multiproc_dir: Path) -> None:
+def serve(bind: str, port: int, database_url: str, runtime_dir: Path, multiproc_dir: Path,
+          on_ready: Callable[[], None] | None = None) -> None:
     """Serve /metrics, /healthz and /readyz on bind:port until SIGTERM or
-    SIGINT, then return. Runs in the HTTP child."""
+    SIGINT, then return. Runs in the HTTP child; `on_ready` is called once the
+    port is bound."""
     # Imported here, not at the top: see the module docstring.
     from supervisor import endpoints  # noqa: PLC0415
 
-    endpoints.serve(bind, port, database_url, Path(runtime_dir), Path(multiproc_dir))
+    endpoints.serve(bind, port, database_url, Path(runtime_dir), Path(multiproc_dir), on_ready)

@@ -107,11 +107,14 @@ def test_the_config_is_frozen(config_dir):
         config.workers.threads = 3  # type: ignore[misc]
 
 
-def test_the_shipped_example_loads_with_the_defaults(monkeypatch):
+def test_the_shipped_example_runs_the_demo_with_the_defaults(monkeypatch):
     monkeypatch.delenv("EVERYSTEP_DATABASE_URL", raising=False)
     monkeypatch.delenv("POD_NAME", raising=False)
     config = load(ROOT / "everystep.yaml")
-    assert config == Config(path=ROOT / "everystep.yaml", name=socket.gethostname())
+    demo = {f"demo-orders-{customer}": ScheduleConfig("everystep.demo.process_order", "* * * * *", (customer,))
+            for customer in ("ada", "grace", "linus")}
+    assert config == Config(path=ROOT / "everystep.yaml", name=socket.gethostname(), imports=("everystep.demo",),
+                            schedules=demo)
 
 
 def test_the_shipped_example_takes_the_url_and_name_from_the_environment(monkeypatch):
