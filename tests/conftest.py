@@ -13,6 +13,7 @@ import pytest
 from psycopg import conninfo
 from psycopg_pool import ConnectionPool
 
+import everystep
 from everystep import store
 from everystep.runner import Runner
 
@@ -91,6 +92,11 @@ class Database:
             runs = store.held_runs(conn, runner)
         return {run.id: engine.execute(run) for run in runs}
 
+    def schedule_many(self, fn, args_list) -> list:
+        """Schedule a run of `fn(*args)` for each args, in one transaction."""
+        with self.connect() as conn, everystep.transaction(conn):
+            return [everystep.schedule(fn, *args) for args in args_list]
+
     def run(self, run_id) -> dict:
         with self.connect() as conn:
             return store.load_run(conn, run_id)
@@ -98,6 +104,14 @@ class Database:
     def steps(self, run_id) -> list[dict]:
         with self.connect() as conn:
             return store.load_steps(conn, run_id)
+
+
+@pytest.fixture
+def marks(tmp_path) -> str:
+    """A folder where the steps of tests/workflows.py mark their executions."""
+    path = tmp_path / "marks"
+    path.mkdir()
+    return str(path)
 
 
 @pytest.fixture

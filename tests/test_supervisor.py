@@ -14,8 +14,6 @@ import time
 import pytest
 import yaml
 
-import everystep
-from everystep import schedule
 from tests import workflows
 from tests.processes import ROOT, wait_for
 from tests.supervisor_process import SupervisorProcess, children_of, config
@@ -35,18 +33,6 @@ def supervisors(tmp_path):
         sup.close()
 
 
-@pytest.fixture
-def marks(tmp_path):
-    path = tmp_path / "marks"
-    path.mkdir()
-    return str(path)
-
-
-def schedule_many(db, fn, args_list):
-    with db.connect() as conn, everystep.transaction(conn):
-        return [schedule(fn, *args) for args in args_list]
-
-
 def count(db, status):
     return db.value("SELECT count(*) FROM everystep_workflow WHERE status = %s", (status,))
 
@@ -54,7 +40,7 @@ def count(db, status):
 def test_sigkill_of_a_worker_child_brings_the_same_name_back(db, supervisors, marks, tmp_path):
     sup = supervisors(config(db.url, "sk", workers={"processes": 1}))
     (before,) = sup.wait_workers({"sk-0"}).values()
-    (run,) = schedule_many(db, workflows.three_steps_held, [(marks, str(tmp_path / "never"))])
+    (run,) = db.schedule_many(workflows.three_steps_held, [(marks, str(tmp_path / "never"))])
     wait_for(lambda: any(tag == "two" for _, tag, _ in workflows.marks_of(marks)), what="step two started")
     os.kill(before, signal.SIGKILL)
     killed = time.monotonic()
@@ -69,7 +55,7 @@ def test_sigkill_of_a_worker_child_brings_the_same_name_back(db, supervisors, ma
 def test_a_lost_pod_is_recovered_by_another_supervisor(db, supervisors, marks):
     first = supervisors(config(db.url, "pod-a"))
     first.wait_workers({"pod-a-0", "pod-a-1"})
-    schedule_many(db, workflows.timed_steps, [(marks, 3, 1.0)] * 6)
+    db.schedule_many(workflows.timed_steps, [(marks, 3, 1.0)] * 6)
     wait_for(lambda: count(db, "running") == 6, what="six runs in flight")
     second = supervisors(config(db.url, "pod-b"))
     second.wait_workers({"pod-b-0", "pod-b-1"})
@@ -86,7 +72,7 @@ def test_a_lost_pod_is_recovered_by_another_supervisor(db, supervisors, marks):
 def test_a_slow_live_worker_is_never_recovered_from_under_it(db, supervisors, marks):
     slow = supervisors(config(db.url, "slow", workers={"processes": 1}))
     slow.wait_workers({"slow-0"})
-    (run,) = schedule_many(db, workflows.timed_steps, [(marks, 1, 6.0)])
+    (run,) = db.schedule_many(workflows.timed_steps, [(marks, 1, 6.0)])
     wait_for(lambda: workflows.marks_of(marks), what="the slow step started")
     other = supervisors(config(db.url, "other", workers={"processes": 1}))  # its sweep probes slow-0
     other.wait_workers({"other-0"})
@@ -99,7 +85,7 @@ def test_a_slow_live_worker_is_never_recovered_from_under_it(db, supervisors, ma
 def test_sigterm_drains_and_exits_zero_with_nothing_running(db, supervisors, marks):
     sup = supervisors(config(db.url, "term"))
     sup.wait_workers({"term-0", "term-1"})
-    schedule_many(db, workflows.timed_steps, [(marks, 20, 0.1)] * 6)
+    db.schedule_many(workflows.timed_steps, [(marks, 20, 0.1)] * 6)
     wait_for(lambda: count(db, "running") == 6, what="runs in flight")
     sup.signal(signal.SIGTERM)
     assert sup.wait(30) == 0
@@ -129,7 +115,7 @@ def test_ttin_and_ttou_change_the_number_of_workers(db, supervisors):
 def test_hup_applies_a_new_thread_count_without_losing_a_run(db, supervisors, marks):
     sup = supervisors(config(db.url, "hup", workers={"processes": 1, "threads": 2}))
     sup.wait_workers({"hup-0"})
-    runs = schedule_many(db, workflows.timed_steps, [(marks, 5, 0.1)] * 12)
+    runs = db.schedule_many(workflows.timed_steps, [(marks, 5, 0.1)] * 12)
     wait_for(lambda: count(db, "running") == 2, what="two runs in flight")
     sup.write_config(config(db.url, "hup", workers={"processes": 1, "threads": 5}) | {"http": sup.document["http"]})
     sup.signal(signal.SIGHUP)
@@ -144,7 +130,7 @@ def test_hup_applies_a_new_thread_count_without_losing_a_run(db, supervisors, ma
 def test_a_crash_looping_child_backs_off(db, supervisors, marks):
     sup = supervisors(config(db.url, "loop", workers={"processes": 1}, recovery={"max_crashes": 100}))
     sup.wait_workers({"loop-0"})
-    schedule_many(db, workflows.poison, [(marks,)])
+    db.schedule_many(workflows.poison, [(marks,)])
     sup.wait_logged("crashes in a row; restarting in 2.0 s", timeout=30)
     delays = [float(d) for d in re.findall(r"crashes in a row; restarting in ([\d.]+) s", sup.output())]
     assert delays[:3] == [0.5, 1.0, 2.0]

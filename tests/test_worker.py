@@ -30,18 +30,6 @@ def start_worker(db, tmp_path):
         worker.close()
 
 
-@pytest.fixture
-def marks(tmp_path):
-    path = tmp_path / "marks"
-    path.mkdir()
-    return str(path)
-
-
-def schedule_many(db, fn, args_list):
-    with db.connect() as conn, everystep.transaction(conn):
-        return [schedule(fn, *args) for args in args_list]
-
-
 def statuses(db):
     return dict(db.query("SELECT status, count(*) FROM everystep_workflow GROUP BY status"))
 
@@ -51,7 +39,7 @@ def all_done(db, total):
 
 
 def test_two_workers_claim_disjoint_sets(db, start_worker, marks):
-    runs = schedule_many(db, workflows.two_steps, [(marks,)] * 500)
+    runs = db.schedule_many(workflows.two_steps, [(marks,)] * 500)
     start_worker("w-a", threads=4)
     start_worker("w-b", threads=4)
     wait_for(all_done(db, 500), timeout=90, what="500 runs completed")
@@ -69,7 +57,7 @@ def test_two_workers_claim_disjoint_sets(db, start_worker, marks):
 
 
 def test_sigkill_mid_step_then_catchup_under_the_same_name(db, start_worker, marks, tmp_path):
-    (run,) = schedule_many(db, workflows.three_steps_held, [(marks, str(tmp_path / "never"))])
+    (run,) = db.schedule_many(workflows.three_steps_held, [(marks, str(tmp_path / "never"))])
     first = start_worker("w-1")
     wait_for(lambda: any(tag == "two" for _, tag, _ in workflows.marks_of(marks)), what="step two started")
     first.kill()
@@ -83,7 +71,7 @@ def test_sigkill_mid_step_then_catchup_under_the_same_name(db, start_worker, mar
 
 
 def test_unsafe_step_killed_mid_effect_ends_blocked(db, start_worker, marks, tmp_path):
-    (run,) = schedule_many(db, workflows.unsafe_then_done, [(marks, str(tmp_path / "never"))])
+    (run,) = db.schedule_many(workflows.unsafe_then_done, [(marks, str(tmp_path / "never"))])
     first = start_worker("w-1")
     wait_for(lambda: workflows.marks_of(marks), what="the effect started")
     first.kill()
@@ -99,7 +87,7 @@ def test_two_processes_with_one_name_never_hold_runs_together(db, start_worker, 
     first.wait_logged("holding the lock of w-same")
     second = start_worker("w-same")
     second.wait_logged("held by another live process; waiting")
-    schedule_many(db, workflows.timed_steps, [(marks, 3, 0.05)] * 20)
+    db.schedule_many(workflows.timed_steps, [(marks, 3, 0.05)] * 20)
     wait_for(lambda: len(workflows.marks_of(marks)) >= 20, what="some steps ran")
     first.kill()
     before_kill = workflows.marks_of(marks)
@@ -112,7 +100,7 @@ def test_two_processes_with_one_name_never_hold_runs_together(db, start_worker, 
 
 def test_a_run_taken_away_is_abandoned_without_a_stray_write(db, start_worker, marks, tmp_path):
     release = tmp_path / "release"
-    (run,) = schedule_many(db, workflows.three_steps_held, [(marks, str(release))])
+    (run,) = db.schedule_many(workflows.three_steps_held, [(marks, str(release))])
     worker = start_worker("w-1")
     wait_for(lambda: any(tag == "two" for _, tag, _ in workflows.marks_of(marks)), what="step two started")
     # Behind the worker's back, the run now belongs to another claimer.
@@ -127,7 +115,7 @@ def test_a_run_taken_away_is_abandoned_without_a_stray_write(db, start_worker, m
 
 
 def test_sigterm_drains_and_loses_no_recorded_step(db, start_worker, marks):
-    schedule_many(db, workflows.timed_steps, [(marks, 5, 0.2)] * 6)
+    db.schedule_many(workflows.timed_steps, [(marks, 5, 0.2)] * 6)
     worker = start_worker("w-1", threads=6, drain=30)
     wait_for(lambda: len(workflows.marks_of(marks)) >= 8, what="steps running")
     worker.signal(signal.SIGTERM)
@@ -146,7 +134,7 @@ def test_sigterm_drains_and_loses_no_recorded_step(db, start_worker, marks):
 
 
 def test_the_drain_deadline_requeues_a_step_that_runs_too_long(db, start_worker, marks):
-    (run,) = schedule_many(db, workflows.timed_steps, [(marks, 1, 60)])
+    (run,) = db.schedule_many(workflows.timed_steps, [(marks, 1, 60)])
     worker = start_worker("w-1", drain=1)
     wait_for(lambda: workflows.marks_of(marks), what="the long step started")
     started = time.monotonic()
@@ -159,7 +147,7 @@ def test_the_drain_deadline_requeues_a_step_that_runs_too_long(db, start_worker,
 
 
 def test_sigquit_requeues_at_once(db, start_worker, marks):
-    (run,) = schedule_many(db, workflows.timed_steps, [(marks, 1, 60)])
+    (run,) = db.schedule_many(workflows.timed_steps, [(marks, 1, 60)])
     worker = start_worker("w-1", drain=60)
     wait_for(lambda: workflows.marks_of(marks), what="the long step started")
     worker.signal(signal.SIGQUIT)
@@ -168,7 +156,7 @@ def test_sigquit_requeues_at_once(db, start_worker, marks):
 
 
 def test_a_poison_run_fails_after_max_crashes(db, start_worker, marks):
-    (bad,) = schedule_many(db, workflows.poison, [(marks,)])
+    (bad,) = db.schedule_many(workflows.poison, [(marks,)])
     for attempt in range(3):
         worker = start_worker("w-1", max_crashes=3)
         assert worker.wait(30) == -signal.SIGKILL, worker.output()
@@ -176,7 +164,7 @@ def test_a_poison_run_fails_after_max_crashes(db, start_worker, marks):
     worker = start_worker("w-1", max_crashes=3)
     wait_for(lambda: db.run(bad.id)["status"] == "failed", what="poison run failed")
     assert "died during 3 claims" in db.run(bad.id)["error"]["message"]
-    (good,) = schedule_many(db, workflows.quick, [(marks,)])
+    (good,) = db.schedule_many(workflows.quick, [(marks,)])
     wait_for(lambda: db.run(good.id)["status"] == "completed", what="the worker still works")
     assert worker.alive()
 
@@ -184,7 +172,7 @@ def test_a_poison_run_fails_after_max_crashes(db, start_worker, marks):
 def test_losing_the_control_connection_pauses_and_resumes(db, start_worker, marks):
     worker = start_worker("w-1", threads=2)
     worker.wait_logged("holding the lock of w-1")
-    runs = schedule_many(db, workflows.timed_steps, [(marks, 10, 0.05)] * 4)
+    runs = db.schedule_many(workflows.timed_steps, [(marks, 10, 0.05)] * 4)
     wait_for(lambda: len(workflows.marks_of(marks)) >= 4, what="steps running")
     db.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'everystep w-1 control'")
     worker.wait_logged("lost the control connection")
@@ -202,36 +190,35 @@ def private_server(tmp_path):
     server.close()
 
 
-def test_restarting_postgres_under_a_running_worker(private_server, tmp_path, marks):
-    worker = WorkerProcess(private_server.url, "w-1", tmp_path / "logs", threads=4, grace=30)
+def busy_worker_through(server, folder, marks, runs: int, grace: float, disruption) -> str:
+    """Start a worker on the private server with `runs` runs in flight, apply
+    `disruption(worker)`, and check every run completes with the worker
+    alive. Returns the worker's log."""
+    worker = WorkerProcess(server.url, "w-1", folder / "logs", threads=4, grace=grace)
     try:
-        with psycopg.connect(private_server.url, autocommit=True) as conn, everystep.transaction(conn):
-            for _ in range(8):
+        with psycopg.connect(server.url, autocommit=True) as conn, everystep.transaction(conn):
+            for _ in range(runs):
                 schedule(workflows.timed_steps, marks, 10, 0.05)
-        wait_for(lambda: len(workflows.marks_of(marks)) >= 8, what="steps running")
-        private_server.restart()
-        with psycopg.connect(private_server.url, autocommit=True) as conn:
+        wait_for(lambda: len(workflows.marks_of(marks)) >= 2 * runs, what="steps running")
+        disruption(worker)
+        with psycopg.connect(server.url, autocommit=True) as conn:
             wait_for(lambda: conn.execute("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'")
-                     .fetchone()[0] == 8, timeout=60, what="every run completed")
+                     .fetchone()[0] == runs, timeout=60, what="every run completed")
         assert worker.alive()
-        assert "lost the control connection" in worker.output()
+        return worker.output()
     finally:
         worker.close()
+
+
+def test_restarting_postgres_under_a_running_worker(private_server, tmp_path, marks):
+    log = busy_worker_through(private_server, tmp_path, marks, 4, 30, lambda worker: private_server.restart())
+    assert "lost the control connection" in log
 
 
 def test_a_worker_cut_off_past_the_grace_abandons_then_recovers_its_runs(private_server, tmp_path, marks):
-    worker = WorkerProcess(private_server.url, "w-1", tmp_path / "logs", threads=4, grace=1)
-    try:
-        with psycopg.connect(private_server.url, autocommit=True) as conn, everystep.transaction(conn):
-            for _ in range(4):
-                schedule(workflows.timed_steps, marks, 20, 0.05)
-        wait_for(lambda: len(workflows.marks_of(marks)) >= 8, what="steps running")
+    def cut_off(worker):
         private_server.stop()
         worker.wait_logged("abandoning 4 runs", timeout=30)
         private_server.start()
-        with psycopg.connect(private_server.url, autocommit=True) as conn:
-            wait_for(lambda: conn.execute("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'")
-                     .fetchone()[0] == 4, timeout=60, what="every run completed")
-        assert worker.alive()
-    finally:
-        worker.close()
+
+    busy_worker_through(private_server, tmp_path, marks, 4, 1, cut_off)
