@@ -1,0 +1,40 @@
+"""Run by tests/test_django.py in a process of its own (Django's settings are
+global): schedule() inside and outside Django transactions."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import django
+from django.conf import settings
+from psycopg import conninfo
+
+import everystep
+from tests.workflows import quick
+
+
+def main(url: str) -> None:
+    params = conninfo.conninfo_to_dict(url)
+    settings.configure(DATABASES={"default": {
+        "ENGINE": "django.db.backends.postgresql", "NAME": params["dbname"], "USER": params.get("user", ""),
+        "HOST": params.get("host", ""), "PORT": params.get("port", ""),
+        "OPTIONS": {"options": params.get("options", "")},
+    }})
+    django.setup()
+    from django.db import transaction  # noqa: PLC0415
+
+    with transaction.atomic():
+        committed = everystep.schedule(quick, "/tmp", idempotency_key="django:1")
+    again = everystep.schedule(quick, "/tmp", idempotency_key="django:1")
+    try:
+        with transaction.atomic():
+            everystep.schedule(quick, "/tmp", idempotency_key="django:2")
+            raise RuntimeError("roll back")
+    except RuntimeError:
+        pass
+    print(json.dumps({"committed": str(committed.id), "again": str(again.id), "again_created": again.created}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

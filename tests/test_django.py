@@ -1,0 +1,19 @@
+"""schedule() finds Django's connection when Django is configured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.processes import ROOT
+
+
+def test_schedule_joins_the_django_transaction(db):
+    result = subprocess.run([sys.executable, "-m", "tests.django_scheduling", db.url], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    rows = db.query("SELECT id::text, idempotency_key, status FROM everystep_workflow")
+    assert rows == [(out["committed"], "django:1", "scheduled")]  # the rolled-back one left nothing
+    assert out["again"] == out["committed"] and out["again_created"] is False
