@@ -364,7 +364,9 @@ class Arbiter:
         setproctitle(f"everystep: supervisor {self.config.name} [{workers} workers]")
         for role in ("worker", "http", "maintenance"):
             metrics.CHILDREN.labels(role).set(sum(1 for r, _, _ in live if r == role))
-        expected = [s.name for s in self.slots.values() if s.role == "worker" and s.restart]
+        # Ready means every configured worker holds its lock: not yet during
+        # the setup, no longer during a drain.
+        expected = [self._worker_name(i) for i in range(self.processes)]
         http.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "setup"], expected)
 
 
