@@ -58,3 +58,10 @@ CHILDREN = Gauge(
     "everystep_supervisor_children", "Children alive, by role (worker, http, maintenance).", ["role"],
     multiprocess_mode="livesum",
 )
+
+
+def declare_runner(runner: str) -> None:
+    """Export the runner's counters at 0 before anything happens: Prometheus's
+    increase() only sees an increment of a series that it scraped before."""
+    for counter in (CLAIMS, REQUEUED, CLAIMS_LOST):
+        counter.labels(runner)

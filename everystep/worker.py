@@ -94,6 +94,7 @@ class Worker:
         max_crashes: int = 3,
         on_claim: Callable[[int], None] | None = None,
         on_load: Callable[[int, int], None] | None = None,
+        on_lock: Callable[[bool], None] | None = None,
     ):
         if not name or len(name) > 255:
             raise ValueError("a worker name must have 1 to 255 characters")
@@ -106,6 +107,7 @@ class Worker:
         self.max_crashes = max_crashes
         self.on_claim = on_claim  # called with the number of runs claimed
         self.on_load = on_load  # called with (runs in flight, threads) when it changes
+        self.on_lock = on_lock  # called with True once the name's lock is held, False when it is not any more
 
         self.lease = WorkerLease()
         self._stopping = False
@@ -186,6 +188,7 @@ class Worker:
                     conn.close()
                     raise
                 self.lease.held.set()
+                self._lock_changed(True)
                 log.info("holding the lock of %s", self.name, extra=self._extra)
                 return True
             except _CONNECTION_ERRORS as exc:
@@ -214,6 +217,7 @@ class Worker:
         log.warning("lost the control connection (%s); pausing steps and reconnecting", _first_line(exc),
                     extra=self._extra)
         self.lease.held.clear()
+        self._lock_changed(False)
         if self._conn is not None:
             self._conn.close()
         self._conn = None
@@ -341,6 +345,10 @@ class Worker:
         if self.on_load:
             self.on_load(inflight, self.threads)
 
+    def _lock_changed(self, held: bool) -> None:
+        if self.on_lock:
+            self.on_lock(held)
+
     def _requeue_backlog(self) -> None:
         if self._backlog and self._conn is not None:
             requeued = store.requeue_held(self._conn, [run.id for run in self._backlog], self.name)
@@ -367,6 +375,7 @@ class Worker:
 
     def _shutdown(self) -> None:
         self.lease.held.clear()
+        self._lock_changed(False)
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self._conn is not None:
             try:

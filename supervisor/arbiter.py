@@ -27,7 +27,7 @@ from setproctitle import setproctitle
 
 from everystep import logs, metrics
 from supervisor import http, metrics_dir
-from supervisor.children import BOOTED, CLAIMED, EXIT_BOOT_FAILED, ChildSpec, run_child
+from supervisor.children import BOOTED, CLAIMED, EXIT_BOOT_FAILED, LOCKED, UNLOCKED, ChildSpec, run_child
 from supervisor.config import Config, ConfigError, load
 
 log = logging.getLogger("everystep.supervisor")
@@ -53,6 +53,7 @@ class Slot:
     started: float = 0.0
     booted: bool = False
     claimed: bool = False
+    locked: bool = False  # a worker that said it holds the lock of its name
     stopping: bool = False  # asked to exit: its exit is expected
     restart: bool = True  # start it again after it exits
     crashes: int = 0  # unexpected exits in a row
@@ -122,6 +123,8 @@ class Arbiter:
 
     def _add(self, role: str, name: str) -> Slot:
         slot = self.slots[name] = Slot(role, name)
+        if role != "setup":
+            metrics.CHILD_RESTARTS.labels(name)  # exported at 0 from the start: see metrics.declare_runner
         return slot
 
     # ---------------------------------------------------------------- the loop
@@ -176,7 +179,7 @@ class Arbiter:
         os.close(write_fd)
         os.set_blocking(read_fd, False)
         slot.pid, slot.status_fd, slot.started = pid, read_fd, time.monotonic()
-        slot.booted = slot.claimed = slot.stopping = False
+        slot.booted = slot.claimed = slot.locked = slot.stopping = False
         log.info("started %s %s (pid %d)", slot.role, slot.name, pid)
 
     def _read_status(self, fd: int) -> None:
@@ -192,6 +195,9 @@ class Arbiter:
         if CLAIMED in data:
             slot.claimed = True
             slot.crashes = 0  # it works: the back-off starts over
+        last_lock_news = max(data.rfind(LOCKED), data.rfind(UNLOCKED))
+        if last_lock_news >= 0:
+            slot.locked = data[last_lock_news:last_lock_news + 1] == LOCKED
 
     # ---------------------------------------------------------------- exits
 
@@ -217,7 +223,7 @@ class Arbiter:
                 os.close(slot.status_fd)
         cause = _describe(status)
         uptime = time.monotonic() - slot.started
-        pid, slot.pid, slot.status_fd = slot.pid, None, None
+        pid, slot.pid, slot.status_fd, slot.locked = slot.pid, None, None, False
         expected = slot.stopping or self.phase == "stopping"
         if slot.role == "setup":
             self._set_up(slot, status, cause)
@@ -356,7 +362,8 @@ class Arbiter:
                 if slot.role != "worker" and slot.pid and not slot.stopping:
                     self._signal(slot, signal.SIGTERM)
         live = [(s.role, s.name, s.pid) for s in self.slots.values() if s.pid]
-        state = (self.phase, tuple(sorted(live)))
+        locked = sorted(s.name for s in self.slots.values() if s.role == "worker" and s.pid and s.locked)
+        state = (self.phase, tuple(sorted(live)), tuple(locked))
         if state == getattr(self, "_published", None):
             return
         self._published = state
@@ -367,7 +374,7 @@ class Arbiter:
         # Ready means every configured worker holds its lock: not yet during
         # the setup, no longer during a drain.
         expected = [self._worker_name(i) for i in range(self.processes)]
-        http.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "setup"], expected)
+        http.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "setup"], expected, locked)
 
 
 def _describe(status: int) -> str:

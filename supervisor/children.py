@@ -2,7 +2,8 @@
 
 Every child builds its own database connections (nothing is inherited across
 the fork), asks the kernel for SIGTERM when the supervisor dies, reports on
-its status pipe once it has booted (`B`) and when it first claims work (`C`),
+its status pipe once it has booted (`B`), when it first claims work (`C`),
+and, for a worker, when it takes (`L`) or loses (`U`) the lock of its name,
 and leaves with os._exit so nothing of the parent's runs at its exit.
 """
 
@@ -26,6 +27,8 @@ log = logging.getLogger("everystep.supervisor")
 
 BOOTED = b"B"
 CLAIMED = b"C"
+LOCKED = b"L"
+UNLOCKED = b"U"
 EXIT_BOOT_FAILED = 3  # the child could not start; the supervisor gives up rather than crash-loop
 _PR_SET_PDEATHSIG = 1
 SCHEDULER_TICK = 1.0  # seconds between looks at the recurring schedules
@@ -69,12 +72,21 @@ class _Status:
 
     def booted(self) -> None:
         self.was_booted = True
-        os.write(self.fd, BOOTED)
+        self._send(BOOTED)
 
     def claimed_work(self, _count: int = 0) -> None:
         if not self.claimed:
             self.claimed = True
-            os.write(self.fd, CLAIMED)
+            self._send(CLAIMED)
+
+    def lock(self, held: bool) -> None:
+        self._send(LOCKED if held else UNLOCKED)
+
+    def _send(self, message: bytes) -> None:
+        try:
+            os.write(self.fd, message)
+        except BrokenPipeError:
+            pass  # the supervisor is gone: this child is on its way out (SIGTERM), nobody to tell
 
 
 def _after_fork(spec: ChildSpec, parent_pid: int) -> None:
@@ -101,6 +113,7 @@ def _stop_on(signals: tuple, stop) -> None:
 
 
 def _worker(spec: ChildSpec, config, status: _Status) -> None:
+    from everystep import metrics  # noqa: PLC0415
     from everystep.worker import Worker  # noqa: PLC0415
 
     workers = config.workers
@@ -108,7 +121,9 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
         spec.database_url, spec.name, threads=workers.threads, poll=workers.poll, drain=workers.drain,
         grace=config.recovery.grace, max_crashes=config.recovery.max_crashes, on_claim=status.claimed_work,
         on_load=lambda inflight, threads: setproctitle(f"everystep: worker {spec.name} [{inflight}/{threads}]"),
+        on_lock=status.lock,
     )
+    metrics.declare_runner(spec.name)
     _stop_on((signal.SIGTERM, signal.SIGINT), worker.stop)
     signal.signal(signal.SIGQUIT, lambda *_: worker.stop(fast=True))
     status.booted()

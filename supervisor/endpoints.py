@@ -3,8 +3,8 @@
 /metrics aggregates every child's files in the multiprocess folder and adds
 the queue gauges, read from the database at scrape time. /healthz (liveness)
 looks only at processes, never at the database, so a database outage cannot
-get pods killed. /readyz (readiness) asks the database whether every expected
-worker holds its lock.
+get pods killed. /readyz (readiness) needs every expected worker to have said
+it holds its lock, and the database to show that lock held.
 
 The database is reached through one connection used by one thread, and every
 request waits for it a bounded time: a database that is down, unreachable or
@@ -20,6 +20,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -42,6 +43,8 @@ STATEMENT_TIMEOUT_MS = 2000
 # How long a request waits for the database: a connect plus a statement, with
 # room to spare. Past it the request answers without the database.
 DATABASE_DEADLINE_SECONDS = 3.0
+# How long a dead child may stay listed by the supervisor before /healthz fails.
+UNREAPED_GRACE_SECONDS = 3.0
 
 T = TypeVar("T")
 
@@ -206,33 +209,56 @@ def _state(runtime_dir: Path) -> http.SupervisorState | str:
     return "the supervisor has not written its state yet" if state is None else state
 
 
-def unhealthy_because(runtime_dir: Path) -> str | None:
-    """Liveness: None when the supervisor and every child it lists are alive,
-    else why not. Looks at processes only, never at the database."""
-    state = _state(runtime_dir)
-    if isinstance(state, str):
-        return state
-    supervisor = state.supervisor_pid
-    if not _alive(supervisor):
-        return f"the supervisor (pid {supervisor}) is not running"
-    if os.getppid() != supervisor:  # it died and its pid was reused, or the file is from another run
-        return f"the supervisor (pid {supervisor}) is not this process's parent"
-    for child in state.children:
-        if not _alive(child.pid, parent=supervisor):
-            return f"{child.role} {child.name} (pid {child.pid}) is not running"
-    return None
+class Liveness:
+    """/healthz: None when the supervisor and every child it lists are alive,
+    else why not. Looks at processes only, never at the database.
+
+    A listed child found dead is given UNREAPED_GRACE_SECONDS from the first
+    probe that sees it so: a healthy supervisor reaps a dead child and starts
+    its replacement within milliseconds (or leaves it unlisted while it backs
+    off), so a probe that lands in that instant is no reason to restart the
+    pod; a dead child still listed after the grace means the supervisor is not
+    doing its job."""
+
+    def __init__(self, runtime_dir: Path):
+        self._runtime_dir = runtime_dir
+        self._lock = threading.Lock()
+        self._dead_since: dict[http.Child, float] = {}  # listed children seen dead, and since when
+
+    def unhealthy_because(self) -> str | None:
+        state = _state(self._runtime_dir)
+        if isinstance(state, str):
+            return state
+        supervisor = state.supervisor_pid
+        if not _alive(supervisor):
+            return f"the supervisor (pid {supervisor}) is not running"
+        if os.getppid() != supervisor:  # it died and its pid was reused, or the file is from another run
+            return f"the supervisor (pid {supervisor}) is not this process's parent"
+        dead = [child for child in state.children if not _alive(child.pid, parent=supervisor)]
+        now = time.monotonic()
+        with self._lock:
+            self._dead_since = {child: self._dead_since.get(child, now) for child in dead}
+            late = [child for child in dead if now - self._dead_since[child] >= UNREAPED_GRACE_SECONDS]
+        if late:
+            child = late[0]
+            return (f"{child.role} {child.name} (pid {child.pid}) is not running, and the supervisor has not "
+                    f"replaced it in {UNREAPED_GRACE_SECONDS:g} s")
+        return None
 
 
 def unready_because(runtime_dir: Path, database: Database) -> str | None:
     """Readiness: None when the database answers and every expected worker
-    holds its lock, else why not."""
+    holds its lock (its child says so and the database agrees), else why not."""
     state = _state(runtime_dir)
     if isinstance(state, str):
         return state
     try:
-        missing = database.call(lambda conn: store.runners_without_lock(conn, state.expected_workers))
+        free = database.call(lambda conn: store.runners_without_lock(conn, state.expected_workers))
     except DatabaseUnavailable as exc:
         return f"the database does not answer: {exc}"
+    # A worker that waits for its lock (another live process holds it: the
+    # database shows it held) is not ready either.
+    missing = [name for name in state.expected_workers if name in free or name not in state.locked_workers]
     if missing:
         return "workers not holding their lock: " + ", ".join(missing)
     return None
@@ -270,6 +296,7 @@ class _Server(ThreadingHTTPServer):
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
         self.runtime_dir = runtime_dir
+        self.liveness = Liveness(runtime_dir)
         self.database = database
         self.registry = registry
 
@@ -283,7 +310,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._answer(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
         elif path == "/healthz":
-            self._probe(unhealthy_because(self.server.runtime_dir))
+            self._probe(self.server.liveness.unhealthy_because())
         elif path == "/readyz":
             self._probe(unready_because(self.server.runtime_dir, self.server.database))
         else:

@@ -1,9 +1,10 @@
 """The HTTP child's interface: the state file the arbiter writes, and `serve`.
 
 The arbiter holds no database connection and serves nothing; it tells the HTTP
-child which processes should be alive through a small JSON file in the runtime
-folder, replaced atomically whenever its children change (`write_state`). The
-HTTP child (`serve`) reads it on every health and readiness probe.
+child which processes should be alive, and which workers said they hold their
+lock, through a small JSON file in the runtime folder, replaced atomically
+whenever that changes (`write_state`). The HTTP child (`serve`) reads it on
+every health and readiness probe.
 
 This module imports only the standard library at its top, so the arbiter can
 import it before it sets PROMETHEUS_MULTIPROC_DIR (prometheus_client chooses
@@ -32,6 +33,7 @@ class SupervisorState(NamedTuple):
     supervisor_pid: int
     children: list[Child]
     expected_workers: list[str]  # runner names that should hold their lock
+    locked_workers: list[str]  # runner names whose worker child reported holding its lock
 
 
 def write_state(
@@ -39,9 +41,11 @@ def write_state(
     supervisor_pid: int,
     children: list[tuple[str, str, int]],
     expected_workers: list[str],
+    locked_workers: list[str],
 ) -> None:
     """Replace the state file: the supervisor's pid, its live children as
-    (role, name, pid), and the worker names it expects to run."""
+    (role, name, pid), the worker names it expects to run, and those whose
+    worker child said it holds its lock."""
     for role, name, _ in children:
         if role not in ROLES:
             raise ValueError(f"child {name!r}: role {role!r} is not one of {', '.join(ROLES)}")
@@ -49,6 +53,7 @@ def write_state(
         "supervisor_pid": supervisor_pid,
         "children": [{"role": role, "name": name, "pid": pid} for role, name, pid in children],
         "expected_workers": list(expected_workers),
+        "locked_workers": list(locked_workers),
     }
     folder = Path(runtime_dir)
     aside = folder / f".{STATE_FILE}.{os.getpid()}.tmp"
@@ -66,6 +71,7 @@ def read_state(runtime_dir: str | os.PathLike) -> SupervisorState | None:
         supervisor_pid=int(document["supervisor_pid"]),
         children=[Child(c["role"], c["name"], int(c["pid"])) for c in document["children"]],
         expected_workers=[str(name) for name in document["expected_workers"]],
+        locked_workers=[str(name) for name in document["locked_workers"]],
     )
 
 

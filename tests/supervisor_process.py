@@ -8,10 +8,14 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
+import psycopg
 import yaml
 
+import everystep
+from tests import workflows
 from tests.processes import ROOT, wait_for
 
 
@@ -62,11 +66,17 @@ class SupervisorProcess:
         self.document = document
         self.config_path = folder / f"everystep-{document['name']}.yaml"
         self.write_config(document)
-        self.log_path = folder / f"supervisor-{document['name']}-{time.monotonic_ns()}.log"
+        started = time.monotonic_ns()
+        self.log_path = folder / f"supervisor-{document['name']}-{started}.log"
         self.log = open(self.log_path, "w")
+        # The supervisor's runtime folder (state file, metrics folder) goes in
+        # here, where a test can look at it.
+        self.tmp = folder / f"tmp-{document['name']}-{started}"
+        self.tmp.mkdir()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor", "-c", str(self.config_path)], cwd=ROOT,
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp)},
         )
         self.pid = self.proc.pid
 
@@ -80,6 +90,13 @@ class SupervisorProcess:
 
     def output(self) -> str:
         return self.log_path.read_text()
+
+    @property
+    def metrics_folder(self) -> Path:
+        """The multiprocess folder the supervisor made and its children write to."""
+        found = wait_for(lambda: list(self.tmp.glob("everystep-supervisor-*/metrics")), what="the metrics folder")
+        (folder,) = found
+        return folder
 
     def wait_logged(self, text: str, timeout: float = 30.0, count: int = 1) -> None:
         wait_for(lambda: self.output().count(text) >= count, timeout, what=f"{text!r} x{count} in the supervisor log")
@@ -95,6 +112,14 @@ class SupervisorProcess:
     def wait_workers(self, names: set[str], timeout: float = 30.0) -> dict[str, int]:
         wait_for(lambda: set(self.workers()) == names, timeout, what=f"workers {sorted(names)}")
         return self.workers()
+
+    def kill_worker(self, name: str) -> int:
+        """SIGKILL the worker child `name` and wait for the supervisor to start
+        it again; returns the new pid."""
+        old = self.workers()[name]
+        os.kill(old, signal.SIGKILL)
+        return wait_for(lambda: (pid := self.workers().get(name)) not in (None, old) and pid, timeout=30,
+                        interval=0.005, what=f"{name} restarted after pid {old}")
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
@@ -116,3 +141,24 @@ class SupervisorProcess:
         if self.proc.poll() is None:
             self.kill_tree()
         self.log.close()
+
+
+def restart_workers(sup: SupervisorProcess, database_url: str, marks: str, restarts: int) -> None:
+    """SIGKILL worker children of `sup` `restarts` times, each time the one
+    that has just completed a run: a child that claimed work is not
+    crash-looping, so the supervisor restarts it at once, without back-off."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for _ in range(restarts):
+            with everystep.transaction(conn):
+                run = everystep.schedule(workflows.quick, marks)
+            name = wait_for(partial(_completed_by, conn, run.id), timeout=30, interval=0.005,
+                            what=f"run {run.id} completed")
+            executed_by = {pid for r, _, pid in workflows.marks_of(marks) if r == str(run.id)}
+            assert executed_by == {sup.workers()[name]}, executed_by
+            sup.kill_worker(name)
+
+
+def _completed_by(conn: psycopg.Connection, run_id) -> str | None:
+    status, claimed_by = conn.execute("SELECT status, claimed_by FROM everystep_workflow WHERE id = %s",
+                                      (run_id,)).fetchone()
+    return claimed_by if status == "completed" else None

@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from everystep import store
-from supervisor import http, metrics_dir
+from supervisor import endpoints, http, metrics_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "config" / "prometheus" / "everystep.rules.yml"
@@ -371,7 +371,7 @@ def test_an_unreachable_database_answers_fast_and_does_not_touch_liveness(folder
     child = start.child("web-0-0", claims=1)
     server = start.http(UNREACHABLE_DATABASE)
     http.write_state(folders.runtime, os.getpid(), [("worker", "web-0-0", child.pid), ("http", "http", server.pid)],
-                     ["web-0-0"])
+                     ["web-0-0"], ["web-0-0"])
 
     started = time.monotonic()
     status, body = server.get("/readyz")
@@ -439,39 +439,57 @@ def test_healthz_follows_the_supervisor_and_its_children(db, folders, start):
     first = start.child("web-0-0")
     second = start.child("web-0-1")
     children = [("worker", "web-0-0", first.pid), ("worker", "web-0-1", second.pid), ("http", "http", server.pid)]
-    http.write_state(folders.runtime, os.getpid(), children, ["web-0-0", "web-0-1"])
+    workers = ["web-0-0", "web-0-1"]
+    http.write_state(folders.runtime, os.getpid(), children, workers, workers)
     assert server.get("/healthz") == (200, "ok\n")
 
-    second.kill(reap=False)  # dead, not reaped yet: a zombie is not alive
-    status, body = wait_for(lambda: (r := server.get("/healthz"))[0] == 503 and r, what="/healthz to fail")
-    assert body == f"worker web-0-1 (pid {second.pid}) is not running\n"
+    # Dead, not reaped yet: a zombie is not alive. The supervisor gets a grace
+    # to reap and replace it, counted from the first probe that sees it dead.
+    second.kill(reap=False)
+    wait_for(lambda: Path(f"/proc/{second.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z",
+             what="a zombie")
+    seen = time.monotonic()
+    assert server.get("/healthz") == (200, "ok\n")
+    status, body = wait_for(lambda: (r := server.get("/healthz"))[0] == 503 and r,
+                            timeout=endpoints.UNREAPED_GRACE_SECONDS + 10, what="/healthz to fail")
+    assert time.monotonic() - seen >= endpoints.UNREAPED_GRACE_SECONDS
+    assert body == (f"worker web-0-1 (pid {second.pid}) is not running, and the supervisor has not replaced it"
+                    f" in {endpoints.UNREAPED_GRACE_SECONDS:g} s\n")
     second.process.wait()
     assert server.get("/healthz")[0] == 503
 
     # The arbiter lists the children it has; while it backs off, the dead one is not listed.
-    http.write_state(folders.runtime, os.getpid(), [c for c in children if c[1] != "web-0-1"], ["web-0-0", "web-0-1"])
+    http.write_state(folders.runtime, os.getpid(), [c for c in children if c[1] != "web-0-1"], workers, workers)
     assert server.get("/healthz") == (200, "ok\n")
 
     # A listed pid that now belongs to another process (this test's parent).
-    http.write_state(folders.runtime, os.getpid(), [("worker", "web-0-9", os.getppid())], [])
-    status, body = server.get("/healthz")
-    assert status == 503 and body == f"worker web-0-9 (pid {os.getppid()}) is not running\n"
+    http.write_state(folders.runtime, os.getpid(), [("worker", "web-0-9", os.getppid())], [], [])
+    status, body = wait_for(lambda: (r := server.get("/healthz"))[0] == 503 and r,
+                            timeout=endpoints.UNREAPED_GRACE_SECONDS + 10, what="/healthz to fail")
+    assert body.startswith(f"worker web-0-9 (pid {os.getppid()}) is not running,"), body
 
     # A state file left by a supervisor that is not this child's parent.
-    http.write_state(folders.runtime, first.pid, [], [])
+    http.write_state(folders.runtime, first.pid, [], [], [])
     status, body = server.get("/healthz")
     assert status == 503 and f"supervisor (pid {first.pid}) is not this process's parent" in body
 
 
 def test_readyz_follows_the_workers_locks(db, folders, start):
     server = start.http(db.url)
-    http.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], ["web-0-0", "web-0-1"])
+    workers = ["web-0-0", "web-0-1"]
+    http.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, workers)
     status, body = server.get("/readyz")
     assert status == 503 and "web-0-0, web-0-1" in body, body
 
     with db.connect() as holder:
         assert store.try_lock(holder, "web-0-0") and store.try_lock(holder, "web-0-1")
         assert server.get("/readyz") == (200, "ok\n")
+
+        # Held, but not by the supervisor's worker: it did not say it holds it
+        # (it waits for it while another live process of that name holds it).
+        http.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, ["web-0-1"])
+        assert server.get("/readyz") == (503, "workers not holding their lock: web-0-0\n")
+        http.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, workers)
 
         store.unlock(holder, "web-0-1")
         status, body = server.get("/readyz")
@@ -497,12 +515,13 @@ def test_unknown_paths_are_404_and_sigterm_stops_the_server(db, folders, start):
 
 
 def test_write_state_replaces_the_file_whole(tmp_path):
-    http.write_state(tmp_path, 10, [("worker", "a-0", 11), ("maintenance", "maintenance", 12)], ["a-0"])
-    http.write_state(tmp_path, 10, [("worker", "a-0", 13)], ["a-0", "a-1"])
-    assert http.read_state(tmp_path) == http.SupervisorState(10, [http.Child("worker", "a-0", 13)], ["a-0", "a-1"])
+    http.write_state(tmp_path, 10, [("worker", "a-0", 11), ("maintenance", "maintenance", 12)], ["a-0"], ["a-0"])
+    http.write_state(tmp_path, 10, [("worker", "a-0", 13)], ["a-0", "a-1"], ["a-1"])
+    assert http.read_state(tmp_path) == http.SupervisorState(
+        10, [http.Child("worker", "a-0", 13)], ["a-0", "a-1"], ["a-1"])
     assert [p.name for p in tmp_path.iterdir()] == [http.STATE_FILE]
     with pytest.raises(ValueError, match="role 'web'"):
-        http.write_state(tmp_path, 10, [("web", "a-0", 11)], [])
+        http.write_state(tmp_path, 10, [("web", "a-0", 11)], [], [])
 
 
 # ---------------------------------------------------------------- Prometheus

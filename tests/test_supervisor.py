@@ -150,6 +150,7 @@ def test_the_children_exit_when_the_supervisor_dies(db, supervisors):
                        for pid in children)
 
     wait_for(all_gone, timeout=20, what="the children to exit")
+    assert "Traceback" not in sup.output()  # each drained and left quietly
 
 
 def _supervisor(config_path, timeout=30):

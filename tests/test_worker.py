@@ -170,15 +170,17 @@ def test_a_poison_run_fails_after_max_crashes(db, start_worker, marks):
 
 
 def test_losing_the_control_connection_pauses_and_resumes(db, start_worker, marks):
-    worker = start_worker("w-1", threads=2)
-    worker.wait_logged("holding the lock of w-1")
+    name = f"w-ctl-{db.schema}"  # the server is shared: cut only this test's worker
+    worker = start_worker(name, threads=2)
+    worker.wait_logged(f"holding the lock of {name}")
     runs = db.schedule_many(workflows.timed_steps, [(marks, 10, 0.05)] * 4)
     wait_for(lambda: len(workflows.marks_of(marks)) >= 4, what="steps running")
-    db.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'everystep w-1 control'")
+    db.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+             (f"everystep {name} control"[:63],))
     worker.wait_logged("lost the control connection")
     wait_for(all_done(db, len(runs)), timeout=60, what="runs completed")
     assert worker.alive()
-    assert worker.output().count("holding the lock of w-1") == 2
+    assert worker.output().count(f"holding the lock of {name}") == 2
 
 
 @pytest.fixture

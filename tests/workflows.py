@@ -48,6 +48,15 @@ def hold_first_time(marks: str, tag: str, release: str) -> str:
     return tag
 
 
+@step
+def hold(marks: str, tag: str, release: str) -> str:
+    """Block on every execution until `release` exists."""
+    mark(marks, tag)
+    while not os.path.exists(release):
+        time.sleep(0.02)
+    return tag
+
+
 @step(unsafe_to_repeat=True)
 def unsafe_effect(marks: str, release: str) -> str:
     mark(marks, "effect")
@@ -72,6 +81,11 @@ def two_steps(marks: str) -> str:
 @workflow
 def three_steps_held(marks: str, release: str) -> list:
     return [work(marks, "one"), hold_first_time(marks, "two", release), work(marks, "three")]
+
+
+@workflow
+def held(marks: str, release: str) -> str:
+    return hold(marks, "held", release)
 
 
 @workflow
