@@ -27,6 +27,10 @@ TERMINAL = ("completed", "failed", "stopped")
 _LOCK_KEY = "hashtextextended('everystep:' || current_schema() || ':' || %s, 0)"
 _HELD = "id = %(run)s AND status = 'running' AND claimed_by = %(runner)s"
 
+# What the writes about a held run execute on: a connection, or a cursor of
+# one (the runner reuses one cursor for all the writes of an execution).
+Executor = psycopg.Connection | psycopg.Cursor
+
 
 class ClaimedRun(NamedTuple):
     id: uuid.UUID
@@ -218,7 +222,7 @@ def count_crashes(
 # ---------------------------------------------------------------- writes about a held run (fenced)
 
 def record_step(
-    conn: psycopg.Connection,
+    conn: Executor,
     run: uuid.UUID,
     runner: str,
     step_id: str,
@@ -246,7 +250,7 @@ def record_step(
 
 
 def complete_started_step(
-    conn: psycopg.Connection,
+    conn: Executor,
     run: uuid.UUID,
     runner: str,
     step_id: str,
@@ -270,40 +274,83 @@ def complete_started_step(
     return cur.rowcount == 1
 
 
-def step_row(conn: psycopg.Connection, run: uuid.UUID, step_id: str) -> tuple | None:
+def step_row(conn: Executor, run: uuid.UUID, step_id: str) -> tuple | None:
     """(name, status) of one recorded step, or None."""
     return conn.execute(
         "SELECT name, status FROM everystep_step WHERE workflow_id = %s AND step_id = %s", (run, step_id)
     ).fetchone()
 
 
-def is_held(conn: psycopg.Connection, run: uuid.UUID, runner: str) -> bool:
+def is_held(conn: Executor, run: uuid.UUID, runner: str) -> bool:
     row = conn.execute(f"SELECT 1 FROM everystep_workflow WHERE {_HELD}", {"run": run, "runner": runner}).fetchone()
     return row is not None
 
 
+# The SET clause that ends a run.
+_ENDING = (
+    "status = %(status)s::text, result = %(result)s::jsonb, error = %(error)s::jsonb,"
+    " completed_at = CASE WHEN %(status)s::text = 'blocked' THEN NULL ELSE now() END"
+)
+# Ending a run, with the row of its last step, and claiming up to %(claim)s
+# more runs (only if the run was ended); one row per claimed run, at least one.
+_END_RUN = (
+    "WITH ended AS (UPDATE everystep_workflow SET {ending}{async_commit} WHERE {held} RETURNING id),"
+    " {step}"
+    " claimed AS (UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s"
+    "  WHERE w.id IN (SELECT id FROM everystep_workflow WHERE status = 'scheduled' AND EXISTS (SELECT 1 FROM ended)"
+    "   ORDER BY created_at LIMIT %(claim)s FOR UPDATE SKIP LOCKED)"
+    "  RETURNING {run_with_steps})"
+    " SELECT ended.id IS NOT NULL, claimed.* FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
+)
+# The step row is inserted only if the run was ended here; a row already
+# there is a unique violation that undoes the whole statement.
+_END_RUN_WITH_STEP = _END_RUN.format(
+    ending=_ENDING, async_commit="", held=_HELD, run_with_steps=_RUN_WITH_STEPS,
+    step="step AS (INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
+    " SELECT id, %(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(step_status)s,"
+    " %(step_result)s::jsonb, %(step_error)s::jsonb FROM ended),",
+)
+_END_RUN_ALONE = _END_RUN.format(
+    ending=_ENDING, async_commit=" FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit",
+    held=_HELD, run_with_steps=_RUN_WITH_STEPS, step="",
+)
+_STEP_COLUMNS = ("step_id", "name", "args", "kwargs", "step_status", "step_result", "step_error")
+
+
 def finish_run(
-    conn: psycopg.Connection, run: uuid.UUID, runner: str, status: str, result: str | None, error: str | None
-) -> bool:
-    """Move a held run to its end (completed/failed/stopped/blocked).
+    conn: Executor, run: uuid.UUID, runner: str, status: str, result: str | None, error: str | None,
+    last_step: tuple | None = None, claim: int = 0,
+) -> list[ClaimedRun] | None:
+    """Move a held run to its end (completed/failed/stopped/blocked), in one
+    statement with the row of its last step when that is not written yet
+    (`last_step`: the arguments of `record_step` after the runner), and with
+    the claim of up to `claim` more runs for the slot it frees. Returns the
+    runs claimed, or None if the run was not held (nothing was written).
 
-    This commit does not wait for its WAL flush: the end of a run is derived
-    by replay from its recorded steps, which are flushed, so a final status
-    lost to a server crash leaves the run `running` under this worker, whose
-    catchup replays it to the same end. Any later flushed commit, of anyone,
-    makes it durable too."""
-    cur = conn.execute(
-        "UPDATE everystep_workflow SET status = %(status)s::text, result = %(result)s::jsonb,"
-        " error = %(error)s::jsonb, completed_at = CASE WHEN %(status)s::text = 'blocked' THEN NULL ELSE now() END"
-        " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"
-        f" WHERE {_HELD}",
-        {"run": run, "runner": runner, "status": status, "result": result, "error": error},
-        prepare=True,
-    )
-    return cur.rowcount == 1
+    Without a step row, this commit does not wait for its WAL flush: the end
+    of a run is derived by replay from its recorded steps, which are flushed,
+    so a final status lost to a server crash leaves the run `running` under
+    this worker, whose catchup replays it to the same end. Any later flushed
+    commit, of anyone, makes it durable too; so is a claim lost with it (see
+    `prepare_control_session`). With a step row it is flushed."""
+    params = {"run": run, "runner": runner, "status": status, "result": result, "error": error, "claim": claim}
+    if last_step is not None:
+        params.update(zip(_STEP_COLUMNS, last_step))
+    rows = conn.execute(_END_RUN_ALONE if last_step is None else _END_RUN_WITH_STEP, params, prepare=True).fetchall()
+    if not rows[0][0]:
+        return None
+    return [ClaimedRun(*row[1:]) for row in rows if row[1] is not None]
 
 
-def requeue_held(conn: psycopg.Connection, runs: list[uuid.UUID], runner: str) -> list[uuid.UUID]:
+def run_ended_as(conn: Executor, run: uuid.UUID, runner: str, status: str) -> bool:
+    """Whether the run was ended with `status` by `runner`."""
+    row = conn.execute(
+        "SELECT 1 FROM everystep_workflow WHERE id = %s AND claimed_by = %s AND status = %s", (run, runner, status)
+    ).fetchone()
+    return row is not None
+
+
+def requeue_held(conn: Executor, runs: list[uuid.UUID], runner: str) -> list[uuid.UUID]:
     """Put held runs back to `scheduled` (drain); returns those that matched."""
     rows = conn.execute(
         "WITH q AS (UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL"
