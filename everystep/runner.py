@@ -74,11 +74,11 @@ class Lease:
             raise error
         time.sleep(min(0.1 * 2**attempt, 5.0))
 
-    def claim_next(self) -> int:
-        """When a run is about to end: how many more runs (0 or 1) the
-        statement that ends it may claim, for the slot it frees. Non-zero
-        obliges one call of `claimed_next` after that statement."""
-        return 0
+    def claim_next(self) -> bool:
+        """When a run is about to end: whether the statement that ends it may
+        claim the next run, for the slot it frees. True obliges one call of
+        `claimed_next` after that statement."""
+        return False
 
     def claimed_next(self, runs: list[store.ClaimedRun]) -> None:
         """The runs that statement claimed (none if it failed): the lease

@@ -11,11 +11,13 @@ the write matched; False means the claim was lost.
 from __future__ import annotations
 
 import uuid
+import weakref
 from importlib import resources
 from typing import Any, NamedTuple
 
 import psycopg
-from psycopg import sql
+from psycopg import errors, pq, sql
+from psycopg.adapt import Transformer
 
 # Notifications go to a channel per schema, so deployments sharing a database
 # (or test schemas) do not wake each other's workers.
@@ -152,9 +154,11 @@ def running_claimers(conn: psycopg.Connection) -> list[str]:
 
 # ---------------------------------------------------------------- claiming
 
+# A run and its recorded steps, as claimed. ARRAY(...) rather than json_agg:
+# no aggregate to set up on every claim, and most claimed runs have no steps.
 _RUN_WITH_STEPS = (
-    "w.id, w.name, w.args, (SELECT coalesce(json_agg(json_build_array("
-    "s.step_id, s.name, s.status, s.result, s.error)), '[]') FROM everystep_step s WHERE s.workflow_id = w.id)"
+    "w.id, w.name, w.args, ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error)"
+    " FROM everystep_step s WHERE s.workflow_id = w.id)"
 )
 
 
@@ -219,6 +223,64 @@ def count_crashes(
     return poisoned
 
 
+# ---------------------------------------------------------------- the hot path
+#
+# The two statements of every step and every end of a run go straight to
+# libpq's PQexecPrepared, which releases the GIL for the whole round trip:
+# psycopg's execute costs ~45 us of Python per statement here (a cursor,
+# parameter adaptation, generators), a sixth of the CPU of a step, and the
+# worker's CPU is the database's CPU on a small machine. The parameters are
+# text or NULL; rows are loaded with psycopg's own loaders.
+
+
+class _Hot(NamedTuple):
+    name: bytes  # of the prepared statement, on each connection that runs it
+    sql: bytes  # with $1, $2, ... in the order of `params`
+    params: tuple[str, ...]
+
+
+def _hot(name: str, query: str, params: tuple[str, ...]) -> _Hot:
+    for position, param in enumerate(params, 1):
+        query = query.replace(f"%({param})s", f"${position}")
+    return _Hot(f"everystep_{name}".encode(), query.encode(), params)
+
+
+# The hot statements prepared on each connection (gone with the connection).
+_prepared: weakref.WeakKeyDictionary[psycopg.Connection, set[bytes]] = weakref.WeakKeyDictionary()
+
+
+def _run_hot(on: Executor, statement: _Hot, values: dict[str, Any]) -> pq.abc.PGresult:
+    """Execute a hot statement, preparing it on first use on this connection."""
+    conn = on.connection if isinstance(on, psycopg.Cursor) else on
+    pgconn = conn.pgconn
+    prepared = _prepared.setdefault(conn, set())
+    params = [None if (value := values[param]) is None else str(value).encode() for param in statement.params]
+    if statement.name not in prepared:
+        _check(conn, pgconn.prepare(statement.name, statement.sql))
+        prepared.add(statement.name)
+    result = pgconn.exec_prepared(statement.name, params)
+    if result.error_field(pq.DiagnosticField.SQLSTATE) == b"26000":
+        # Deallocated: psycopg drops every prepared statement of a connection
+        # after a ROLLBACK or a DISCARD ALL on it. Prepare it again.
+        prepared.clear()
+        return _run_hot(on, statement, values)
+    return _check(conn, result)
+
+
+def _check(conn: psycopg.Connection, result: pq.abc.PGresult) -> pq.abc.PGresult:
+    if result.status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+        return result
+    if conn.pgconn.status == pq.ConnStatus.BAD:  # the connection is lost: the write is retried on another
+        raise errors.OperationalError(conn.pgconn.get_error_message(conn.info.encoding))
+    raise errors.error_from_result(result, encoding=conn.info.encoding)
+
+
+def _rows(on: Executor, result: pq.abc.PGresult) -> list[tuple]:
+    loader = Transformer(on.connection if isinstance(on, psycopg.Cursor) else on)
+    loader.set_pgresult(result)
+    return loader.load_rows(0, result.ntuples, tuple)
+
+
 # ---------------------------------------------------------------- writes about a held run (fenced)
 
 def record_step(
@@ -236,17 +298,23 @@ def record_step(
     """Record a step's outcome (`done`/`failed`), or the `started` mark of an
     unsafe-to-repeat step. The unique (workflow, step_id) makes this insert the
     claim on the step: False if the run is not held or the row exists."""
-    cur = conn.execute(
-        "INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
-        " SELECT id, %(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(status)s,"
-        " %(result)s::jsonb, %(error)s::jsonb"
-        f" FROM everystep_workflow WHERE {_HELD} FOR SHARE"
-        " ON CONFLICT (workflow_id, step_id) DO NOTHING",
-        {"run": run, "runner": runner, "step_id": step_id, "name": name, "args": args, "kwargs": kwargs,
-         "status": status, "result": result, "error": error},
-        prepare=True,
-    )
-    return cur.rowcount == 1
+    done = _run_hot(conn, _RECORD_STEP, {
+        "run": run, "runner": runner, "step_id": step_id, "name": name, "args": args, "kwargs": kwargs,
+        "status": status, "result": result, "error": error,
+    })
+    return done.command_tuples == 1
+
+
+_STEP_ROW = ("step_id", "name", "args", "kwargs", "status", "result", "error")
+_RECORD_STEP = _hot(
+    "record_step",
+    "INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
+    " SELECT id, %(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(status)s,"
+    " %(result)s::jsonb, %(error)s::jsonb"
+    f" FROM everystep_workflow WHERE {_HELD} FOR SHARE"
+    " ON CONFLICT (workflow_id, step_id) DO NOTHING",
+    ("run", "runner", *_STEP_ROW),
+)
 
 
 def complete_started_step(
@@ -291,41 +359,44 @@ _ENDING = (
     "status = %(status)s::text, result = %(result)s::jsonb, error = %(error)s::jsonb,"
     " completed_at = CASE WHEN %(status)s::text = 'blocked' THEN NULL ELSE now() END"
 )
-# Ending a run, with the row of its last step, and claiming up to %(claim)s
-# more runs (only if the run was ended); one row per claimed run, at least one.
+# Ending a run, with the row of its last step when there is one, and claiming
+# the next run (%(claim)s: 1 or 0) only if the run was ended: one row per run
+# claimed, at least one.
 _END_RUN = (
     "WITH ended AS (UPDATE everystep_workflow SET {ending}{async_commit} WHERE {held} RETURNING id),"
     " {step}"
     " claimed AS (UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s"
-    "  WHERE w.id IN (SELECT id FROM everystep_workflow WHERE status = 'scheduled' AND EXISTS (SELECT 1 FROM ended)"
+    "  WHERE w.id = (SELECT id FROM everystep_workflow WHERE status = 'scheduled' AND EXISTS (SELECT 1 FROM ended)"
     "   ORDER BY created_at LIMIT %(claim)s FOR UPDATE SKIP LOCKED)"
     "  RETURNING {run_with_steps})"
     " SELECT ended.id IS NOT NULL, claimed.* FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
 )
+_END_RUN_PARAMS = ("run", "runner", "status", "result", "error", "claim")
+_LAST_STEP = tuple(f"step_{column}" for column in _STEP_ROW)
 # The step row is inserted only if the run was ended here; a row already
 # there is a unique violation that undoes the whole statement.
-_END_RUN_WITH_STEP = _END_RUN.format(
+_END_RUN_WITH_STEP = _hot("end_run_with_step", _END_RUN.format(
     ending=_ENDING, async_commit="", held=_HELD, run_with_steps=_RUN_WITH_STEPS,
     step="step AS (INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
-    " SELECT id, %(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(step_status)s,"
+    " SELECT id, %(step_step_id)s, %(step_name)s, %(step_args)s::jsonb, %(step_kwargs)s::jsonb, %(step_status)s,"
     " %(step_result)s::jsonb, %(step_error)s::jsonb FROM ended),",
-)
-_END_RUN_ALONE = _END_RUN.format(
+), _END_RUN_PARAMS + _LAST_STEP)
+_END_RUN_ALONE = _hot("end_run", _END_RUN.format(
     ending=_ENDING, async_commit=" FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit",
     held=_HELD, run_with_steps=_RUN_WITH_STEPS, step="",
-)
-_STEP_COLUMNS = ("step_id", "name", "args", "kwargs", "step_status", "step_result", "step_error")
+), _END_RUN_PARAMS)
 
 
 def finish_run(
     conn: Executor, run: uuid.UUID, runner: str, status: str, result: str | None, error: str | None,
-    last_step: tuple | None = None, claim: int = 0,
+    last_step: tuple | None = None, claim: bool = False,
 ) -> list[ClaimedRun] | None:
     """Move a held run to its end (completed/failed/stopped/blocked), in one
     statement with the row of its last step when that is not written yet
-    (`last_step`: the arguments of `record_step` after the runner), and with
-    the claim of up to `claim` more runs for the slot it frees. Returns the
-    runs claimed, or None if the run was not held (nothing was written).
+    (`last_step`: the arguments of `record_step` after the runner), and, with
+    `claim`, with the claim of the next scheduled run for the slot it frees.
+    Returns the runs claimed, or None if the run was not held (nothing was
+    written).
 
     Without a step row, this commit does not wait for its WAL flush: the end
     of a run is derived by replay from its recorded steps, which are flushed,
@@ -333,10 +404,12 @@ def finish_run(
     this worker, whose catchup replays it to the same end. Any later flushed
     commit, of anyone, makes it durable too; so is a claim lost with it (see
     `prepare_control_session`). With a step row it is flushed."""
-    params = {"run": run, "runner": runner, "status": status, "result": result, "error": error, "claim": claim}
-    if last_step is not None:
-        params.update(zip(_STEP_COLUMNS, last_step))
-    rows = conn.execute(_END_RUN_ALONE if last_step is None else _END_RUN_WITH_STEP, params, prepare=True).fetchall()
+    values = {"run": run, "runner": runner, "status": status, "result": result, "error": error, "claim": int(claim)}
+    if last_step is None:
+        done = _run_hot(conn, _END_RUN_ALONE, values)
+    else:
+        done = _run_hot(conn, _END_RUN_WITH_STEP, {**values, **dict(zip(_LAST_STEP, last_step))})
+    rows = _rows(conn, done)
     if not rows[0][0]:
         return None
     return [ClaimedRun(*row[1:]) for row in rows if row[1] is not None]

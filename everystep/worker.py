@@ -60,7 +60,7 @@ class WorkerLease(Lease):
     after the grace get `LostClaim`; a draining worker stops runs at the next
     step boundary."""
 
-    def __init__(self, claim_next: Callable[[], int], claimed_next: Callable[[list], None]) -> None:
+    def __init__(self, claim_next: Callable[[], bool], claimed_next: Callable[[list], None]) -> None:
         self.held = threading.Event()
         self.draining = False
         self.abandoned: set[uuid.UUID] = set()
@@ -87,7 +87,7 @@ class WorkerLease(Lease):
         self.write_failed = True
         time.sleep(min(0.05 * 2**attempt, 2.0))
 
-    def claim_next(self) -> int:
+    def claim_next(self) -> bool:
         return self._claim_next()
 
     def claimed_next(self, runs: list[store.ClaimedRun]) -> None:
@@ -130,6 +130,7 @@ class Worker:
         self._inflight_lock = threading.Lock()
         self._claiming = 0  # ending runs whose statement may claim their successor, in flight
         self._claims_landed = threading.Condition(self._inflight_lock)
+        self._successor = threading.local()  # .run: what a run's thread goes on with, claimed at the run's end
         self._published_load: int | None = None
         self._backlog: list[store.ClaimedRun] = []  # held by us, not started yet
         self._reconcile = False  # look for runs held under our name that we are not running
@@ -345,38 +346,44 @@ class Worker:
             self._inflight.add(run.id)
         self.executor.submit(self._execute, run)
 
-    def _execute(self, run: store.ClaimedRun) -> None:
-        try:
-            self.runner.execute(run)
-        except BaseException:
-            log.exception("run execution ended abnormally", extra={**self._extra, "run": str(run.id)})
-        finally:
-            with self._inflight_lock:
-                self._inflight.discard(run.id)
-                if run.id in self.lease.abandoned:
-                    self.lease.abandoned.discard(run.id)
-                    self._reconcile = True  # still ours in the database? then replay it
-                slot_freed = len(self._inflight) < self.threads  # not taken by a successor
-            if slot_freed:
-                self._wake()
+    def _execute(self, run: store.ClaimedRun | None) -> None:
+        """Execute a run, then its successors (claimed by the statement that
+        ends each run) on this same thread, until one ends without."""
+        slot_freed = False
+        while run is not None:
+            self._successor.run = None
+            try:
+                self.runner.execute(run)
+            except BaseException:
+                log.exception("run execution ended abnormally", extra={**self._extra, "run": str(run.id)})
+            finally:
+                with self._inflight_lock:
+                    self._inflight.discard(run.id)
+                    if run.id in self.lease.abandoned:
+                        self.lease.abandoned.discard(run.id)
+                        self._reconcile = True  # still ours in the database? then replay it
+                    slot_freed = len(self._inflight) < self.threads
+            run = self._successor.run
+        if slot_freed:
+            self._wake()
 
-    def _claim_next(self) -> int:
-        """(The lease's claim_next.) One successor for the slot of a run that
-        is ending, unless the worker is stopping, has runs of its own to start
+    def _claim_next(self) -> bool:
+        """(The lease's claim_next.) A successor for the slot of a run that is
+        ending, unless the worker is stopping, has runs of its own to start
         first, or is not sure of its lock."""
         with self._inflight_lock:
             if self._stopping or self._reconcile or self._backlog or not self.lease.held.is_set():
-                return 0
+                return False
             self._claiming += 1
-            return 1
+            return True
 
     def _claimed_next(self, runs: list[store.ClaimedRun]) -> None:
-        """(The lease's claimed_next.) Start the successors; the ending run is
-        still in flight, so the slot never looks free in between."""
+        """(The lease's claimed_next, on the thread of the ending run.) That
+        thread goes on with the successor; the ending run is still in flight,
+        so the slot never looks free in between."""
         with self._inflight_lock:
             self._inflight.update(run.id for run in runs)
-            for run in runs:
-                self.executor.submit(self._execute, run)  # before a stop waiting for this sees it land
+            self._successor.run = runs[0] if runs else None  # one at most
             self._claiming -= 1
             self._claims_landed.notify_all()
             if self._reconcile:
