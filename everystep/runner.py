@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import time
@@ -41,6 +42,18 @@ REGISTRY: dict[str, Callable] = {}
 HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain)
 
 
+@functools.cache
+def _step_metrics(workflow: str, step: str, status: str) -> tuple:
+    """The labelled step counter and histogram (labels are code-defined
+    names, so this stays small): looked up once, not at every step."""
+    return metrics.STEP_RUNS.labels(workflow, step, status), metrics.STEP_DURATION.labels(workflow, step)
+
+
+@functools.cache
+def _run_metrics(workflow: str, outcome: str) -> tuple:
+    return metrics.WORKFLOW_RUNS.labels(workflow, outcome), metrics.WORKFLOW_DURATION.labels(workflow, outcome)
+
+
 class Lease:
     """How a runner's runs stay claimed. A worker supplies one tied to its
     liveness lock; this default never interrupts and retries a write that
@@ -61,6 +74,16 @@ class Lease:
             raise error
         time.sleep(min(0.1 * 2**attempt, 5.0))
 
+    def claim_next(self) -> bool:
+        """When a run is about to end: whether the statement that ends it may
+        claim the next run, for the slot it frees. True obliges one call of
+        `claimed_next` after that statement."""
+        return False
+
+    def claimed_next(self, runs: list[store.ClaimedRun]) -> None:
+        """The runs that statement claimed (none if it failed): the lease
+        holder starts them."""
+
 
 class Runner:
     """Executes claimed runs under one runner name, writing through a pool."""
@@ -74,15 +97,16 @@ class Runner:
         """Replay one held run to an end; returns how it ended: completed,
         failed, stopped, blocked, requeued (drain) or abandoned (claim lost)."""
         started = time.perf_counter()
-        extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
         replay = Replay(self, run)
         try:
             outcome = replay.run()
         except LostClaim as exc:
+            extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
             log.warning("claim lost, run abandoned: %s", exc, extra=extra)
             metrics.CLAIMS_LOST.labels(self.name).inc()
             outcome = "abandoned"
         except Exception as exc:  # the engine itself failed on this run
+            extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
             log.exception("engine error on run; marking it failed", extra=extra)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
@@ -93,10 +117,9 @@ class Runner:
                 outcome = "abandoned"
         finally:
             replay.release()
-        elapsed = time.perf_counter() - started
-        metrics.WORKFLOW_RUNS.labels(run.name, outcome).inc()
-        metrics.WORKFLOW_DURATION.labels(run.name, outcome).observe(elapsed)
-        log.debug("run %s in %.1f ms", outcome, elapsed * 1000, extra=extra)
+        runs, duration = _run_metrics(run.name, outcome)
+        runs.inc()
+        duration.observe(time.perf_counter() - started)
         return outcome
 
 class Replay:
@@ -115,19 +138,27 @@ class Replay:
         # parallel branches borrow from the pool for each write.
         self._owner = threading.get_ident()
         self._conn: psycopg.Connection | None = None
+        self._cursor: psycopg.Cursor | None = None
+        # The outcome of the owner thread's last step, not written yet: it is
+        # written before the next step starts, or with the run's end.
+        self._unwritten: tuple[tuple, float] | None = None
 
     # -------------------------------------------------------------- writes
 
     @contextlib.contextmanager
-    def connection(self) -> Iterator[psycopg.Connection]:
+    def cursor(self) -> Iterator[psycopg.Cursor]:
+        """A cursor for one write. The thread executing the run keeps one
+        pooled connection, and one cursor on it, for the whole execution;
+        parallel branches borrow a connection from the pool for each write."""
         if threading.get_ident() != self._owner:
             with self.runner.pool.connection() as conn:
-                yield conn
+                yield conn.cursor()
             return
-        if self._conn is None:
+        if self._cursor is None:
             self._conn = self.runner.pool.getconn()
+            self._cursor = self._conn.cursor()
         try:
-            yield self._conn
+            yield self._cursor
         except psycopg.OperationalError:
             self.release()  # the pool discards a broken connection; the retry gets another
             raise
@@ -135,7 +166,7 @@ class Replay:
     def release(self) -> None:
         if self._conn is not None:
             self.runner.pool.putconn(self._conn)
-            self._conn = None
+            self._conn = self._cursor = None
 
     def write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run one store write about this run, retrying connection errors
@@ -144,8 +175,30 @@ class Replay:
         while True:
             self.runner.lease.before_write(self.run_id)
             try:
-                with self.connection() as conn:
-                    return fn(conn, *args)
+                with self.cursor() as cur:
+                    return fn(cur, *args)
+            except psycopg.OperationalError as exc:
+                self.runner.lease.wait_after_error(self.run_id, attempt, exc)
+                attempt += 1
+
+    def _fenced(self, write: Callable[..., Any], args: tuple, written_before: Callable[[psycopg.Cursor], bool],
+                what: str) -> Any:
+        """Run a fenced store write about this run and return what it returned,
+        retrying connection errors as the lease allows; raise `LostClaim` when
+        it matched nothing (returned False or None). A retried write that
+        matches nothing may have been committed by its earlier attempt, whose
+        answer was lost: `written_before` tells, and then this returns None."""
+        attempt = 0
+        while True:
+            try:
+                self.runner.lease.before_write(self.run_id)
+                with self.cursor() as cur:
+                    done = write(cur, self.run_id, self.runner.name, *args)
+                    if done is not None and done is not False:
+                        return done
+                    if attempt and written_before(cur):
+                        return None
+                raise LostClaim(f"run {self.run_id} is no longer running under {self.runner.name} ({what})")
             except psycopg.OperationalError as exc:
                 self.runner.lease.wait_after_error(self.run_id, attempt, exc)
                 attempt += 1
@@ -173,9 +226,12 @@ class Replay:
     def _end(self, raised: BaseException | None, value: Any) -> str:
         # A halt wins over whatever the body did with it.
         exc = self.halt or raised
+        unwritten, self._unwritten = self._unwritten, None
         if isinstance(exc, LostClaim):
             raise exc
         if isinstance(exc, Drain):
+            if unwritten is not None:
+                self._write_step(*unwritten, update=False)  # a finished step is recorded before the requeue
             self.write(store.requeue_held, [self.run_id], self.runner.name)
             metrics.REQUEUED.labels(self.runner.name).inc()
             return "requeued"
@@ -197,8 +253,23 @@ class Replay:
                     extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
                     exc_info=exc,
                 )
-        if not self.write(store.finish_run, self.run_id, self.runner.name, status, result, error):
-            raise LostClaim(f"run {self.run_id} is no longer running under {self.runner.name}")
+        # The last step's row, the run's end and the claim of the next run for
+        # this slot: one statement, one commit.
+        row = None if unwritten is None else unwritten[0]
+        lease = self.runner.lease
+        claim = lease.claim_next()
+        claimed = None
+        try:
+            claimed = self._fenced(store.finish_run, (status, result, error, row, claim),
+                                   lambda cur: store.run_ended_as(cur, self.run_id, self.runner.name, status),
+                                   "ending the run")
+        finally:
+            if claim:
+                # An earlier attempt's claims, if its answer was lost, are
+                # found by the worker's reconciliation (see wait_after_error).
+                lease.claimed_next(claimed or [])
+        if unwritten is not None:
+            self._count(row[1], row[4], unwritten[1])
         return status
 
     def stop_with(self, exc: BaseException) -> BaseException:
@@ -209,6 +280,7 @@ class Replay:
             return self.halt
 
     def outcomes(self) -> Mapping[str, Outcome]:
+        self._write_unwritten()
         return {
             step_id: Outcome(
                 name, status, serde.from_json(result) if status == "done" else None,
@@ -251,66 +323,73 @@ class Replay:
             self.runner.lease.check(self.run_id)
         except (Drain, LostClaim) as exc:
             raise self.stop_with(exc) from None
+        self._write_unwritten()  # the previous step's outcome is written before this step starts
         args_json = serde.dumps(list(args))
         kwargs_json = serde.dumps(kwargs)
+        started = time.perf_counter()
         if unsafe and not rerun_started:
-            self._record(step_id, name, args_json, kwargs_json, "started", None, None, update=False)
+            self._record(step_id, name, args_json, kwargs_json, "started", None, None, False, started)
             rerun_started = True
 
-        started = time.perf_counter()
         scope_token = current_scope.set(None)  # a step called inside a step is a plain call
         try:
             value = fn(*args, **kwargs)
         except Exception as exc:
             error = serde.encode_exception(exc)
-            self._record(step_id, name, args_json, kwargs_json, "failed", None, error, update=rerun_started)
-            self._count(name, "failed", started)
+            self._record(step_id, name, args_json, kwargs_json, "failed", None, error, rerun_started, started)
             if isinstance(exc, Terminal):
                 raise self.stop_with(exc)  # noqa: B904  (the Terminal itself)
             raise
         finally:
             current_scope.reset(scope_token)
         result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
-        self._record(step_id, name, args_json, kwargs_json, "done", result, None, update=rerun_started)
-        self._count(name, "done", started)
+        self._record(step_id, name, args_json, kwargs_json, "done", result, None, rerun_started, started)
         return value
 
     def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,
-                result: Any, error: dict | None, update: bool) -> None:
-        """Write a step row; `result` and `error` are plain JSON data."""
-        write = store.complete_started_step if update else store.record_step
-        result_json = None if status != "done" else serde.dump_data(result)
-        error_json = None if error is None else serde.dump_data(error)
-        attempt = 0
-        while True:
-            try:
-                self.runner.lease.before_write(self.run_id)
-                with self.connection() as conn:
-                    if write(conn, self.run_id, self.runner.name, step_id, name, args, kwargs, status,
-                             result_json, error_json):
-                        break
-                    # Matched nothing. After a retried write, it may be our own
-                    # earlier attempt that committed before its answer was lost.
-                    if attempt and store.is_held(conn, self.run_id, self.runner.name):
-                        row = store.step_row(conn, self.run_id, step_id)
-                        if row is not None and row[1] == status:
-                            break
-                raise LostClaim(
-                    f"run {self.run_id} is no longer running under {self.runner.name} (recording step {step_id!r})"
-                )
-            except psycopg.OperationalError as exc:
-                try:
-                    self.runner.lease.wait_after_error(self.run_id, attempt, exc)
-                except LostClaim as lost:
-                    raise self.stop_with(lost) from None
-                attempt += 1
-            except LostClaim as lost:
-                raise self.stop_with(lost) from None
+                result: Any, error: dict | None, update: bool, started: float) -> None:
+        """Record a step's row; `result` and `error` are plain JSON data.
+
+        The outcome of a step of the run's own thread is written later: before
+        the next step starts, or in the statement that ends the run, which
+        saves a commit per run. Steps are at-least-once, so an outcome lost
+        with the worker in between only means the step runs again. The
+        `started` mark of an unsafe step, and its outcome, are written at once."""
+        row = (step_id, name, args, kwargs, status,
+               None if status != "done" else serde.dump_data(result),
+               None if error is None else serde.dump_data(error))
         self.recorded[step_id] = [name, status, result, error]
+        if status != "started" and not update and threading.get_ident() == self._owner:
+            self._unwritten = (row, started)
+        else:
+            self._write_step(row, started, update)
+
+    def _write_unwritten(self) -> None:
+        if self._unwritten is not None:
+            unwritten, self._unwritten = self._unwritten, None
+            self._write_step(*unwritten, update=False)
+
+    def _write_step(self, row: tuple, started: float, update: bool) -> None:
+        step_id, name, status = row[0], row[1], row[4]
+
+        def written_before(cur: psycopg.Cursor) -> bool:
+            if not store.is_held(cur, self.run_id, self.runner.name):
+                return False
+            found = store.step_row(cur, self.run_id, step_id)
+            return found is not None and found[1] == status
+
+        try:
+            self._fenced(store.complete_started_step if update else store.record_step, row, written_before,
+                         f"recording step {step_id!r}")
+        except LostClaim as lost:
+            raise self.stop_with(lost) from None
+        if status != "started":
+            self._count(name, status, started)
 
     def _count(self, name: str, status: str, started: float) -> None:
-        metrics.STEP_RUNS.labels(self.workflow_name, name, status).inc()
-        metrics.STEP_DURATION.labels(self.workflow_name, name).observe(time.perf_counter() - started)
+        runs, duration = _step_metrics(self.workflow_name, name, status)
+        runs.inc()
+        duration.observe(time.perf_counter() - started)
 
     # -------------------------------------------------------------- parallel
 
@@ -318,6 +397,7 @@ class Replay:
         fork_id = scope.next_id(everystep_id)
         if self.halt is not None:
             raise self.halt
+        self._write_unwritten()  # the branches' steps come after it
         scopes = [scope.branch(fork_id, i) for i in range(len(branches))]
         results = run_branches(branches, scopes)
         if self.halt is not None:

@@ -36,6 +36,9 @@ from everystep.errors import EverystepError, StepFailure
 
 TAG = "$es"
 _SCALARS = (str, int, bool, type(None))
+# One encoder for all: json.dumps with options builds a new one per call. Its
+# input is plain data from `to_json`, which cannot contain itself.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"), check_circular=False)
 
 
 def to_json(value: Any) -> Any:
@@ -143,7 +146,7 @@ def encode(value: Any) -> Any:
 
 def dump_data(data: Any) -> str:
     """JSON text of data already made plain by `to_json`."""
-    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return _ENCODER.encode(data)
 
 
 def import_path(path: str) -> Any:

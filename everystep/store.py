@@ -10,12 +10,14 @@ the write matched; False means the claim was lost.
 
 from __future__ import annotations
 
+import json
 import uuid
+import weakref
 from importlib import resources
 from typing import Any, NamedTuple
 
 import psycopg
-from psycopg import sql
+from psycopg import errors, pq, sql
 
 # Notifications go to a channel per schema, so deployments sharing a database
 # (or test schemas) do not wake each other's workers.
@@ -26,6 +28,10 @@ TERMINAL = ("completed", "failed", "stopped")
 # deployments sharing a database (or two test schemas) never collide.
 _LOCK_KEY = "hashtextextended('everystep:' || current_schema() || ':' || %s, 0)"
 _HELD = "id = %(run)s AND status = 'running' AND claimed_by = %(runner)s"
+
+# What the writes about a held run execute on: a connection, or a cursor of
+# one (the runner reuses one cursor for all the writes of an execution).
+Executor = psycopg.Connection | psycopg.Cursor
 
 
 class ClaimedRun(NamedTuple):
@@ -148,9 +154,12 @@ def running_claimers(conn: psycopg.Connection) -> list[str]:
 
 # ---------------------------------------------------------------- claiming
 
+# A run and its recorded steps, as claimed (the steps as one JSON array).
+# ARRAY(...) rather than json_agg: no aggregate to set up on every claim, and
+# most claimed runs have no steps.
 _RUN_WITH_STEPS = (
-    "w.id, w.name, w.args, (SELECT coalesce(json_agg(json_build_array("
-    "s.step_id, s.name, s.status, s.result, s.error)), '[]') FROM everystep_step s WHERE s.workflow_id = w.id)"
+    "w.id, w.name, w.args, to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error)"
+    " FROM everystep_step s WHERE s.workflow_id = w.id))"
 )
 
 
@@ -215,10 +224,75 @@ def count_crashes(
     return poisoned
 
 
+# ---------------------------------------------------------------- the hot path
+#
+# The two statements of every step and every end of a run go straight to
+# libpq's PQexecPrepared, which releases the GIL for the whole round trip:
+# psycopg's execute costs ~45 us of Python per statement here (a cursor,
+# parameter adaptation, generators), about a tenth of all the CPU a step
+# takes, and on a small machine the workers' CPU is taken from the database.
+# The parameters are text or NULL; rows are read from their text.
+
+
+class _Hot(NamedTuple):
+    name: bytes  # of the prepared statement, on each connection that runs it
+    sql: bytes  # with $1, $2, ... in the order of `params`
+    params: tuple[str, ...]
+
+
+def _hot(name: str, query: str, params: tuple[str, ...]) -> _Hot:
+    for position, param in enumerate(params, 1):
+        query = query.replace(f"%({param})s", f"${position}")
+    return _Hot(f"everystep_{name}".encode(), query.encode(), params)
+
+
+# The hot statements prepared on each connection (gone with the connection).
+_prepared: weakref.WeakKeyDictionary[psycopg.Connection, set[bytes]] = weakref.WeakKeyDictionary()
+
+
+def _run_hot(on: Executor, statement: _Hot, values: dict[str, Any]) -> pq.abc.PGresult:
+    """Execute a hot statement, preparing it on first use on this connection."""
+    conn = on.connection if isinstance(on, psycopg.Cursor) else on
+    pgconn = conn.pgconn
+    prepared = _prepared.setdefault(conn, set())
+    params = [None if (value := values[param]) is None else str(value).encode() for param in statement.params]
+    if statement.name not in prepared:
+        _check(conn, pgconn.prepare(statement.name, statement.sql))
+        prepared.add(statement.name)
+    result = pgconn.exec_prepared(statement.name, params)
+    if result.error_field(pq.DiagnosticField.SQLSTATE) == b"26000":
+        # Deallocated: psycopg drops every prepared statement of a connection
+        # after a ROLLBACK or a DISCARD ALL on it. Prepare it again.
+        prepared.clear()
+        return _run_hot(on, statement, values)
+    return _check(conn, result)
+
+
+def _check(conn: psycopg.Connection, result: pq.abc.PGresult) -> pq.abc.PGresult:
+    if result.status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+        return result
+    if conn.pgconn.status == pq.ConnStatus.BAD:  # the connection is lost: the write is retried on another
+        raise errors.OperationalError(conn.pgconn.get_error_message(conn.info.encoding))
+    raise errors.error_from_result(result, encoding=conn.info.encoding)
+
+
+def _claimed_runs(on: Executor, result: pq.abc.PGresult, first_column: int) -> list[ClaimedRun]:
+    """The runs in a result whose columns from `first_column` on are those of
+    _RUN_WITH_STEPS (a NULL id: no run), read from their text."""
+    encoding = (on.connection if isinstance(on, psycopg.Cursor) else on).info.encoding
+    runs = []
+    for row in range(result.ntuples):
+        run_id, name, args, steps = (result.get_value(row, first_column + i) for i in range(4))
+        if run_id is not None:
+            runs.append(ClaimedRun(uuid.UUID(run_id.decode()), name.decode(encoding),
+                                   json.loads(args.decode(encoding)), json.loads(steps.decode(encoding))))
+    return runs
+
+
 # ---------------------------------------------------------------- writes about a held run (fenced)
 
 def record_step(
-    conn: psycopg.Connection,
+    conn: Executor,
     run: uuid.UUID,
     runner: str,
     step_id: str,
@@ -232,21 +306,27 @@ def record_step(
     """Record a step's outcome (`done`/`failed`), or the `started` mark of an
     unsafe-to-repeat step. The unique (workflow, step_id) makes this insert the
     claim on the step: False if the run is not held or the row exists."""
-    cur = conn.execute(
-        "INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
-        " SELECT id, %(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(status)s,"
-        " %(result)s::jsonb, %(error)s::jsonb"
-        f" FROM everystep_workflow WHERE {_HELD} FOR SHARE"
-        " ON CONFLICT (workflow_id, step_id) DO NOTHING",
-        {"run": run, "runner": runner, "step_id": step_id, "name": name, "args": args, "kwargs": kwargs,
-         "status": status, "result": result, "error": error},
-        prepare=True,
-    )
-    return cur.rowcount == 1
+    done = _run_hot(conn, _RECORD_STEP, {
+        "run": run, "runner": runner, "step_id": step_id, "name": name, "args": args, "kwargs": kwargs,
+        "status": status, "result": result, "error": error,
+    })
+    return done.command_tuples == 1
+
+
+_STEP_ROW = ("step_id", "name", "args", "kwargs", "status", "result", "error")
+_RECORD_STEP = _hot(
+    "record_step",
+    "INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
+    " SELECT id, %(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(status)s,"
+    " %(result)s::jsonb, %(error)s::jsonb"
+    f" FROM everystep_workflow WHERE {_HELD} FOR SHARE"
+    " ON CONFLICT (workflow_id, step_id) DO NOTHING",
+    ("run", "runner", *_STEP_ROW),
+)
 
 
 def complete_started_step(
-    conn: psycopg.Connection,
+    conn: Executor,
     run: uuid.UUID,
     runner: str,
     step_id: str,
@@ -270,40 +350,87 @@ def complete_started_step(
     return cur.rowcount == 1
 
 
-def step_row(conn: psycopg.Connection, run: uuid.UUID, step_id: str) -> tuple | None:
+def step_row(conn: Executor, run: uuid.UUID, step_id: str) -> tuple | None:
     """(name, status) of one recorded step, or None."""
     return conn.execute(
         "SELECT name, status FROM everystep_step WHERE workflow_id = %s AND step_id = %s", (run, step_id)
     ).fetchone()
 
 
-def is_held(conn: psycopg.Connection, run: uuid.UUID, runner: str) -> bool:
+def is_held(conn: Executor, run: uuid.UUID, runner: str) -> bool:
     row = conn.execute(f"SELECT 1 FROM everystep_workflow WHERE {_HELD}", {"run": run, "runner": runner}).fetchone()
     return row is not None
 
 
+# The SET clause that ends a run.
+_ENDING = (
+    "status = %(status)s::text, result = %(result)s::jsonb, error = %(error)s::jsonb,"
+    " completed_at = CASE WHEN %(status)s::text = 'blocked' THEN NULL ELSE now() END"
+)
+# Ending a run, with the row of its last step when there is one, and claiming
+# the next run (%(claim)s: 1 or 0) only if the run was ended: one row per run
+# claimed, at least one.
+_END_RUN = (
+    "WITH ended AS (UPDATE everystep_workflow SET {ending}{async_commit} WHERE {held} RETURNING id),"
+    " {step}"
+    " claimed AS (UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s"
+    "  WHERE w.id = (SELECT id FROM everystep_workflow WHERE status = 'scheduled' AND EXISTS (SELECT 1 FROM ended)"
+    "   ORDER BY created_at LIMIT %(claim)s FOR UPDATE SKIP LOCKED)"
+    "  RETURNING {run_with_steps})"
+    " SELECT ended.id IS NOT NULL, claimed.* FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
+)
+_END_RUN_PARAMS = ("run", "runner", "status", "result", "error", "claim")
+_LAST_STEP = tuple(f"step_{column}" for column in _STEP_ROW)
+# The step row is inserted only if the run was ended here; a row already
+# there is a unique violation that undoes the whole statement.
+_END_RUN_WITH_STEP = _hot("end_run_with_step", _END_RUN.format(
+    ending=_ENDING, async_commit="", held=_HELD, run_with_steps=_RUN_WITH_STEPS,
+    step="step AS (INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
+    " SELECT id, %(step_step_id)s, %(step_name)s, %(step_args)s::jsonb, %(step_kwargs)s::jsonb, %(step_status)s,"
+    " %(step_result)s::jsonb, %(step_error)s::jsonb FROM ended),",
+), _END_RUN_PARAMS + _LAST_STEP)
+_END_RUN_ALONE = _hot("end_run", _END_RUN.format(
+    ending=_ENDING, async_commit=" FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit",
+    held=_HELD, run_with_steps=_RUN_WITH_STEPS, step="",
+), _END_RUN_PARAMS)
+
+
 def finish_run(
-    conn: psycopg.Connection, run: uuid.UUID, runner: str, status: str, result: str | None, error: str | None
-) -> bool:
-    """Move a held run to its end (completed/failed/stopped/blocked).
+    conn: Executor, run: uuid.UUID, runner: str, status: str, result: str | None, error: str | None,
+    last_step: tuple | None = None, claim: bool = False,
+) -> list[ClaimedRun] | None:
+    """Move a held run to its end (completed/failed/stopped/blocked), in one
+    statement with the row of its last step when that is not written yet
+    (`last_step`: the arguments of `record_step` after the runner), and, with
+    `claim`, with the claim of the next scheduled run for the slot it frees.
+    Returns the runs claimed, or None if the run was not held (nothing was
+    written).
 
-    This commit does not wait for its WAL flush: the end of a run is derived
-    by replay from its recorded steps, which are flushed, so a final status
-    lost to a server crash leaves the run `running` under this worker, whose
-    catchup replays it to the same end. Any later flushed commit, of anyone,
-    makes it durable too."""
-    cur = conn.execute(
-        "UPDATE everystep_workflow SET status = %(status)s::text, result = %(result)s::jsonb,"
-        " error = %(error)s::jsonb, completed_at = CASE WHEN %(status)s::text = 'blocked' THEN NULL ELSE now() END"
-        " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"
-        f" WHERE {_HELD}",
-        {"run": run, "runner": runner, "status": status, "result": result, "error": error},
-        prepare=True,
-    )
-    return cur.rowcount == 1
+    Without a step row, this commit does not wait for its WAL flush: the end
+    of a run is derived by replay from its recorded steps, which are flushed,
+    so a final status lost to a server crash leaves the run `running` under
+    this worker, whose catchup replays it to the same end. Any later flushed
+    commit, of anyone, makes it durable too; so is a claim lost with it (see
+    `prepare_control_session`). With a step row it is flushed."""
+    values = {"run": run, "runner": runner, "status": status, "result": result, "error": error, "claim": int(claim)}
+    if last_step is None:
+        done = _run_hot(conn, _END_RUN_ALONE, values)
+    else:
+        done = _run_hot(conn, _END_RUN_WITH_STEP, {**values, **dict(zip(_LAST_STEP, last_step))})
+    if done.get_value(0, 0) != b"t":
+        return None
+    return _claimed_runs(conn, done, first_column=1)
 
 
-def requeue_held(conn: psycopg.Connection, runs: list[uuid.UUID], runner: str) -> list[uuid.UUID]:
+def run_ended_as(conn: Executor, run: uuid.UUID, runner: str, status: str) -> bool:
+    """Whether the run was ended with `status` by `runner`."""
+    row = conn.execute(
+        "SELECT 1 FROM everystep_workflow WHERE id = %s AND claimed_by = %s AND status = %s", (run, runner, status)
+    ).fetchone()
+    return row is not None
+
+
+def requeue_held(conn: Executor, runs: list[uuid.UUID], runner: str) -> list[uuid.UUID]:
     """Put held runs back to `scheduled` (drain); returns those that matched."""
     rows = conn.execute(
         "WITH q AS (UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL"

@@ -8,7 +8,10 @@ Embeddable in any host process::
 
 The control connection (one per worker, used only by the thread in `run`)
 holds the session advisory lock of the worker's name for its whole life,
-LISTENs for new runs and issues the claims. Step writes go through a pool.
+LISTENs for new runs and claims runs for free slots. Step writes go through a
+pool. While runs are waiting, a run that ends claims the next one for its
+slot in the statement that ends it, and its thread goes on with that one: a
+busy worker needs no claim statement of its own and no hand-off per run.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from everystep.runner import Lease, Runner
 log = logging.getLogger("everystep")
 
 PING_INTERVAL = 2.0  # seconds between checks of the control connection when idle
+CLAIM_LANDING_TIMEOUT = 5.0  # seconds a fast stop waits for claims in flight on ending runs
 KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, count: a dead peer is dropped in ~11 s
 # Errors that mean "the database is away for now" (a restart, a failover to a
 # server still in recovery, a network cut): reconnect with back-off.
@@ -56,10 +60,13 @@ class WorkerLease(Lease):
     after the grace get `LostClaim`; a draining worker stops runs at the next
     step boundary."""
 
-    def __init__(self) -> None:
+    def __init__(self, claim_next: Callable[[], bool], claimed_next: Callable[[list], None]) -> None:
         self.held = threading.Event()
         self.draining = False
         self.abandoned: set[uuid.UUID] = set()
+        self.write_failed = False  # a write's answer was lost: it may have claimed runs we do not know of
+        self._claim_next = claim_next
+        self._claimed_next = claimed_next
 
     def check(self, run_id: uuid.UUID) -> None:
         if self.draining:
@@ -77,7 +84,14 @@ class WorkerLease(Lease):
         # the control loop notices an outage and `before_write` waits for it.
         if attempt == 0:
             log.warning("database write failed (%s); retrying", _first_line(error), extra={"run": str(run_id)})
+        self.write_failed = True
         time.sleep(min(0.05 * 2**attempt, 2.0))
+
+    def claim_next(self) -> bool:
+        return self._claim_next()
+
+    def claimed_next(self, runs: list[store.ClaimedRun]) -> None:
+        self._claimed_next(runs)
 
 
 class Worker:
@@ -109,13 +123,17 @@ class Worker:
         self.on_load = on_load  # called with (runs in flight, threads) when it changes
         self.on_lock = on_lock  # called with True once the name's lock is held, False when it is not any more
 
-        self.lease = WorkerLease()
+        self.lease = WorkerLease(self._claim_next, self._claimed_next)
         self._stopping = False
         self._fast = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._inflight: set[uuid.UUID] = set()
         self._inflight_lock = threading.Lock()
+        self._claiming = 0  # ending runs whose statement may claim their successor, in flight
+        self._claims_landed = threading.Condition(self._inflight_lock)
+        self._successor = threading.local()  # .run: what a run's thread goes on with, claimed at the run's end
+        self._published_load: int | None = None
         self._backlog: list[store.ClaimedRun] = []  # held by us, not started yet
         self._reconcile = False  # look for runs held under our name that we are not running
         self._conn: psycopg.Connection | None = None
@@ -149,7 +167,7 @@ class Worker:
         self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix=f"everystep-{self.name}")
         metrics.POOL_SIZE.labels(self.name).set(self.threads)
         metrics.STARTED_AT.labels(self.name).set(time.time())
-        self._load_changed()
+        self._publish_load()
         try:
             if self._take_lock(catchup=True):
                 self._loop()
@@ -183,7 +201,8 @@ class Worker:
                     self._conn = conn
                     if catchup:
                         self._catchup(conn)
-                    self._reconcile = True
+                    with self._inflight_lock:
+                        self._reconcile = True
                 except BaseException:
                     conn.close()
                     raise
@@ -263,6 +282,7 @@ class Worker:
                 if not self._stopping:
                     more = self._fill_slots(conn)
                     last_query = time.monotonic()
+                self._publish_load()
                 timeout = 0 if more else min(self.poll, PING_INTERVAL)
                 if drain_deadline is not None:
                     timeout = min(timeout, max(0.0, drain_deadline - time.monotonic()))
@@ -280,11 +300,17 @@ class Worker:
         free = self.threads - len(self._inflight)
         if free <= 0:
             return False
-        if self._reconcile and not self._backlog:
-            self._reconcile = False
+        if self.lease.write_failed:
+            self.lease.write_failed = False
             with self._inflight_lock:
+                self._reconcile = True
+        if self._reconcile and not self._backlog:
+            with self._inflight_lock:
+                if self._claiming:
+                    return False  # no new claims start meanwhile; those in flight wake us when they land
                 busy = set(self._inflight)
             self._backlog.extend(run for run in store.held_runs(conn, self.name) if run.id not in busy)
+            self._reconcile = False
         if self._backlog:
             starting, self._backlog = self._backlog[:free], self._backlog[free:]
             for run in starting:
@@ -322,25 +348,63 @@ class Worker:
     def _start(self, run: store.ClaimedRun) -> None:
         with self._inflight_lock:
             self._inflight.add(run.id)
-        self._load_changed()
         self.executor.submit(self._execute, run)
 
-    def _execute(self, run: store.ClaimedRun) -> None:
-        try:
-            self.runner.execute(run)
-        except BaseException:
-            log.exception("run execution ended abnormally", extra={**self._extra, "run": str(run.id)})
-        finally:
-            with self._inflight_lock:
-                self._inflight.discard(run.id)
-                if run.id in self.lease.abandoned:
-                    self.lease.abandoned.discard(run.id)
-                    self._reconcile = True  # still ours in the database? then replay it
-            self._load_changed()
+    def _execute(self, run: store.ClaimedRun | None) -> None:
+        """Execute a run, then its successors (claimed by the statement that
+        ends each run) on this same thread, until one ends without."""
+        slot_freed = False
+        while run is not None:
+            self._successor.run = None
+            try:
+                self.runner.execute(run)
+            except BaseException:
+                log.exception("run execution ended abnormally", extra={**self._extra, "run": str(run.id)})
+            finally:
+                with self._inflight_lock:
+                    self._inflight.discard(run.id)
+                    if run.id in self.lease.abandoned:
+                        self.lease.abandoned.discard(run.id)
+                        self._reconcile = True  # still ours in the database? then replay it
+                    slot_freed = len(self._inflight) < self.threads
+            run = self._successor.run
+        if slot_freed:
             self._wake()
 
-    def _load_changed(self) -> None:
+    def _claim_next(self) -> bool:
+        """(The lease's claim_next.) A successor for the slot of a run that is
+        ending, unless the worker is stopping, has runs of its own to start
+        first, or is not sure of its lock."""
+        with self._inflight_lock:
+            if self._stopping or self._reconcile or self._backlog or not self.lease.held.is_set():
+                return False
+            self._claiming += 1
+            return True
+
+    def _claimed_next(self, runs: list[store.ClaimedRun]) -> None:
+        """(The lease's claimed_next, on the thread of the ending run.) That
+        thread goes on with the successor; the ending run is still in flight,
+        so the slot never looks free in between."""
+        with self._inflight_lock:
+            self._inflight.update(run.id for run in runs)
+            self._successor.run = runs[0] if runs else None  # one at most
+            self._claiming -= 1
+            self._claims_landed.notify_all()
+            if self._reconcile:
+                self._wake()
+        if runs:
+            metrics.CLAIMS.labels(self.name).inc(len(runs))
+            if self.on_claim:
+                self.on_claim(len(runs))
+
+    def _publish_load(self) -> None:
+        """The runs in flight, to the gauge and `on_load` (the process title)
+        when they changed: once per turn of the control loop, which every end
+        of a run wakes, rather than on the runs' threads."""
         inflight = len(self._inflight)
+        if inflight == self._published_load:
+            return
+        self._published_load = inflight
         metrics.INFLIGHT.labels(self.name).set(inflight)
         if self.on_load:
             self.on_load(inflight, self.threads)
@@ -359,6 +423,8 @@ class Worker:
         """Hand every run still in flight back to the queue; their threads
         can no longer write about them (the fence and the lease both say so)."""
         with self._inflight_lock:
+            # A run ending now may be claiming its successor: let it land among the runs in flight.
+            self._claims_landed.wait_for(lambda: not self._claiming, CLAIM_LANDING_TIMEOUT)
             held = set(self._inflight)
             self.lease.abandoned |= held
         held |= {run.id for run in self._backlog}

@@ -159,6 +159,49 @@ def test_replay_serves_recorded_steps_without_running_them(db):
 
 
 @step
+def recorded_so_far():
+    """The step ids of this run recorded when this step starts."""
+    with psycopg.connect(seen["url"]) as conn:
+        rows = conn.execute("SELECT step_id FROM everystep_step WHERE workflow_id = %s ORDER BY step_id",
+                            (everystep.current().workflow_id,)).fetchall()
+    return [row[0] for row in rows]
+
+
+@workflow
+def looks_back():
+    record("x")
+    record("y")
+    return recorded_so_far()
+
+
+def test_a_steps_outcome_is_written_before_the_next_step_starts(db):
+    seen["url"] = db.url
+    run = schedule_one(db, looks_back)
+    assert db.run_pending() == {run.id: "completed"}
+    assert db.run(run.id)["result"] == ["1", "2"]
+    assert step_ids(db, run.id) == ["1", "2", "3"]  # the last one with the end of the run
+
+
+def test_the_end_of_a_run_claims_the_next_one_with_its_recorded_steps(db):
+    first, second, third = (schedule_one(db, three_steps) for _ in range(3))
+    with db.connect() as conn:
+        assert [run.id for run in store.claim(conn, "w1", 2)] == [first.id, second.id]
+        assert store.record_step(conn, second.id, "w1", "1", "tests.test_engine.record", "[]", "{}", "done",
+                                 '"one"', None)
+        assert store.requeue_held(conn, [second.id], "w1") == [second.id]  # second: scheduled, one step recorded
+        last_step = ("1", "tests.test_engine.record", '["one"]', "{}", "done", '"one"', None)
+        claimed = store.finish_run(conn, first.id, "w1", "completed", '"ok"', None, last_step, claim=True)
+        assert [(run.id, run.steps) for run in claimed] == [
+            (second.id, [["1", "tests.test_engine.record", "done", "one", None]])
+        ]
+        # Not held any more: nothing is written, nothing claimed.
+        assert store.finish_run(conn, first.id, "w1", "failed", None, None, claim=True) is None
+    assert (db.run(first.id)["status"], db.run(second.id)["claimed_by"]) == ("completed", "w1")
+    assert step_ids(db, first.id) == ["1"]
+    assert db.run(third.id)["status"] == "scheduled"
+
+
+@step
 def other_step(tag):
     return tag
 

@@ -155,6 +155,25 @@ def test_sigquit_requeues_at_once(db, start_worker, marks):
     assert db.run(run.id)["status"] == "scheduled"
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGQUIT])
+def test_stopping_a_busy_worker_leaves_nothing_claimed(db, start_worker, marks, sig):
+    # While runs wait, each run that ends claims the next one in the statement
+    # that ends it: a stop at any moment must still end or hand back each run.
+    schedule_many(db, workflows.quick, [(marks,)] * 1000)
+    worker = start_worker("w-1", threads=4)
+    wait_for(lambda: statuses(db).get("completed", 0) >= 50, what="runs completing")
+    worker.signal(sig)
+    assert worker.wait(30) == 0
+    assert set(statuses(db)) <= {"completed", "scheduled"}
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'scheduled'"
+                    " AND claimed_by IS NOT NULL") == 0
+    start_worker("w-2", threads=4)
+    wait_for(all_done(db, 1000), timeout=60, what="runs completed after the restart")
+    if sig == signal.SIGTERM:  # a drain lets running steps end and records them: none runs twice
+        executions = collections.Counter((run, tag) for run, tag, _ in workflows.marks_of(marks))
+        assert set(executions.values()) == {1}
+
+
 def test_a_poison_run_fails_after_max_crashes(db, start_worker, marks):
     (bad,) = db.schedule_many(workflows.poison, [(marks,)])
     for attempt in range(3):

@@ -1,0 +1,246 @@
+"""What the benchmarks share: a schema of their own on the test server, a real
+supervisor draining it, the raw commit ceiling of the server, and figures.
+
+Every benchmark prints one JSON line; `python -m tests.benchmarks` runs them all."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+from psycopg import conninfo
+
+import everystep
+from everystep import store
+from tests.conftest import Database, _find_server
+from tests.supervisor_process import SupervisorProcess, config
+
+PROCESSES, THREADS = 2, 8  # the fleet under test: 2 worker processes x 8 threads
+CLIENTS = PROCESSES * THREADS  # the ceiling's concurrency: one connection per run slot
+PGBENCH = shutil.which("pgbench") or next(
+    (str(p) for p in sorted(Path("/usr/lib/postgresql").glob("*/bin/pgbench"), reverse=True)), None
+)
+# One step row as the benchmarks' `noop` step records it (same sizes), for the ceiling.
+STEP_ROW = ("tests.benchmarks.workflows.noop", "[1]", "{}", "done", "1")
+_INSERT_STEP = (
+    "INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
+    " VALUES (md5({client}::text)::uuid, {step}, '{}', '{}'::jsonb, '{}'::jsonb, '{}', '{}'::jsonb, NULL)"
+)
+
+
+# ---------------------------------------------------------------- database
+
+
+@contextlib.contextmanager
+def schema() -> Iterator[Database]:
+    """A migrated schema of its own on the test server, dropped afterwards."""
+    server_url = _find_server()
+    os.environ["EVERYSTEP_TEST_DATABASE_URL"] = server_url
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {name}")
+    database = Database(server_url, name)
+    try:
+        with database.connect() as conn:
+            store.migrate(conn)
+        yield database
+    finally:
+        database.close()
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {name} CASCADE")
+
+
+def schedule_all(db: Database, workflow: Callable, args_list: list[tuple]) -> float:
+    """Schedule one run per args in a single transaction; returns the time
+    (time.time()) its commit returned."""
+    with db.connect(autocommit=False) as conn, everystep.transaction(conn):
+        for args in args_list:
+            everystep.schedule(workflow, *args)
+    return time.time()
+
+
+def schedule_in(conn: psycopg.Connection, workflow: Callable, *args) -> uuid.UUID:
+    """Schedule one run in a transaction of its own on `conn`; returns its id
+    once the commit returned."""
+    with everystep.transaction(conn):
+        run = everystep.schedule(workflow, *args)
+    return run.id
+
+
+def unfinished(db: Database) -> int:
+    return db.value("SELECT count(*) FROM everystep_workflow WHERE status IN ('scheduled', 'running')")
+
+
+def wait_drained(db: Database, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while unfinished(db):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"runs still unfinished after {timeout} s")
+        time.sleep(0.05)
+
+
+def last_completion(db: Database) -> float:
+    """When the last run completed (the server's clock, on this host), as time.time()."""
+    moment: dt.datetime = db.value("SELECT max(completed_at) FROM everystep_workflow")
+    return moment.timestamp()
+
+
+def failures(db: Database) -> int:
+    return db.value("SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'")
+
+
+# ---------------------------------------------------------------- the fleet
+
+
+@contextlib.contextmanager
+def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[SupervisorProcess]:
+    """A real supervisor (2 workers x 8 threads) on the schema, its workers
+    holding their locks; drained and stopped afterwards."""
+    document = config(db.url, name, imports=["tests.benchmarks.workflows"],
+                      workers={"processes": PROCESSES, "threads": THREADS, "poll": 1.0, "drain": 10}, **sections)
+    process = SupervisorProcess(document, folder)
+    try:
+        process.wait_logged("holding the lock of", count=PROCESSES)
+        yield process
+    finally:
+        if process.proc.poll() is None:
+            process.signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        process.close()
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="everystep-bench-") as folder:
+        yield Path(folder)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process, from /proc/<pid>/status, in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+# ---------------------------------------------------------------- the ceiling
+
+
+def commit_ceiling(seconds: float, driver: str | None = None) -> float:
+    """Commits/s of CLIENTS connections each committing one INSERT of a step
+    row (the real table: unique constraint, FK to its run) as fast as they
+    can, in a schema of its own. Driven by pgbench (a C client: the server's
+    own ceiling) when it is installed, else by Python clients shaped like the
+    workers (2 processes x 8 threads); `driver` forces one."""
+    with schema() as db:
+        db.query(
+            "INSERT INTO everystep_workflow (id, name, args, status) SELECT md5(n::text)::uuid, 'ceiling', '[]',"
+            " 'running' FROM generate_series(0, %s) AS n RETURNING id",
+            (CLIENTS - 1,),
+        )
+        if (driver or ceiling_driver()) == "pgbench":
+            return _pgbench_ceiling(db, seconds)
+        return _python_ceiling(db, seconds)
+
+
+def ceiling_driver() -> str:
+    return "pgbench" if PGBENCH else "python"
+
+
+def _pgbench_ceiling(db: Database, seconds: float) -> float:
+    script = _INSERT_STEP.format(*STEP_ROW, client=":client_id", step=":step") + ";\n"
+    with tempfile.NamedTemporaryFile("w", suffix=".sql") as f:
+        f.write("\\set step random(1, 1000000000000000)\n" + script)
+        f.flush()
+        info = conninfo.conninfo_to_dict(db.url)
+        env = {**os.environ, "PGOPTIONS": f"-c search_path={db.schema}"}
+        command = [PGBENCH, "-n", "-M", "prepared", "-c", str(CLIENTS), "-j", "2", "-T", str(max(1, round(seconds))),
+                   "-f", f.name, "-h", info.get("host", "127.0.0.1"), "-p", str(info.get("port", 5432)),
+                   "-U", info.get("user", "postgres"), info.get("dbname", "test")]
+        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return float(re.search(r"tps = ([\d.]+)", out).group(1))
+
+
+def _python_ceiling(db: Database, seconds: float) -> float:
+    """PROCESSES processes of THREADS threads, one connection each (the
+    workers' shape), for when pgbench is not installed."""
+    context = multiprocessing.get_context("fork")
+    start = context.Event()
+    counts = context.Queue()
+    processes = [context.Process(target=_insert_for, args=(db.url, i, seconds, start, counts))
+                 for i in range(PROCESSES)]
+    for process in processes:
+        process.start()
+    start.set()
+    total = sum(counts.get(timeout=seconds + 60) for _ in processes)
+    for process in processes:
+        process.join()
+    return total / seconds
+
+
+def _insert_for(url: str, process_index: int, seconds: float, start, counts) -> None:
+    done = [0] * THREADS
+    statement = _INSERT_STEP.format(*STEP_ROW, client="%s", step="%s")
+
+    def insert(thread: int, conn: psycopg.Connection, until: float) -> None:
+        client = process_index * THREADS + thread
+        while time.monotonic() < until:
+            conn.execute(statement, (client, str(uuid.uuid4().int)), prepare=True)
+            done[thread] += 1
+
+    connections = [psycopg.connect(url, autocommit=True) for _ in range(THREADS)]
+    start.wait()
+    until = time.monotonic() + seconds
+    threads = [threading.Thread(target=insert, args=(i, conn, until)) for i, conn in enumerate(connections)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for conn in connections:
+        conn.close()
+    counts.put(sum(done))
+
+
+# ---------------------------------------------------------------- figures
+
+
+def arguments(parser: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:
+    """Parse the command line; --quick replaces the sizes by `quick` (CI)."""
+    parser.add_argument("--quick", action="store_true", help=f"small sizes, to prove it works in seconds: {quick}")
+    args = parser.parse_args()
+    if args.quick:
+        vars(args).update(quick)
+    return args
+
+
+def emit(figures: dict) -> None:
+    """The benchmark's one line of output."""
+    print(json.dumps(figures), flush=True)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98]}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)

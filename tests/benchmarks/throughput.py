@@ -1,0 +1,45 @@
+"""Throughput (w1, w3): runs scheduled up front in one transaction, drained by
+a real supervisor's 2 worker processes x 8 threads, each repeat right after a
+measurement of the raw commit ceiling, so every ratio compares figures taken
+minutes apart at most on this noisy machine."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from tests.benchmarks import harness
+
+
+def main(benchmark: str, workflow: Callable, steps_per_run: int, runs: int, target: float) -> None:
+    parser = argparse.ArgumentParser(description=f"{benchmark}: drain {runs} runs of {steps_per_run} step(s)")
+    parser.add_argument("--runs", type=int, default=runs)
+    parser.add_argument("--repeat", type=int, default=3, help="repeats; the figures are medians")
+    parser.add_argument("--ceiling-seconds", type=float, default=5.0)
+    args = harness.arguments(parser, quick={"runs": 200, "repeat": 1, "ceiling_seconds": 1.0})
+
+    limits, runs_per_s, ratios, failed = [], [], [], 0
+    with harness.schema() as db, harness.scratch() as folder, harness.supervisor(db, benchmark, folder):
+        for repeat in range(args.repeat):
+            limits.append(harness.commit_ceiling(args.ceiling_seconds))
+            started = harness.schedule_all(db, workflow, [(repeat * args.runs + i,) for i in range(args.runs)])
+            harness.wait_drained(db)
+            runs_per_s.append(args.runs / (harness.last_completion(db) - started))
+            ratios.append(runs_per_s[-1] * steps_per_run / limits[-1])
+        failed = harness.failures(db)
+    rate = harness.median(runs_per_s)
+    harness.emit({
+        "benchmark": benchmark,
+        "runs": args.runs,
+        "steps_per_run": steps_per_run,
+        "repeat": args.repeat,
+        "runs_per_s": round(rate, 1),
+        "steps_per_s": round(rate * steps_per_run, 1),
+        "limit_commits_per_s": round(harness.median(limits), 1),
+        "limit_driver": harness.ceiling_driver(),
+        "ratio": round(harness.median(ratios), 3),  # (w1: runs/s, w3: steps/s) / limit commits/s
+        "target": target,
+        "runs_per_s_each": [round(r, 1) for r in runs_per_s],
+        "limit_each": [round(x, 1) for x in limits],
+        "not_completed": failed,
+    })

@@ -1,0 +1,47 @@
+"""The workflows the benchmarks run: steps that do next to nothing, so what is
+measured is the engine (claim, replay, recording) and the database."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from everystep import step, workflow
+
+
+@step
+def noop(i: int) -> int:
+    return i
+
+
+@workflow
+def one_step(i: int) -> int:
+    return noop(i)
+
+
+@workflow
+def three_steps(i: int) -> int:
+    return noop(i) + noop(i + 1) + noop(i + 2)
+
+
+@step
+def started_at() -> float:
+    """The moment the step's function starts, on this host's clock."""
+    return time.time()
+
+
+@workflow
+def latency_probe() -> float:
+    return started_at()
+
+
+@step
+def wait_for_file(path: str) -> str:
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return path
+
+
+@workflow
+def held_until(path: str) -> str:
+    return wait_for_file(path)

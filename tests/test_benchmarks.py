@@ -1,0 +1,36 @@
+"""The benchmarks still work: `python -m tests.benchmarks --quick` runs each
+one small and prints one JSON line per benchmark with its figures. Timings are
+never asserted here; only that every figure is there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.processes import ROOT
+
+FIGURES = {
+    "limit": {"clients", "driver", "commits_per_s"},
+    "w1": {"runs_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "not_completed"},
+    "w3": {"runs_per_s", "steps_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "not_completed"},
+    "latency": {"runs", "p50_ms", "p95_ms", "p99_ms", "target_p50_ms", "target_p99_ms", "not_completed"},
+    "recovery": {"interval_s", "grace_s", "running_again_s", "completed_s", "target_s", "not_completed"},
+    "memory": {"rss_mb_at_rest", "rss_mb_peak_under_w3", "worker_at_rest_max_mb", "target_worker_at_rest_mb"},
+    "scrape": {"restarts", "scrape_ms_p50", "scrape_ms_p50_without_archive"},
+}
+
+
+def test_every_benchmark_prints_its_figures_in_quick_mode(server_url):
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.benchmarks", "--quick"], cwd=ROOT, capture_output=True, text=True,
+        timeout=180, env={**os.environ, "EVERYSTEP_TEST_DATABASE_URL": server_url},
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["benchmark"] for line in lines] == list(FIGURES)
+    for line in lines:
+        missing = FIGURES[line["benchmark"]] - set(line)
+        assert not missing, f"{line['benchmark']} lacks {missing}"
+        assert line.get("not_completed", 0) == 0, line
