@@ -159,7 +159,7 @@ def test_sigquit_requeues_at_once(db, start_worker, marks):
 def test_stopping_a_busy_worker_leaves_nothing_claimed(db, start_worker, marks, sig):
     # While runs wait, each run that ends claims the next one in the statement
     # that ends it: a stop at any moment must still end or hand back each run.
-    schedule_many(db, workflows.quick, [(marks,)] * 1000)
+    db.schedule_many(workflows.quick, [(marks,)] * 1000)
     worker = start_worker("w-1", threads=4)
     wait_for(lambda: statuses(db).get("completed", 0) >= 50, what="runs completing")
     worker.signal(sig)
