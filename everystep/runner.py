@@ -3,7 +3,8 @@
 On every claim the workflow function is called from the top with its stored
 args. Each step call looks up its step id among the recorded steps: a recorded
 outcome is served without running the function; otherwise the function runs
-and its outcome is recorded before the call returns.
+and its outcome is recorded: before the next step starts, with the end of the
+run, or OUTCOME_DELAY after the step returned, whichever comes first.
 """
 
 from __future__ import annotations
@@ -85,6 +86,45 @@ class Lease:
         holder starts them."""
 
 
+# A step's outcome, on the run's own thread, waits for the next step or the
+# end of the run to be written with it, but never longer than this (seconds):
+# a body that sleeps or computes between two steps does not leave it unwritten.
+OUTCOME_DELAY = 0.05
+
+
+class _LateOutcomes:
+    """The runs executing in this process, and one daemon thread that writes
+    the outcomes that have waited OUTCOME_DELAY."""
+
+    def __init__(self) -> None:
+        self.replays: set[Replay] = set()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def add(self, replay: Replay) -> None:
+        with self.lock:
+            self.replays.add(replay)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._write_forever, name="everystep-outcomes", daemon=True)
+                self.thread.start()
+
+    def discard(self, replay: Replay) -> None:
+        with self.lock:
+            self.replays.discard(replay)
+
+    def _write_forever(self) -> None:
+        while True:
+            time.sleep(OUTCOME_DELAY / 2)
+            due = time.perf_counter() - OUTCOME_DELAY
+            with self.lock:
+                replays = list(self.replays)
+            for replay in replays:
+                replay.write_late_outcome(due)
+
+
+_late_outcomes = _LateOutcomes()
+
+
 class Runner:
     """Executes claimed runs under one runner name, writing through a pool."""
 
@@ -98,6 +138,7 @@ class Runner:
         failed, stopped, blocked, requeued (drain) or abandoned (claim lost)."""
         started = time.perf_counter()
         replay = Replay(self, run)
+        _late_outcomes.add(replay)
         try:
             outcome = replay.run()
         except LostClaim as exc:
@@ -116,6 +157,7 @@ class Runner:
                 log.exception("could not mark the run failed; it stays claimed", extra=extra)
                 outcome = "abandoned"
         finally:
+            _late_outcomes.discard(replay)
             replay.release()
         runs, duration = _run_metrics(run.name, outcome)
         runs.inc()
@@ -141,7 +183,10 @@ class Replay:
         self._cursor: psycopg.Cursor | None = None
         # The outcome of the owner thread's last step, not written yet: it is
         # written before the next step starts, or with the run's end.
-        self._unwritten: tuple[tuple, float] | None = None
+        # (row, started, finished), guarded by _outcome_lock, which is held
+        # while it is written.
+        self._unwritten: tuple[tuple, float, float] | None = None
+        self._outcome_lock = threading.Lock()
 
     # -------------------------------------------------------------- writes
 
@@ -159,7 +204,7 @@ class Replay:
             self._cursor = self._conn.cursor()
         try:
             yield self._cursor
-        except psycopg.OperationalError:
+        except store.CONNECTION_ERRORS:
             self.release()  # the pool discards a broken connection; the retry gets another
             raise
 
@@ -177,7 +222,7 @@ class Replay:
             try:
                 with self.cursor() as cur:
                     return fn(cur, *args)
-            except psycopg.OperationalError as exc:
+            except store.CONNECTION_ERRORS as exc:
                 self.runner.lease.wait_after_error(self.run_id, attempt, exc)
                 attempt += 1
 
@@ -199,7 +244,7 @@ class Replay:
                     if attempt and written_before(cur):
                         return None
                 raise LostClaim(f"run {self.run_id} is no longer running under {self.runner.name} ({what})")
-            except psycopg.OperationalError as exc:
+            except store.CONNECTION_ERRORS as exc:
                 self.runner.lease.wait_after_error(self.run_id, attempt, exc)
                 attempt += 1
 
@@ -226,12 +271,13 @@ class Replay:
     def _end(self, raised: BaseException | None, value: Any) -> str:
         # A halt wins over whatever the body did with it.
         exc = self.halt or raised
-        unwritten, self._unwritten = self._unwritten, None
+        with self._outcome_lock:
+            unwritten, self._unwritten = self._unwritten, None
         if isinstance(exc, LostClaim):
             raise exc
         if isinstance(exc, Drain):
             if unwritten is not None:
-                self._write_step(*unwritten, update=False)  # a finished step is recorded before the requeue
+                self._write_step(unwritten[0], unwritten[1], update=False)  # recorded before the requeue
             self.write(store.requeue_held, [self.run_id], self.runner.name)
             metrics.REQUEUED.labels(self.runner.name).inc()
             return "requeued"
@@ -350,24 +396,46 @@ class Replay:
                 result: Any, error: dict | None, update: bool, started: float) -> None:
         """Record a step's row; `result` and `error` are plain JSON data.
 
-        The outcome of a step of the run's own thread is written later: before
-        the next step starts, or in the statement that ends the run, which
-        saves a commit per run. Steps are at-least-once, so an outcome lost
-        with the worker in between only means the step runs again. The
-        `started` mark of an unsafe step, and its outcome, are written at once."""
+        The outcome of a step of the run's own thread is written a little
+        later: before the next step starts, or in the statement that ends the
+        run, which saves a commit per run — or by the late-outcome thread
+        after OUTCOME_DELAY. Steps are at-least-once, so an outcome lost with
+        the worker in between only means the step runs again. The `started`
+        mark of an unsafe step, and its outcome, are written at once."""
         row = (step_id, name, args, kwargs, status,
                None if status != "done" else serde.dump_data(result),
                None if error is None else serde.dump_data(error))
         self.recorded[step_id] = [name, status, result, error]
         if status != "started" and not update and threading.get_ident() == self._owner:
-            self._unwritten = (row, started)
+            with self._outcome_lock:
+                self._unwritten = (row, started, time.perf_counter())
         else:
             self._write_step(row, started, update)
 
     def _write_unwritten(self) -> None:
-        if self._unwritten is not None:
-            unwritten, self._unwritten = self._unwritten, None
-            self._write_step(*unwritten, update=False)
+        """Write the outcome waiting to be written, if any (or wait for the
+        late-outcome thread to finish writing it)."""
+        with self._outcome_lock:
+            if self._unwritten is not None:
+                self._write_step(self._unwritten[0], self._unwritten[1], update=False)
+                self._unwritten = None
+
+    def write_late_outcome(self, due: float) -> None:
+        """From the late-outcome thread: write the waiting outcome if it has
+        waited since before `due`, unless the run's thread is at it."""
+        unwritten = self._unwritten
+        if unwritten is None or unwritten[2] > due or self.halt is not None:
+            return
+        if not self._outcome_lock.acquire(blocking=False):
+            return  # the run's own thread is writing it now
+        try:
+            if self._unwritten is unwritten:
+                self._write_step(unwritten[0], unwritten[1], update=False)
+                self._unwritten = None
+        except Exception:  # LostClaim halts the run; its thread reports it
+            log.debug("late outcome not written", exc_info=True, extra={"run": str(self.run_id)})
+        finally:
+            self._outcome_lock.release()
 
     def _write_step(self, row: tuple, started: float, update: bool) -> None:
         step_id, name, status = row[0], row[1], row[4]

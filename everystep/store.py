@@ -34,6 +34,11 @@ _HELD = "id = %(run)s AND status = 'running' AND claimed_by = %(runner)s"
 Executor = psycopg.Connection | psycopg.Cursor
 
 
+# Errors that mean "the database is away for now" (a restart, a failover to a
+# server still read-only, a network cut): reconnect and retry, never give up a run.
+CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.errors.ReadOnlySqlTransaction)
+
+
 class ClaimedRun(NamedTuple):
     id: uuid.UUID
     name: str

@@ -37,9 +37,6 @@ log = logging.getLogger("everystep")
 PING_INTERVAL = 2.0  # seconds between checks of the control connection when idle
 CLAIM_LANDING_TIMEOUT = 5.0  # seconds a fast stop waits for claims in flight on ending runs
 KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, count: a dead peer is dropped in ~11 s
-# Errors that mean "the database is away for now" (a restart, a failover to a
-# server still in recovery, a network cut): reconnect with back-off.
-_CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.errors.ReadOnlySqlTransaction)
 
 
 def control_connection(database_url: str, name: str) -> psycopg.Connection:
@@ -157,10 +154,14 @@ class Worker:
 
     def run(self) -> None:
         """Run until stopped; on return, this worker holds no run."""
+        # While the database is away the pool retries its connections with a
+        # back-off that doubles without bound; giving up after 2 s (and a 2 s
+        # wait for a connection) makes each retried write ask for a fresh
+        # connection at once, so the runs go on as soon as the database is back.
         self.pool = ConnectionPool(
             self.database_url, min_size=1, max_size=self.threads + 2,
             kwargs={"autocommit": True, "application_name": f"everystep {self.name}"},
-            timeout=10, reconnect_timeout=24 * 3600, name=f"everystep-{self.name}", open=False,
+            timeout=2, reconnect_timeout=2, name=f"everystep-{self.name}", open=False,
         )
         self.pool.open(wait=False)
         self.runner = Runner(self.pool, self.name, self.lease)
@@ -210,7 +211,7 @@ class Worker:
                 self._lock_changed(True)
                 log.info("holding the lock of %s", self.name, extra=self._extra)
                 return True
-            except _CONNECTION_ERRORS as exc:
+            except store.CONNECTION_ERRORS as exc:
                 log.warning("database unreachable (%s); retrying in %.1f s", _first_line(exc), delay,
                             extra=self._extra)
             if self._stopping and not self._inflight:
@@ -291,7 +292,7 @@ class Worker:
                 if time.monotonic() - last_query >= PING_INTERVAL:
                     store.ping(conn)
                     last_query = time.monotonic()
-            except _CONNECTION_ERRORS as exc:
+            except store.CONNECTION_ERRORS as exc:
                 self._lost_lock(exc)
 
     def _fill_slots(self, conn: psycopg.Connection) -> bool:
@@ -432,7 +433,7 @@ class Worker:
         if held and self._conn is not None:
             try:
                 requeued = store.requeue_held(self._conn, list(held), self.name)
-            except psycopg.OperationalError as exc:
+            except store.CONNECTION_ERRORS as exc:
                 log.warning("could not requeue on %s (%s); the sweep will recover them", why, _first_line(exc),
                             extra=self._extra)
                 return

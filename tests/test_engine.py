@@ -27,6 +27,7 @@ from everystep import (
     workflow,
 )
 from everystep import runner as runner_module
+from tests.processes import wait_for
 
 calls: collections.Counter = collections.Counter()
 seen: dict = {}
@@ -313,6 +314,30 @@ def test_an_unhandled_step_failure_fails_the_run(db):
     assert row["status"] == "failed"
     assert row["error"]["type"] == "tests.test_engine.CardDeclined"
     assert row["completed_at"] is not None
+
+
+pause = threading.Event()
+
+
+@workflow
+def waits_between_steps():
+    record("before")
+    pause.wait(20)  # the body, not a step, waits: the outcome above must not wait with it
+    record("after")
+
+
+def test_a_step_outcome_is_written_while_the_body_waits(db):
+    pause.clear()
+    run = schedule_one(db, waits_between_steps)
+    executing = threading.Thread(target=db.run_pending)
+    executing.start()
+    try:
+        wait_for(lambda: step_ids(db, run.id) == ["1"], timeout=5, what="the first outcome written")
+    finally:
+        pause.set()
+        executing.join(30)
+    assert db.run(run.id)["status"] == "completed"
+    assert step_ids(db, run.id) == ["1", "2"]
 
 
 # ---------------------------------------------------------------- Terminal
