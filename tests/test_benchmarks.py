@@ -19,6 +19,8 @@ FIGURES = {
     "recovery": {"interval_s", "grace_s", "running_again_s", "completed_s", "target_s", "not_completed"},
     "memory": {"rss_mb_at_rest", "rss_mb_peak_under_w3", "worker_at_rest_max_mb", "target_worker_at_rest_mb"},
     "scrape": {"restarts", "scrape_ms_p50", "scrape_ms_p50_without_archive"},
+    "supervisor_scrape": {"restarts", "scrape_ms_p50_before", "scrape_ms_p50", "files_before", "files",
+                          "restarts_counted"},
 }
 
 

@@ -1,39 +1,29 @@
-"""Scrape cost of a real `everystep-supervisor` before and after hundreds of
-child restarts.
+"""supervisor_scrape: the cost of /metrics of a real `everystep-supervisor`
+before and after hundreds of child restarts.
 
-A supervisor with two workers runs on the test database (a schema of its
-own). Each restart SIGKILLs the worker that has just completed a run, so the
-supervisor restarts it at once (a child that claimed work is not
-crash-looping). /metrics is scraped over HTTP before (after as many runs,
-without restarts) and after, and the multiprocess folder's files are counted.
+A supervisor with two workers runs on a schema of its own. Each restart
+SIGKILLs the worker that has just completed a run, so the supervisor restarts
+it at once (a child that claimed work is not crash-looping). /metrics is
+scraped over HTTP before (after as many runs, without restarts) and after, and
+the multiprocess folder's files are counted.
 
-python tests/benchmarks/bench_supervisor_scrape.py [--restarts 200] [--scrapes 100] [--quick]
+python -m tests.benchmarks.bench_supervisor_scrape [--restarts 200] [--scrapes 100] [--quick]
 Prints one JSON line."""
 
-from __future__ import annotations
-
 import argparse
-import json
 import statistics
-import sys
-import tempfile
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from prometheus_client.parser import text_string_to_metric_families
 
-import psycopg  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from tests import workflows
+from tests.benchmarks import harness
+from tests.processes import wait_for
+from tests.supervisor_process import SupervisorProcess, config, restart_workers
 
-import everystep  # noqa: E402
-from everystep import store  # noqa: E402
-from tests import workflows  # noqa: E402
-from tests.conftest import Database, _find_server  # noqa: E402
-from tests.processes import wait_for  # noqa: E402
-from tests.supervisor_process import SupervisorProcess, config, restart_workers  # noqa: E402
+QUICK = {"restarts": 20, "scrapes": 20}
 
 
 def scrape(url: str) -> tuple[float, dict[str, float]]:
@@ -65,41 +55,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--restarts", type=int, default=200)
     parser.add_argument("--scrapes", type=int, default=100)
-    parser.add_argument("--quick", action="store_true", help="20 restarts, 20 scrapes (CI)")
-    args = parser.parse_args()
-    restarts, scrapes = (20, 20) if args.quick else (args.restarts, args.scrapes)
-
-    server = _find_server()
-    schema = f"bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    db = Database(server, schema)
-    try:
-        with db.connect() as conn:
-            store.migrate(conn)
-        with tempfile.TemporaryDirectory() as tmp:
-            marks = Path(tmp) / "marks"
-            marks.mkdir()
-            sup = SupervisorProcess(config(db.url, "bench"), Path(tmp) / "supervisor")
-            try:
-                result = run(sup, db, str(marks), restarts, scrapes)
-            finally:
-                sup.close()
-    finally:
-        with psycopg.connect(server, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA {schema} CASCADE")
-    print(json.dumps(result))
+    args = harness.arguments(parser, quick=QUICK)
+    with harness.schema() as db, harness.scratch() as folder:
+        marks = folder / "marks"
+        marks.mkdir()
+        sup = SupervisorProcess(config(db.url, "bench"), folder / "supervisor")
+        try:
+            harness.emit(run(sup, db, str(marks), args.restarts, args.scrapes))
+        finally:
+            sup.close()
 
 
-def run(sup: SupervisorProcess, db: Database, marks: str, restarts: int, scrapes: int) -> dict:
+def run(sup: SupervisorProcess, db, marks: str, restarts: int, scrapes: int) -> dict:
     url = f"http://127.0.0.1:{sup.port}/metrics"
     sup.wait_workers({"bench-0", "bench-1"})
     wait_for(lambda: scrape(url)[1].get("everystep_worker_pool_size") == 8, timeout=30, what="two workers")
     folder = sup.metrics_folder
     # Runs first, without restarts, so that "before" serves the same series as "after".
-    with db.connect() as conn, everystep.transaction(conn):
-        for _ in range(20):
-            everystep.schedule(workflows.quick, marks)
+    db.schedule_many(workflows.quick, [(marks,)] * 20)
     wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 20,
              timeout=60, what="the warm-up runs")
     result: dict = {"benchmark": "supervisor_scrape", "restarts": restarts, "scrapes": scrapes}
