@@ -37,6 +37,7 @@ import psycopg
 
 from everystep import api, scheduler, serde, store
 from everystep.errors import EverystepError
+from everystep.logs import first_line
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
@@ -54,10 +55,6 @@ class CliError(Exception):
         super().__init__(message)
         self.code = code
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 # ---------------------------------------------------------------- the database
@@ -94,9 +91,9 @@ def connect(args: argparse.Namespace) -> psycopg.Connection:
     try:
         return psycopg.connect(url, autocommit=True, connect_timeout=10)
     except psycopg.OperationalError as exc:
-        raise CliError(f"cannot reach the database: {_first_line(exc)}", EXIT_DATABASE) from None
+        raise CliError(f"cannot reach the database: {first_line(exc)}", EXIT_DATABASE) from None
     except psycopg.ProgrammingError as exc:  # a malformed URL
-        raise CliError(f"bad database URL: {_first_line(exc)}") from None
+        raise CliError(f"bad database URL: {first_line(exc)}") from None
 
 
 def _positive_float(text: str) -> float:
@@ -139,7 +136,7 @@ def _json_value(text: str) -> Any:
     try:
         return serde.from_json(data)
     except Exception as exc:  # a malformed tagged value, whatever it trips on
-        raise argparse.ArgumentTypeError(f"{text!r} is not a valid everystep value ({_first_line(exc)})") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid everystep value ({first_line(exc)})") from None
 
 
 def _whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -418,7 +415,7 @@ def _import_workflow(target: str) -> Callable:
     try:
         found: Any = importlib.import_module(module_name)
     except Exception as exc:  # whatever the module raises while importing
-        raise CliError(f"cannot import {module_name}: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise CliError(f"cannot import {module_name}: {type(exc).__name__}: {first_line(exc)}") from None
     try:
         for attr in qualname.split("."):
             found = getattr(found, attr)
@@ -665,14 +662,14 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         message, code = str(exc), exc.code
     except psycopg.OperationalError as exc:
-        message = f"database error: {_first_line(exc)}"
+        message = f"database error: {first_line(exc)}"
         code = EXIT_DATABASE if _connection_lost(exc) else EXIT_REFUSED
     except psycopg.errors.UndefinedTable as exc:
-        message, code = f"database error: {_first_line(exc)} (run `everystep migrate` first?)", EXIT_REFUSED
+        message, code = f"database error: {first_line(exc)} (run `everystep migrate` first?)", EXIT_REFUSED
     except psycopg.DataError as exc:
-        message, code = f"the database refused a value: {_first_line(exc)}", EXIT_USAGE
+        message, code = f"the database refused a value: {first_line(exc)}", EXIT_USAGE
     except psycopg.Error as exc:
-        message, code = f"database error: {_first_line(exc)}", EXIT_REFUSED
+        message, code = f"database error: {first_line(exc)}", EXIT_REFUSED
     except BrokenPipeError:
         # The reader went away (`| head`): not an error; silence the final flush.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -31,6 +31,12 @@ class LineFormatter(logging.Formatter):
         return line
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message for a one-line log or error: its first line."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def configure(level: str | int = "INFO") -> None:
     """Send all logging to stdout, one line per record (containers collect stdout)."""
     handler = logging.StreamHandler(sys.stdout)

@@ -30,6 +30,7 @@ from psycopg_pool import ConnectionPool
 
 from everystep import liveness, metrics, store
 from everystep.errors import Drain, LostClaim
+from everystep.logs import first_line
 from everystep.runner import Lease, Runner
 
 log = logging.getLogger("everystep")
@@ -80,7 +81,7 @@ class WorkerLease(Lease):
         # Retried until it goes through or the run is abandoned; meanwhile
         # the control loop notices an outage and `before_write` waits for it.
         if attempt == 0:
-            log.warning("database write failed (%s); retrying", _first_line(error), extra={"run": str(run_id)})
+            log.warning("database write failed (%s); retrying", first_line(error), extra={"run": str(run_id)})
         self.write_failed = True
         time.sleep(min(0.05 * 2**attempt, 2.0))
 
@@ -212,7 +213,7 @@ class Worker:
                 log.info("holding the lock of %s", self.name, extra=self._extra)
                 return True
             except store.CONNECTION_ERRORS as exc:
-                log.warning("database unreachable (%s); retrying in %.1f s", _first_line(exc), delay,
+                log.warning("database unreachable (%s); retrying in %.1f s", first_line(exc), delay,
                             extra=self._extra)
             if self._stopping and not self._inflight:
                 return False
@@ -234,7 +235,7 @@ class Worker:
         self._backlog.clear()
 
     def _lost_lock(self, exc: Exception) -> None:
-        log.warning("lost the control connection (%s); pausing steps and reconnecting", _first_line(exc),
+        log.warning("lost the control connection (%s); pausing steps and reconnecting", first_line(exc),
                     extra=self._extra)
         self.lease.held.clear()
         self._lock_changed(False)
@@ -434,7 +435,7 @@ class Worker:
             try:
                 requeued = store.requeue_held(self._conn, list(held), self.name)
             except store.CONNECTION_ERRORS as exc:
-                log.warning("could not requeue on %s (%s); the sweep will recover them", why, _first_line(exc),
+                log.warning("could not requeue on %s (%s); the sweep will recover them", why, first_line(exc),
                             extra=self._extra)
                 return
             metrics.REQUEUED.labels(self.name).inc(len(requeued))
@@ -455,7 +456,3 @@ class Worker:
         metrics.INFLIGHT.labels(self.name).set(0)
         log.info("worker %s stopped", self.name, extra=self._extra)
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -22,6 +22,7 @@ import psycopg
 from setproctitle import setproctitle
 
 from everystep import logs
+from everystep.logs import first_line
 
 log = logging.getLogger("everystep.supervisor")
 
@@ -160,7 +161,7 @@ def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
                 next_sweep = time.monotonic() + sweep.next_probe_in(config.recovery.interval)
             scheduler.tick(conn)  # logs what it fires
         except psycopg.OperationalError as exc:
-            log.warning("maintenance: database unreachable (%s)", _first_line(exc))
+            log.warning("maintenance: database unreachable (%s)", first_line(exc))
             if conn is not None:
                 conn.close()
             conn = None
@@ -188,11 +189,7 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
                             log.info("schedule %s: %s", entry.key, entry.action.replace("_", " "))
             return
         except psycopg.OperationalError as exc:
-            log.warning("setup: database unreachable (%s); retrying in %.0f s", _first_line(exc), delay)
+            log.warning("setup: database unreachable (%s); retrying in %.0f s", first_line(exc), delay)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
