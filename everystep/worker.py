@@ -37,18 +37,15 @@ log = logging.getLogger("everystep")
 
 PING_INTERVAL = 2.0  # seconds between checks of the control connection when idle
 CLAIM_LANDING_TIMEOUT = 5.0  # seconds a fast stop waits for claims in flight on ending runs
-KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, count: a dead peer is dropped in ~11 s
 
 
 def control_connection(database_url: str, name: str) -> psycopg.Connection:
-    """An autocommit connection with TCP keepalives on both ends."""
-    idle, interval, count = KEEPALIVE
-    conn = psycopg.connect(
-        database_url, autocommit=True, connect_timeout=5, application_name=f"everystep {name} control",
-        keepalives=1, keepalives_idle=idle,
-        keepalives_interval=interval, keepalives_count=count, tcp_user_timeout=(idle + interval * count) * 1000,
+    """The worker's control connection, with TCP keepalives on both ends (the
+    server's side is what frees the lock of a vanished host)."""
+    conn = psycopg.connect(database_url, **liveness.connection_kwargs(f"everystep {name} control"))
+    store.prepare_control_session(
+        conn, liveness.KEEPALIVE_IDLE, liveness.KEEPALIVE_INTERVAL, liveness.KEEPALIVE_COUNT
     )
-    store.prepare_control_session(conn, idle, interval, count)
     return conn
 
 
@@ -159,9 +156,11 @@ class Worker:
         # back-off that doubles without bound; giving up after 2 s (and a 2 s
         # wait for a connection) makes each retried write ask for a fresh
         # connection at once, so the runs go on as soon as the database is back.
+        # One connection per run slot, and as many again for the writes of
+        # parallel branches and of late step outcomes.
         self.pool = ConnectionPool(
-            self.database_url, min_size=1, max_size=self.threads + 2,
-            kwargs={"autocommit": True, "application_name": f"everystep {self.name}"},
+            self.database_url, min_size=1, max_size=2 * self.threads + 2,
+            kwargs=liveness.connection_kwargs(f"everystep {self.name}"),
             timeout=2, reconnect_timeout=2, name=f"everystep-{self.name}", open=False,
         )
         self.pool.open(wait=False)
