@@ -42,7 +42,9 @@ def connection_kwargs(application_name: str) -> dict:
     }
 
 
-def fail_poison_runs(conn: psycopg.Connection, run_ids: list[uuid.UUID], max_crashes: int) -> set[uuid.UUID]:
+def fail_poison_runs(
+    conn: psycopg.Connection, claimer: str, run_ids: list[uuid.UUID], max_crashes: int
+) -> set[uuid.UUID]:
     """Count a crash for runs whose claimer died holding them; fail those that
     died `max_crashes` claims in a row with no new step. Returns the failed."""
     error = serde.dumps({
@@ -52,7 +54,7 @@ def fail_poison_runs(conn: psycopg.Connection, run_ids: list[uuid.UUID], max_cra
         "the fleet",
         "args": [],
     })
-    poisoned = set(store.count_crashes(conn, run_ids, max_crashes, error))
+    poisoned = set(store.count_crashes(conn, claimer, run_ids, max_crashes, error))
     for run_id in poisoned:
         log.error("poison run failed after %d crashes of its worker", max_crashes, extra={"run": str(run_id)})
     metrics.POISONED.inc(len(poisoned))
@@ -97,7 +99,7 @@ class DeadClaimerSweep:
 
     def _recover(self, conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
         held = store.held_run_ids(conn, claimer)
-        fail_poison_runs(conn, held, self.max_crashes)
+        fail_poison_runs(conn, claimer, held, self.max_crashes)
         requeued = store.requeue_claimer(conn, claimer)
         if requeued:
             log.warning("claimer %s is dead: requeued %d runs", claimer, len(requeued), extra={"runner": claimer})

@@ -28,7 +28,8 @@ class LineFormatter(logging.Formatter):
         line = f"{stamp} {record.levelname} {record.name}{fields} {record.getMessage()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        # Text that cannot be written as UTF-8 (a lone surrogate in a message) is escaped, not lost.
+        return line.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def first_line(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -97,6 +98,9 @@ class _LateOutcomes:
     the outcomes that have waited OUTCOME_DELAY."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.replays: set[Replay] = set()
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
@@ -123,6 +127,8 @@ class _LateOutcomes:
 
 
 _late_outcomes = _LateOutcomes()
+# A forked child starts without the parent's threads, and with no run of its own.
+os.register_at_fork(after_in_child=_late_outcomes.reset)
 
 
 class Runner:
@@ -151,8 +157,8 @@ class Runner:
             log.exception("engine error on run; marking it failed", extra=extra)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
-                replay.write(store.finish_run, run.id, self.name, "failed", None, error)
-                outcome = "failed"
+                ended = replay.write(store.finish_run, run.id, self.name, "failed", None, error)
+                outcome = "failed" if ended is not None else "abandoned"  # None: no longer held
             except Exception:
                 log.exception("could not mark the run failed; it stays claimed", extra=extra)
                 outcome = "abandoned"
@@ -187,6 +193,7 @@ class Replay:
         # while it is written.
         self._unwritten: tuple[tuple, float, float] | None = None
         self._outcome_lock = threading.Lock()
+        self._late_failure_logged = False
 
     # -------------------------------------------------------------- writes
 
@@ -278,7 +285,8 @@ class Replay:
         if isinstance(exc, Drain):
             if unwritten is not None:
                 self._write_step(unwritten[0], unwritten[1], update=False)  # recorded before the requeue
-            self.write(store.requeue_held, [self.run_id], self.runner.name)
+            if not self.write(store.requeue_held, [self.run_id], self.runner.name):
+                raise LostClaim(f"run {self.run_id} is no longer running under {self.runner.name} (requeue)")
             metrics.REQUEUED.labels(self.runner.name).inc()
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
@@ -432,8 +440,12 @@ class Replay:
             if self._unwritten is unwritten:
                 self._write_step(unwritten[0], unwritten[1], update=False)
                 self._unwritten = None
-        except Exception:  # LostClaim halts the run; its thread reports it
-            log.debug("late outcome not written", exc_info=True, extra={"run": str(self.run_id)})
+        except LostClaim:
+            pass  # the run is halted; its own thread reports it
+        except Exception as exc:
+            if not self._late_failure_logged:  # retried every tick: say it once
+                self._late_failure_logged = True
+                log.warning("could not write a step outcome yet (%s); retrying", exc, extra={"run": str(self.run_id)})
         finally:
             self._outcome_lock.release()
 

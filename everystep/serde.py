@@ -35,7 +35,7 @@ from typing import Any
 from everystep.errors import EverystepError, StepFailure
 
 TAG = "$es"
-_SCALARS = (str, int, bool, type(None))
+_SCALARS = (int, bool, type(None))
 # One encoder for all: json.dumps with options builds a new one per call. Its
 # input is plain data from `to_json`, which cannot contain itself.
 _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"), check_circular=False)
@@ -44,6 +44,8 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(","
 def to_json(value: Any) -> Any:
     """Turn a value into plain JSON data, tagging the extended types."""
     cls = type(value)
+    if cls is str:
+        return _text(value)
     if cls in _SCALARS:
         return value
     if cls is float:
@@ -57,11 +59,24 @@ def to_json(value: Any) -> Any:
         for key, item in value.items():
             if type(key) is not str:
                 raise EverystepError(f"cannot store a dict with the non-string key {key!r}")
-            out[key] = to_json(item)
+            out[_text(key)] = to_json(item)
         return {TAG: "dict", "v": out} if TAG in out else out
     if cls is tuple:
         return {TAG: "tuple", "v": [to_json(item) for item in value]}
     return _tag(value)
+
+
+def _text(value: str) -> str:
+    """A string PostgreSQL can store: jsonb has no NUL character, and UTF-8
+    no lone surrogate (such as a bad `surrogateescape` decode leaves)."""
+    if "\x00" in value:
+        raise EverystepError(f"cannot store the string {value[:40]!r}...: it contains a NUL character")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise EverystepError(f"cannot store the string {value[:40]!r}...: it is not valid Unicode") from None
+    return value
 
 
 def _tag(value: Any) -> Any:
@@ -172,14 +187,21 @@ def encode_exception(exc: BaseException) -> dict:
     cls = type(exc)
     if isinstance(exc, StepFailure) and exc.type:
         # A failure replayed from the store keeps the type it was recorded as.
-        return {"type": exc.type, "message": str(exc), "args": exc.original_args}
+        return {"type": exc.type, "message": _storable(str(exc)), "args": exc.original_args}
     args = []
     for arg in exc.args:
         try:
             args.append(to_json(arg))
         except EverystepError:
-            args.append(repr(arg))
-    return {"type": f"{cls.__module__}.{cls.__qualname__}", "message": str(exc), "args": args}
+            args.append(_storable(repr(arg)))
+    return {"type": f"{cls.__module__}.{cls.__qualname__}", "message": _storable(str(exc)), "args": args}
+
+
+def _storable(text: str) -> str:
+    """Text for an error message that can always be stored: what cannot be is
+    escaped rather than refused (an error about a bad value must itself be
+    recordable)."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def decode_exception(data: dict) -> BaseException:

@@ -4,12 +4,13 @@ Fencing: every write about a held run is conditional on the run still being
 `running` and claimed by the writer (`_HELD`). Step rows are written under a
 `FOR SHARE` lock of the run row, so a concurrent requeue either waits for the
 step's commit or makes the insert match nothing — a worker that lost its claim
-cannot slip a write in. Functions that write about a held run return whether
-the write matched; False means the claim was lost.
+cannot slip a write in. A write about a held run that matches nothing (its
+function returns False, None or an empty list) means the claim was lost.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import uuid
 import weakref
@@ -200,33 +201,35 @@ def held_run_ids(conn: psycopg.Connection, runner: str) -> list[uuid.UUID]:
 
 
 def count_crashes(
-    conn: psycopg.Connection, run_ids: list[uuid.UUID], max_crashes: int, poison_error: str
+    conn: psycopg.Connection, claimer: str, run_ids: list[uuid.UUID], max_crashes: int, poison_error: str
 ) -> list[uuid.UUID]:
-    """Count one crash (a claim that ended with its worker dead) for each run.
-    The count restarts when the run recorded new steps since its last crash.
-    Runs that reach `max_crashes` are failed with `poison_error`; returns them."""
+    """Count one crash (a claim that ended with its worker dead) for each of
+    these runs still `running` under `claimer`. The count restarts when the run
+    recorded new steps since its last crash. Runs that reach `max_crashes` are
+    failed with `poison_error`; returns them."""
     if not run_ids:
         return []
     with conn.transaction():
         rows = conn.execute(
             "INSERT INTO everystep_crash (workflow_id, crashes, steps_seen)"
             " SELECT w.id, 1, (SELECT count(*) FROM everystep_step s WHERE s.workflow_id = w.id)"
-            " FROM everystep_workflow w WHERE w.id = ANY(%s)"
+            " FROM everystep_workflow w WHERE w.id = ANY(%s) AND w.status = 'running' AND w.claimed_by = %s"
             " ON CONFLICT (workflow_id) DO UPDATE SET"
             "  crashes = CASE WHEN everystep_crash.steps_seen = EXCLUDED.steps_seen"
             "            THEN everystep_crash.crashes + 1 ELSE 1 END,"
             "  steps_seen = EXCLUDED.steps_seen"
             " RETURNING workflow_id, crashes",
-            (run_ids,),
+            (run_ids, claimer),
         ).fetchall()
         poisoned = [run_id for run_id, crashes in rows if crashes >= max_crashes]
-        if poisoned:
-            conn.execute(
-                "UPDATE everystep_workflow SET status = 'failed', completed_at = now(), error = %s::jsonb"
-                " WHERE id = ANY(%s) AND status IN ('running', 'scheduled')",
-                (poison_error, poisoned),
-            )
-    return poisoned
+        if not poisoned:
+            return []
+        failed = conn.execute(
+            "UPDATE everystep_workflow SET status = 'failed', completed_at = now(), error = %s::jsonb"
+            " WHERE id = ANY(%s) AND status = 'running' AND claimed_by = %s RETURNING id",
+            (poison_error, poisoned, claimer),
+        ).fetchall()
+    return [row[0] for row in failed]
 
 
 # ---------------------------------------------------------------- the hot path
@@ -508,24 +511,26 @@ def runners_without_lock(conn: psycopg.Connection, runners: list[str]) -> list[s
 
 # ---------------------------------------------------------------- operators
 
+def _dicts(cur: psycopg.Cursor) -> list[dict]:
+    names = [c.name for c in cur.description]
+    return [dict(zip(names, row)) for row in cur]
+
+
 def load_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
-    cur = conn.execute(
+    rows = _dicts(conn.execute(
         "SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at"
         " FROM everystep_workflow WHERE id = %s",
         (run,),
-    )
-    row = cur.fetchone()
-    return None if row is None else dict(zip([c.name for c in cur.description], row))
+    ))
+    return rows[0] if rows else None
 
 
 def load_steps(conn: psycopg.Connection, run: uuid.UUID) -> list[dict]:
-    cur = conn.execute(
+    return _dicts(conn.execute(
         "SELECT id, step_id, name, args, kwargs, status, result, error FROM everystep_step"
         " WHERE workflow_id = %s ORDER BY id",
         (run,),
-    )
-    names = [c.name for c in cur.description]
-    return [dict(zip(names, row)) for row in cur]
+    ))
 
 
 class ResolveRefused(Exception):
@@ -567,11 +572,6 @@ def resolve_step(
             (run,),
         )
         conn.execute(f"SELECT {_NOTIFY}")
-
-
-def _dicts(cur: psycopg.Cursor) -> list[dict]:
-    names = [c.name for c in cur.description]
-    return [dict(zip(names, row)) for row in cur]
 
 
 def list_runs(conn: psycopg.Connection, status: str | None, name: str | None, limit: int) -> list[dict]:
@@ -632,7 +632,6 @@ def prune_batch(conn: psycopg.Connection, days: int, limit: int) -> int:
         return cur.rowcount
 # ---------------------------------------------------------------- recurring schedules
 
-import datetime  # noqa: E402  (imported here: this section is appended whole, to keep merges clean)
 
 # One scheduler fires at a time per schema, across the fleet; `apply` waits
 # for it, so a tick never sees half an apply.
@@ -727,8 +726,3 @@ def advance_schedule(
 def set_schedule_error(conn: psycopg.Connection, key: str, error: str) -> None:
     """Record why a due schedule did not fire (its next fire time stays)."""
     conn.execute("UPDATE everystep_schedule SET last_error = %s WHERE key = %s", (error, key))
-
-
-def _dicts(cur: psycopg.Cursor) -> list[dict]:
-    names = [c.name for c in cur.description]
-    return [dict(zip(names, row)) for row in cur]

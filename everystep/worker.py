@@ -130,6 +130,7 @@ class Worker:
         self._successor = threading.local()  # .run: what a run's thread goes on with, claimed at the run's end
         self._published_load: int | None = None
         self._backlog: list[store.ClaimedRun] = []  # held by us, not started yet
+        self._escaped: set[uuid.UUID] = set()  # runs whose execution escaped with a BaseException
         self._reconcile = False  # look for runs held under our name that we are not running
         self._conn: psycopg.Connection | None = None
         self._extra = {"runner": name}
@@ -151,7 +152,9 @@ class Worker:
             pass  # the pipe is full: the loop is awake anyway
 
     def run(self) -> None:
-        """Run until stopped; on return, this worker holds no run."""
+        """Run until stopped. On return nothing is claimed under this name,
+        unless the database was unreachable at the end (then the sweep
+        recovers what is left once the lock is released)."""
         # While the database is away the pool retries its connections with a
         # back-off that doubles without bound; giving up after 2 s (and a 2 s
         # wait for a connection) makes each retried write ask for a fresh
@@ -202,8 +205,8 @@ class Worker:
                     self._conn = conn
                     if catchup:
                         self._catchup(conn)
-                    with self._inflight_lock:
-                        self._reconcile = True
+                    else:
+                        self._after_relock(conn)
                 except BaseException:
                     conn.close()
                     raise
@@ -242,13 +245,28 @@ class Worker:
             self._conn.close()
         self._conn = None
 
+    def _after_relock(self, conn: psycopg.Connection) -> None:
+        """The lock is ours again after a loss. Runs in flight that are no
+        longer `running` under this name were recovered by someone else
+        meanwhile: abandon them before any of their writes goes on (the
+        database fence alone cannot tell this incarnation from a past one).
+        Runs held under this name that are not in flight are replayed."""
+        held = set(store.held_run_ids(conn, self.name))
+        with self._inflight_lock:
+            lost = self._inflight - held - self.lease.abandoned
+            self.lease.abandoned |= lost
+            self._reconcile = True
+        if lost:
+            log.warning("%d runs in flight were recovered elsewhere while the lock was lost; abandoning them",
+                        len(lost), extra=self._extra)
+
     def _catchup(self, conn: psycopg.Connection) -> None:
         """Runs `running` under this name were left by a previous incarnation
         that died: count the crash (poison runs fail), then replay the rest."""
         held = store.held_runs(conn, self.name)
         if not held:
             return
-        poisoned = liveness.fail_poison_runs(conn, [run.id for run in held], self.max_crashes)
+        poisoned = liveness.fail_poison_runs(conn, self.name, [run.id for run in held], self.max_crashes)
         resumed = [run for run in held if run.id not in poisoned]
         if resumed:
             log.info("catchup: resuming %d runs left running under %s", len(resumed), self.name, extra=self._extra)
@@ -267,7 +285,6 @@ class Worker:
                     return
                 if drain_deadline is None:
                     drain_deadline = time.monotonic() + self.drain if self.drain > 0 else float("inf")
-                    self._requeue_backlog()
                     log.info("draining %d runs in flight", len(self._inflight), extra=self._extra)
                 if not self._inflight:
                     return
@@ -279,6 +296,8 @@ class Worker:
                     if not self._take_lock(catchup=False):
                         return
                 conn = self._conn
+                if self._stopping and self._backlog:
+                    self._requeue_backlog(conn)
                 more = False
                 if not self._stopping:
                     more = self._fill_slots(conn)
@@ -298,6 +317,12 @@ class Worker:
     def _fill_slots(self, conn: psycopg.Connection) -> bool:
         """Start runs in the free slots: the backlog first, then claims.
         True to claim again at once (a notification came in while claiming)."""
+        with self._inflight_lock:
+            escaped, self._escaped = self._escaped, set()
+        if escaped:
+            ids = list(escaped - self.lease.abandoned)
+            liveness.fail_poison_runs(conn, self.name, ids, self.max_crashes)
+            store.requeue_held(conn, ids, self.name)
         free = self.threads - len(self._inflight)
         if free <= 0:
             return False
@@ -309,9 +334,10 @@ class Worker:
             with self._inflight_lock:
                 if self._claiming:
                     return False  # no new claims start meanwhile; those in flight wake us when they land
+                # Cleared before `busy` is read: a run ending meanwhile sets it again.
+                self._reconcile = False
                 busy = set(self._inflight)
             self._backlog.extend(run for run in store.held_runs(conn, self.name) if run.id not in busy)
-            self._reconcile = False
         if self._backlog:
             starting, self._backlog = self._backlog[:free], self._backlog[free:]
             for run in starting:
@@ -348,7 +374,12 @@ class Worker:
 
     def _start(self, run: store.ClaimedRun) -> None:
         with self._inflight_lock:
-            self._inflight.add(run.id)
+            executing = run.id in self._inflight  # an abandoned execution of it has not ended yet
+            if not executing:
+                self._inflight.add(run.id)
+        if executing:
+            self._backlog.append(run)  # claimed: started once the old execution is gone
+            return
         self.executor.submit(self._execute, run)
 
     def _execute(self, run: store.ClaimedRun | None) -> None:
@@ -360,7 +391,11 @@ class Worker:
             try:
                 self.runner.execute(run)
             except BaseException:
+                # SystemExit or the like out of user code: as if the worker died
+                # on this run (a crash is counted, the run requeued), but it lives on.
                 log.exception("run execution ended abnormally", extra={**self._extra, "run": str(run.id)})
+                with self._inflight_lock:
+                    self._escaped.add(run.id)
             finally:
                 with self._inflight_lock:
                     self._inflight.discard(run.id)
@@ -377,7 +412,9 @@ class Worker:
         ending, unless the worker is stopping, has runs of its own to start
         first, or is not sure of its lock."""
         with self._inflight_lock:
-            if self._stopping or self._reconcile or self._backlog or not self.lease.held.is_set():
+            # Not while an abandoned execution runs on: the claim could bring its run back.
+            if (self._stopping or self._reconcile or self._backlog or self.lease.abandoned
+                    or not self.lease.held.is_set()):
                 return False
             self._claiming += 1
             return True
@@ -414,10 +451,9 @@ class Worker:
         if self.on_lock:
             self.on_lock(held)
 
-    def _requeue_backlog(self) -> None:
-        if self._backlog and self._conn is not None:
-            requeued = store.requeue_held(self._conn, [run.id for run in self._backlog], self.name)
-            metrics.REQUEUED.labels(self.name).inc(len(requeued))
+    def _requeue_backlog(self, conn: psycopg.Connection) -> None:
+        requeued = store.requeue_held(conn, [run.id for run in self._backlog], self.name)
+        metrics.REQUEUED.labels(self.name).inc(len(requeued))
         self._backlog.clear()
 
     def _requeue_everything(self, why: str) -> None:
@@ -441,11 +477,19 @@ class Worker:
             log.warning("%s: requeued %d runs still in flight", why, len(requeued), extra=self._extra)
 
     def _shutdown(self) -> None:
+        with self._inflight_lock:
+            self.lease.abandoned |= self._inflight  # a straggler's writes fail instead of waiting for ever
         self.lease.held.clear()
         self._lock_changed(False)
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self._conn is not None:
             try:
+                # Nothing stays claimed under a name nobody holds: whatever is
+                # left (a run whose execution escaped, a claim whose answer
+                # was lost) goes back to the queue before the lock is released.
+                leftover = store.requeue_claimer(self._conn, self.name)
+                if leftover:
+                    log.warning("requeued %d runs left under %s", len(leftover), self.name, extra=self._extra)
                 store.unlock(self._conn, self.name)
             except psycopg.Error:
                 pass

@@ -503,7 +503,7 @@ def test_schedule_with_an_idempotency_key_returns_the_existing_run(db):
     (["tests.cli_workflows:greet", '"x"', "--idempotency-key", "k" * 256],
      "everystep: idempotency_key must be a string of at most 255 characters"),
     (["tests.cli_workflows:greet", '"nul \\u0000"'],
-     "everystep: the database refused a value: unsupported Unicode escape sequence"),
+     "everystep: cannot store the string 'nul \\x00'...: it contains a NUL character"),
 ])
 def test_schedule_refuses_bad_input_and_writes_nothing(db, args, message):
     assert error_line(cli(db, "schedule", *args), 2) == message

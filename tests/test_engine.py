@@ -7,6 +7,7 @@ import collections
 import datetime as dt
 import decimal
 import enum
+import logging
 import threading
 import uuid
 
@@ -581,7 +582,8 @@ def test_every_extended_type_round_trips(db):
     assert result["datetime"].utcoffset() == dt.timedelta(hours=2)
 
 
-@pytest.mark.parametrize("bad", [{1, 2}, object(), float("nan"), {1: "int key"}, [float("inf")]])
+@pytest.mark.parametrize("bad", [{1, 2}, object(), float("nan"), {1: "int key"}, [float("inf")], "nul \x00",
+                                 "lone \ud800", {"key \x00": 1}])
 def test_unserializable_arguments_are_refused_before_any_insert(db, bad):
     with db.connect(autocommit=False) as conn:
         with pytest.raises(EverystepError):
@@ -615,6 +617,28 @@ def test_an_unserializable_step_result_raises_after_the_function_ran(db):
     assert "builtins.set" in db.run(run.id)["result"]
     assert calls["set"] == 1
     assert db.steps(run.id) == []  # not recorded: it re-runs on the next claim
+
+
+@step
+def fails_with_unstorable_text():
+    raise ValueError("bad \udcff bytes \x00")
+
+
+@workflow
+def unstorable_error_message():
+    fails_with_unstorable_text()
+
+
+def test_an_error_message_that_cannot_be_stored_as_is_is_escaped(db, monkeypatch):
+    # (The run's failure is logged with the raw message, which the test
+    # runner's own log capture could not ship between its processes.)
+    monkeypatch.setattr(logging.getLogger("everystep"), "disabled", True)
+    run = schedule_one(db, unstorable_error_message)
+    db.run_pending()
+    row = db.run(run.id)
+    assert row["status"] == "failed"
+    assert row["error"]["message"] == "bad \\udcff bytes \\x00"
+    assert db.steps(run.id)[0]["error"]["type"] == "builtins.ValueError"
 
 
 @workflow

@@ -202,6 +202,41 @@ def test_losing_the_control_connection_pauses_and_resumes(db, start_worker, mark
     assert worker.output().count(f"holding the lock of {name}") == 2
 
 
+def test_a_step_raising_system_exit_is_a_crash_of_its_run_not_of_the_worker(db, start_worker, marks):
+    (run,) = db.schedule_many(workflows.exits, [(marks,)])
+    worker = start_worker("w-1", max_crashes=2)
+    wait_for(lambda: db.run(run.id)["status"] == "failed", what="the run failed as poison")
+    assert "died during 2 claims" in db.run(run.id)["error"]["message"]
+    assert [tag for _, tag, _ in workflows.marks_of(marks)] == ["exit", "exit"]
+    (good,) = db.schedule_many(workflows.quick, [(marks,)])
+    wait_for(lambda: db.run(good.id)["status"] == "completed", what="the worker still works")
+    assert worker.alive()
+
+
+def test_runs_recovered_elsewhere_while_the_lock_was_lost_are_abandoned_on_relock(db, start_worker, marks, tmp_path):
+    release = tmp_path / "release"
+    (run,) = db.schedule_many(workflows.three_steps_held, [(marks, str(release))])
+    name = f"w-relock-{db.schema}"
+    worker = start_worker(name, grace=60)
+    wait_for(lambda: any(tag == "two" for _, tag, _ in workflows.marks_of(marks)), what="step two started")
+    with db.connect() as thief:
+        # Cut the worker's lock connection and take its lock before it comes back,
+        # then requeue its run, as the sweep of another supervisor would.
+        thief.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+                      (f"everystep {name} control"[:63],))
+        thief.execute("SELECT pg_advisory_lock(hashtextextended('everystep:' || current_schema() || ':' || %s, 0))",
+                      (name,))
+        thief.execute("UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL WHERE id = %s",
+                      (run.id,))
+    worker.wait_logged("1 runs in flight were recovered elsewhere while the lock was lost; abandoning them")
+    release.touch()  # the abandoned execution goes on, and must not write
+    wait_for(lambda: db.run(run.id)["status"] == "completed", what="the run completed, claimed again")
+    executions = collections.Counter(tag for _, tag, _ in workflows.marks_of(marks))
+    assert executions["two:end"] == 2 and executions["three"] == 1  # the second execution replayed the rest
+    assert [s["step_id"] for s in db.steps(run.id)] == ["1", "2", "3"]
+    assert "engine error" not in worker.output()
+
+
 @pytest.fixture
 def private_server(tmp_path):
     from tests.private_postgres import PrivatePostgres  # noqa: PLC0415

@@ -108,3 +108,14 @@ def poison(marks: str) -> None:
 @workflow
 def quick(marks: str) -> str:
     return work(marks, "q")
+
+
+@step
+def exit_the_process(marks: str) -> None:
+    mark(marks, "exit")
+    raise SystemExit(3)
+
+
+@workflow
+def exits(marks: str) -> None:
+    exit_the_process(marks)
