@@ -7,6 +7,8 @@
     everystep requeue RUN...
     everystep prune --older-than DAYS [--dry-run]
     everystep schedule MODULE:FUNC [JSON ...] [--idempotency-key K]
+    everystep schedules plan|apply|retire|list
+    everystep worker --name NAME [--import MODULE ...]
 
 The database comes from --database-url, else $EVERYSTEP_DATABASE_URL, else
 the `database.url` of `-c FILE`.
@@ -25,8 +27,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import importlib
+import inspect
 import json
+import math
 import os
 import sys
 import uuid
@@ -35,7 +38,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from everystep import api, scheduler, serde, store
+from everystep import api, modules, scheduler, serde, store
 from everystep.errors import EverystepError
 from everystep.logs import first_line
 
@@ -45,6 +48,7 @@ EXIT_DATABASE = 3
 
 STATUSES = ("scheduled", "running", "completed", "failed", "stopped", "blocked")
 MAX_DAYS = 36500  # 100 years: the bound of --older-than
+MAX_RUNNER_NAME = 255  # the width of claimed_by
 PRUNE_BATCH = 1000  # runs deleted per transaction, so prune never holds locks for long
 
 
@@ -54,7 +58,6 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = EXIT_USAGE):
         super().__init__(message)
         self.code = code
-
 
 
 # ---------------------------------------------------------------- the database
@@ -96,16 +99,6 @@ def connect(args: argparse.Namespace) -> psycopg.Connection:
         raise CliError(f"bad database URL: {first_line(exc)}") from None
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-    return value
-
-
 def _load_run(conn: psycopg.Connection, run_id: uuid.UUID) -> dict:
     run = store.load_run(conn, run_id)
     if run is None:
@@ -137,6 +130,27 @@ def _json_value(text: str) -> Any:
         return serde.from_json(data)
     except Exception as exc:  # a malformed tagged value, whatever it trips on
         raise argparse.ArgumentTypeError(f"{text!r} is not a valid everystep value ({first_line(exc)})") from None
+
+
+def _seconds(zero: bool) -> Callable[[str], float]:
+    """A finite number of seconds, > 0 (or >= 0 when `zero` is allowed)."""
+    def parse(text: str) -> float:
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number < 0 or (number == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"expected a number of seconds {'>= 0' if zero else '> 0'}, not {text!r}")
+        return number
+
+    return parse
+
+
+def _runner_name(text: str) -> str:
+    if not 0 < len(text) <= MAX_RUNNER_NAME or not text.isprintable() or any(ch.isspace() for ch in text):
+        raise argparse.ArgumentTypeError(
+            f"expected 1 to {MAX_RUNNER_NAME} printable characters without whitespace, not {text!r}")
+    return text
 
 
 def _whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -209,7 +223,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker in this process until TERM/INT (drain) or QUIT (fast stop)."""
-    import importlib  # noqa: PLC0415
     import signal  # noqa: PLC0415
 
     from everystep import logs  # noqa: PLC0415
@@ -219,7 +232,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     url = database_url(args)
     for module in args.imports:
         try:
-            importlib.import_module(module)
+            modules.import_module(module)
         except Exception as exc:
             raise CliError(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
     worker = Worker(url, args.name, threads=args.threads, poll=args.poll, drain=args.drain, grace=args.grace,
@@ -391,6 +404,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_schedule(args: argparse.Namespace) -> int:
     workflow_fn = _import_workflow(args.target)
+    signature = inspect.signature(workflow_fn)
+    try:
+        signature.bind(*args.values)  # before anything is written: a run that could never start is bad input
+    except TypeError as exc:
+        raise CliError(f"{args.target}{signature}: {exc} (given {_plural(len(args.values), 'value')})") from None
     with connect(args) as conn:
         try:
             with api.transaction(conn):
@@ -409,11 +427,8 @@ def _import_workflow(target: str) -> Callable:
     module_name, _, qualname = target.partition(":")
     if not module_name or not qualname:
         raise CliError(f"expected MODULE:FUNC (e.g. myapp.workflows:provision_vm), not {target!r}")
-    # Like `python -m`: the application's modules are found from the current directory.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        found: Any = importlib.import_module(module_name)
+        found: Any = modules.import_module(module_name)
     except Exception as exc:  # whatever the module raises while importing
         raise CliError(f"cannot import {module_name}: {type(exc).__name__}: {first_line(exc)}") from None
     try:
@@ -498,19 +513,22 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--idempotency-key", metavar="K", help="return the existing run of this workflow and key")
 
     worker = add(commands, "worker", cmd_worker, "run one worker in this process (the supervisor runs a pool of them)")
-    worker.add_argument("--name", required=True, help="runner name: the claimed_by of its runs; unique while alive")
+    worker.add_argument("--name", required=True, type=_runner_name,
+                        help="runner name: the claimed_by of its runs; unique while alive")
     worker.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="module defining workflows (repeatable)")
     worker.add_argument("--threads", type=_whole_number(1), default=8, help="runs in flight (default 8)")
-    worker.add_argument("--poll", type=_positive_float, default=1.0, help="seconds between polls (default 1)")
-    worker.add_argument("--drain", type=float, default=30.0, help="seconds to drain on TERM; 0 waits for ever")
-    worker.add_argument("--grace", type=float, default=10.0,
+    worker.add_argument("--poll", type=_seconds(zero=False), default=1.0,
+                        help="seconds between polls (default 1)")
+    worker.add_argument("--drain", type=_seconds(zero=True), default=30.0,
+                        help="seconds to drain on TERM; 0 waits for ever")
+    worker.add_argument("--grace", type=_seconds(zero=True), default=10.0,
                         help="seconds without its lock before the worker abandons its runs (default 10)")
     worker.add_argument("--max-crashes", type=_whole_number(1), default=3,
                         help="claims that die without progress before a run fails (default 3)")
     worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
-    add_schedules_commands(commands)
+    add_schedules_commands(commands, add)
     return parser
 
 
@@ -522,29 +540,19 @@ def _connection_lost(exc: psycopg.OperationalError) -> bool:
 
 # ---------------------------------------------------------------- recurring schedules
 
-def add_schedules_commands(commands: argparse._SubParsersAction) -> None:
-    """`everystep schedules plan|apply|retire|list`."""
-    group = commands.add_parser(
-        "schedules", help="manage recurring schedules", description="Manage the recurring schedules: the "
-        "schedules: section of everystep.yaml is the manifest; plan shows what apply would write."
-    )
+def add_schedules_commands(commands: argparse._SubParsersAction, add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`everystep schedules plan|apply|retire|list`; `add` is build_parser's,
+    which gives each command the database options."""
+    group = add(commands, "schedules", None, "manage recurring schedules: the schedules: section of everystep.yaml "
+                "is the manifest; plan shows what apply would write")
     actions = group.add_subparsers(dest="schedules_command", required=True, metavar="ACTION")
-
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        sub = actions.add_parser(name, help=help, description=help)
-        sub.set_defaults(func=fn)
-        # SUPPRESS: absent here, it does not hide a -c given before the command.
-        sub.add_argument("-c", "--config", default=argparse.SUPPRESS, help="everystep.yaml (the manifest)")
-        return sub
-
-    add("plan", cmd_schedules_plan, "show what apply would add, change and leave, and the live keys the file "
-        "no longer has (read-only)")
-    add("apply", cmd_schedules_apply, "write the file's schedules; keys no longer in the file keep firing "
+    add(actions, "plan", cmd_schedules_plan, "show what apply would add, change and leave, and the live keys the "
+        "file no longer has (read-only)")
+    add(actions, "apply", cmd_schedules_apply, "write the file's schedules; keys no longer in the file keep firing "
         "until retired")
-    add("retire", cmd_schedules_retire, "retire a schedule: it never fires again").add_argument("key")
-    add("list", cmd_schedules_list, "list the schedules: state, timing, next and last fire, last run").add_argument(
-        "--all", action="store_true", help="include retired schedules"
-    )
+    add(actions, "retire", cmd_schedules_retire, "retire a schedule: it never fires again").add_argument("key")
+    add(actions, "list", cmd_schedules_list, "list the schedules: state, timing, next and last fire, last "
+        "run").add_argument("--all", action="store_true", help="include retired schedules")
 
 
 def cmd_schedules_plan(args: argparse.Namespace) -> int:
@@ -580,16 +588,14 @@ def cmd_schedules_list(args: argparse.Namespace) -> int:
     if not rows:
         print("no schedules" if args.all else "no live schedules")
         return 0
-    table = [("KEY", "STATE", "CRON", "TIMEZONE", "WORKFLOW", "NEXT FIRE", "LAST FIRE", "LAST RUN")]
+    table = []
     for row in rows:
         state = "retired" if row["retired_at"] else "paused" if row["paused"] else "active"
         last_run = f"{row['last_run_id']} {row['last_run_status']}" if row["last_run_id"] else "-"
         table.append((row["key"], state, row["cron"], row["timezone"], row["workflow"],
                       scheduler.iso_utc(row["next_fire_at"]) if state == "active" else "-",
                       scheduler.iso_utc(row["last_fire_at"]) if row["last_fire_at"] else "-", last_run))
-    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    for line in table:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    print(_table(("KEY", "STATE", "CRON", "TIMEZONE", "WORKFLOW", "NEXT FIRE", "LAST FIRE", "LAST RUN"), table))
     for row in rows:
         if row["last_error"]:
             print(f"{row['key']}: {row['last_error']}")

@@ -1,9 +1,9 @@
 """`everystep-supervisor -c everystep.yaml`
 
 Exit status: 0 after a clean stop (TERM, INT, QUIT); 1 when the supervisor
-cannot run (a workflow module does not import, a child cannot boot, the
-migrations fail, the embedded database does not start); 2 for a bad config
-or command line.
+cannot run (a workflow module does not import, a child cannot boot at start,
+the migrations fail, the embedded database does not start); 2 for a bad
+config or command line.
 
 Only the standard library is imported at module level: the Prometheus
 multiprocess folder must be in the environment before prometheus_client (and

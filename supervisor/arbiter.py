@@ -7,13 +7,13 @@ dead-claimer sweep and the recurring schedules), and at start a one-shot
 setup child (migrations, the schedules of the config).
 
 Signals: TERM/INT drain every child then exit 0; QUIT stops fast (workers
-requeue at once); HUP re-reads the config and replaces the children; TTIN/TTOU
-add or remove one worker; CHLD reaps (as PID 1 in a container, whatever exits).
+requeue at once); HUP re-reads the config and replaces the children, the
+workers one at a time; TTIN/TTOU add or remove one worker; CHLD reaps (as
+PID 1 in a container, whatever exits).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import select
@@ -25,9 +25,19 @@ from pathlib import Path
 
 from setproctitle import setproctitle
 
-from everystep import logs, metrics
+from everystep import logs, metrics, modules
 from supervisor import http, metrics_dir
-from supervisor.children import BOOTED, CLAIMED, EXIT_BOOT_FAILED, LOCKED, UNLOCKED, ChildSpec, run_child
+from supervisor.children import (
+    BOOTED,
+    CLAIMED,
+    EXIT_BOOT_FAILED,
+    LOCKED,
+    PORT,
+    SUPERVISOR_SIGNALS,
+    UNLOCKED,
+    ChildSpec,
+    run_child,
+)
 from supervisor.config import Config, ConfigError, load
 
 log = logging.getLogger("everystep.supervisor")
@@ -50,15 +60,16 @@ class Slot:
     name: str
     pid: int | None = None
     status_fd: int | None = None
+    config: Config | None = None  # the config its child was started with
     started: float = 0.0
-    booted: bool = False
+    booted: bool = False  # a child of this slot has booted, now or before
     claimed: bool = False
     locked: bool = False  # a worker that said it holds the lock of its name
     stopping: bool = False  # asked to exit: its exit is expected
     restart: bool = True  # start it again after it exits
     crashes: int = 0  # unexpected exits in a row
     start_at: float = 0.0  # monotonic time it may be started
-    messages: bytes = field(default=b"", repr=False)
+    messages: bytes = field(default=b"", repr=False)  # the start of a status line not read whole yet
 
 
 class Arbiter:
@@ -71,8 +82,10 @@ class Arbiter:
         self.fatal: str | None = None
         self.processes = config.workers.processes
         self.database_url = ""
+        self.http_port: int | None = None  # the port the HTTP child bound
         self._stop_embedded = None
         self._kill_at: float | None = None
+        self._replacing: Slot | None = None  # the worker a HUP's roll is replacing
 
     # ---------------------------------------------------------------- life
 
@@ -105,10 +118,10 @@ class Arbiter:
         url, self._stop_embedded = embedded.start()
         return url
 
-    def _import_modules(self, modules: tuple[str, ...]) -> None:
-        for module in modules:
+    def _import_modules(self, names: tuple[str, ...]) -> None:
+        for module in names:
             try:
-                importlib.import_module(module)
+                modules.import_module(module)
             except Exception as exc:
                 raise FatalError(f"cannot import workflow module {module}: {type(exc).__name__}: {exc}") from None
 
@@ -131,6 +144,7 @@ class Arbiter:
 
     def _loop(self) -> None:
         while True:
+            self._roll()
             self._start_due()
             self._publish()
             if self.phase == "stopping" and not any(s.pid for s in self.slots.values()):
@@ -153,15 +167,17 @@ class Arbiter:
 
     def _next_timeout(self) -> float:
         now = time.monotonic()
-        waits = [1.0] + [s.start_at - now for s in self.slots.values() if not s.pid and s.restart]
+        waits = [1.0] + [s.start_at - now for s in self.slots.values() if self._startable(s)]
         return max(0.0, min(waits))
 
+    def _startable(self, slot: Slot) -> bool:
+        """Whether `slot` is to be started once its start_at has come."""
+        return self.phase != "stopping" and slot.pid is None and slot.restart
+
     def _start_due(self) -> None:
-        if self.phase == "stopping":
-            return
         now = time.monotonic()
         for slot in list(self.slots.values()):
-            if slot.pid is None and slot.restart and slot.start_at <= now:
+            if self._startable(slot) and slot.start_at <= now:
                 self._spawn(slot)
 
     def _spawn(self, slot: Slot) -> None:
@@ -170,16 +186,22 @@ class Arbiter:
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
+        # Blocked across the fork: a signal sent to the child before it has
+        # reset the handlers it inherits (no-ops here) would be lost. The child
+        # unblocks them once its own are in place.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, SUPERVISOR_SIGNALS)
         pid = os.fork()
         if pid == 0:  # the child: never returns
             os.close(read_fd)
             for fd in [self._signal_r, self._signal_w] + [s.status_fd for s in self.slots.values() if s.status_fd]:
                 os.close(fd)
             run_child(spec, self.config, write_fd, parent)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(write_fd)
         os.set_blocking(read_fd, False)
-        slot.pid, slot.status_fd, slot.started = pid, read_fd, time.monotonic()
-        slot.booted = slot.claimed = slot.locked = slot.stopping = False
+        slot.pid, slot.status_fd, slot.started, slot.config = pid, read_fd, time.monotonic(), self.config
+        slot.claimed = slot.locked = slot.stopping = False
+        slot.messages = b""
         log.info("started %s %s (pid %d)", slot.role, slot.name, pid)
 
     def _read_status(self, fd: int) -> None:
@@ -187,17 +209,21 @@ class Arbiter:
         if slot is None:
             return
         try:
-            data = os.read(fd, 64)
+            data = os.read(fd, 4096)
         except BlockingIOError:
             return
-        if BOOTED in data:
-            slot.booted = True
-        if CLAIMED in data:
-            slot.claimed = True
-            slot.crashes = 0  # it works: the back-off starts over
-        last_lock_news = max(data.rfind(LOCKED), data.rfind(UNLOCKED))
-        if last_lock_news >= 0:
-            slot.locked = data[last_lock_news:last_lock_news + 1] == LOCKED
+        *lines, slot.messages = (slot.messages + data).split(b"\n")
+        for line in lines:
+            kind = line[:1]
+            if kind == BOOTED:
+                slot.booted = True
+            elif kind == CLAIMED:
+                slot.claimed = True
+                slot.crashes = 0  # it works: the back-off starts over
+            elif kind in (LOCKED, UNLOCKED):
+                slot.locked = kind == LOCKED
+            elif kind == PORT:
+                self.http_port = int(line[1:])
 
     # ---------------------------------------------------------------- exits
 
@@ -224,17 +250,26 @@ class Arbiter:
         cause = _describe(status)
         uptime = time.monotonic() - slot.started
         pid, slot.pid, slot.status_fd, slot.locked = slot.pid, None, None, False
+        if slot.role == "http":
+            self.http_port = None
         expected = slot.stopping or self.phase == "stopping"
         if slot.role == "setup":
             self._set_up(slot, status, cause)
             return
-        if expected:
-            log.info("%s %s (pid %d) %s", slot.role, slot.name, pid, cause)
-        else:
-            log.warning("%s %s (pid %d) %s unexpectedly after %.1f s", slot.role, slot.name, pid, cause, uptime)
-        if not expected and os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_BOOT_FAILED:
+        boot_failed = not expected and os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_BOOT_FAILED
+        if boot_failed and not slot.booted:
+            # It never ran (at start, or a new slot): its code or its config
+            # is broken, and restarting it in a loop would hide that.
             self._fail(f"{slot.role} {slot.name} could not boot (see its log above); not restarting it in a loop")
             return
+        if expected:
+            log.info("%s %s (pid %d) %s", slot.role, slot.name, pid, cause)
+        elif boot_failed:
+            # It ran before (a HUP changed its config: a port now taken, say):
+            # keep the rest running, and try again with the crash back-off.
+            log.error("%s %s (pid %d) could not boot (see its log above); trying again", slot.role, slot.name, pid)
+        else:
+            log.warning("%s %s (pid %d) %s unexpectedly after %.1f s", slot.role, slot.name, pid, cause, uptime)
         if not slot.restart:
             del self.slots[slot.name]
             return
@@ -272,8 +307,7 @@ class Arbiter:
         os.set_blocking(self._signal_w, False)
         # The handlers do nothing: the wakeup fd carries the signal numbers to the loop.
         signal.set_wakeup_fd(self._signal_w, warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGCHLD,
-                    signal.SIGTTIN, signal.SIGTTOU):
+        for sig in SUPERVISOR_SIGNALS:
             signal.signal(sig, lambda *_: None)
 
     def _on_signal(self, signum: int) -> None:
@@ -322,10 +356,14 @@ class Arbiter:
 
     def _sync_workers(self) -> None:
         """Make the worker slots `<name>-0 .. <name>-(processes-1)`: add the
-        missing ones, drain and retire the others (the highest index first)."""
+        missing ones, drain and retire the others."""
         wanted = {self._worker_name(i) for i in range(self.processes)}
-        for slot in sorted(self.slots.values(), key=lambda s: s.name, reverse=True):
-            if slot.role == "worker" and slot.name not in wanted:
+        for slot in list(self.slots.values()):
+            if slot.role != "worker":
+                continue
+            if slot.name in wanted:
+                slot.restart = True  # retired a moment ago and still draining: it comes back when it exits
+            else:
                 slot.restart = False
                 if slot.pid:
                     self._signal(slot, signal.SIGTERM)
@@ -343,14 +381,32 @@ class Arbiter:
             return
         if config.database.url and config.database.url != self.database_url:
             self.database_url = config.database.url
-        log.info("HUP: config reloaded; replacing the children")
+        log.info("HUP: config reloaded; replacing the children, the workers one at a time")
         self.config = config
-        if self.phase != "running":
+        if self.phase == "stopping":
             return
         self.processes = config.workers.processes
         for slot in self.slots.values():
-            self._signal(slot, signal.SIGTERM)  # each comes back with the new config when it exits
-        self._sync_workers()
+            if slot.role in ("http", "maintenance"):
+                self._signal(slot, signal.SIGTERM)  # each comes back with the new config when it exits
+        if self.phase == "running":  # else the workers start with the new config once the setup is done
+            self._sync_workers()
+
+    def _roll(self) -> None:
+        """Replace the workers still running an older config (after a HUP) one
+        at a time: the next one is told to drain only once the replacement of
+        the previous one holds its lock, so a roll takes out one worker at most."""
+        if self.phase != "running":
+            return
+        slot = self._replacing
+        if slot is not None and self.slots.get(slot.name) is slot and slot.restart and not (
+                slot.pid and not slot.stopping and slot.locked):
+            return  # its replacement is not at work yet
+        self._replacing = next((s for s in self.slots.values() if s.role == "worker" and s.pid and not s.stopping
+                                and s.config is not self.config), None)
+        if self._replacing is not None:
+            log.info("HUP: replacing worker %s", self._replacing.name)
+            self._signal(self._replacing, signal.SIGTERM)  # it comes back with the new config when it exits
 
     # ---------------------------------------------------------------- state
 
@@ -363,7 +419,7 @@ class Arbiter:
                     self._signal(slot, signal.SIGTERM)
         live = [(s.role, s.name, s.pid) for s in self.slots.values() if s.pid]
         locked = sorted(s.name for s in self.slots.values() if s.role == "worker" and s.pid and s.locked)
-        state = (self.phase, tuple(sorted(live)), tuple(locked))
+        state = (self.phase, tuple(sorted(live)), tuple(locked), self.http_port)
         if state == getattr(self, "_published", None):
             return
         self._published = state
@@ -374,7 +430,8 @@ class Arbiter:
         # Ready means every configured worker holds its lock: not yet during
         # the setup, no longer during a drain.
         expected = [self._worker_name(i) for i in range(self.processes)]
-        http.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "setup"], expected, locked)
+        http.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "setup"], expected, locked,
+                         self.http_port)
 
 
 def _describe(status: int) -> str:

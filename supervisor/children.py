@@ -2,9 +2,10 @@
 
 Every child builds its own database connections (nothing is inherited across
 the fork), asks the kernel for SIGTERM when the supervisor dies, reports on
-its status pipe once it has booted (`B`), when it first claims work (`C`),
-and, for a worker, when it takes (`L`) or loses (`U`) the lock of its name,
-and leaves with os._exit so nothing of the parent's runs at its exit.
+its status pipe, one line per message, once it has booted (`B`), when it
+first claims work (`C`), for a worker when it takes (`L`) or loses (`U`) the
+lock of its name, and for the HTTP child the port it bound (`P9117`), and
+leaves with os._exit so nothing of the parent's runs at its exit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import psycopg
 from setproctitle import setproctitle
 
-from everystep import logs
+from everystep import liveness, logs
 from everystep.logs import first_line
 
 log = logging.getLogger("everystep.supervisor")
@@ -30,9 +31,15 @@ BOOTED = b"B"
 CLAIMED = b"C"
 LOCKED = b"L"
 UNLOCKED = b"U"
-EXIT_BOOT_FAILED = 3  # the child could not start; the supervisor gives up rather than crash-loop
+PORT = b"P"  # followed by the port number
+EXIT_BOOT_FAILED = 3  # the child could not start (see the arbiter for what it does then)
 _PR_SET_PDEATHSIG = 1
 SCHEDULER_TICK = 1.0  # seconds between looks at the recurring schedules
+RETRY_CEILING = 10.0  # seconds: the longest wait between attempts to reach the database
+# The signals the supervisor handles: blocked around the fork, back to their
+# defaults in the child (see `_after_fork`).
+SUPERVISOR_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGCHLD,
+                      signal.SIGTTIN, signal.SIGTTOU)
 
 
 @dataclass(frozen=True)
@@ -83,18 +90,23 @@ class _Status:
     def lock(self, held: bool) -> None:
         self._send(LOCKED if held else UNLOCKED)
 
+    def port(self, port: int) -> None:
+        self._send(PORT + str(port).encode())
+
     def _send(self, message: bytes) -> None:
         try:
-            os.write(self.fd, message)
+            os.write(self.fd, message + b"\n")  # one write: a line never interleaves with another
         except BrokenPipeError:
             pass  # the supervisor is gone: this child is on its way out (SIGTERM), nobody to tell
 
 
 def _after_fork(spec: ChildSpec, parent_pid: int) -> None:
-    # The parent's signal handling is not ours: back to the defaults.
+    # The parent's signal handling is not ours: back to the defaults. The
+    # parent forked with its signals blocked, so one sent meanwhile (a TERM
+    # right after the fork) waits, and takes effect when they are unblocked
+    # at the end of this function.
     signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGCHLD,
-                signal.SIGTTIN, signal.SIGTTOU):
+    for sig in SUPERVISOR_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     # Exit with the supervisor: SIGTERM (a drain) when it dies, however it dies.
     libc = ctypes.CDLL(None, use_errno=True)
@@ -103,6 +115,7 @@ def _after_fork(spec: ChildSpec, parent_pid: int) -> None:
         os._exit(0)
     logs.configure()
     setproctitle(f"everystep: {spec.role} {spec.name}" if spec.role != spec.name else f"everystep: {spec.role}")
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SUPERVISOR_SIGNALS)
 
 
 def _stop_on(signals: tuple, stop) -> None:
@@ -132,11 +145,14 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
 
 
 def _http(spec: ChildSpec, config, status: _Status) -> None:
-    from supervisor import http  # noqa: PLC0415
+    from supervisor import endpoints  # noqa: PLC0415  (the arbiter serves nothing)
 
-    # Booted once the port is bound: a port in use is a boot failure.
-    http.serve(config.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
-               Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), on_ready=status.booted)
+    def bound(port: int) -> None:  # a port in use is a boot failure
+        status.port(port)
+        status.booted()
+
+    endpoints.serve(config.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
+                    Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), on_ready=bound)
 
 
 def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
@@ -149,23 +165,25 @@ def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
     _stop_on((signal.SIGTERM, signal.SIGINT, signal.SIGQUIT), stopped.set)
     status.booted()
     sweep = DeadClaimerSweep(config.recovery.grace, config.recovery.max_crashes)
+    outage = _Outage("maintenance", first_wait=SCHEDULER_TICK)
     conn = None
     next_sweep = time.monotonic()
     while not stopped.is_set():
         try:
             if conn is None:
-                conn = psycopg.connect(spec.database_url, autocommit=True, connect_timeout=5,
-                                       application_name="everystep maintenance")
+                conn = psycopg.connect(spec.database_url, **liveness.connection_kwargs("everystep maintenance"))
             if time.monotonic() >= next_sweep:
                 sweep.sweep(conn)
                 next_sweep = time.monotonic() + sweep.next_probe_in(config.recovery.interval)
             scheduler.tick(conn)  # logs what it fires
+            outage.over()
+            wait = min(SCHEDULER_TICK, next_sweep - time.monotonic())
         except psycopg.OperationalError as exc:
-            log.warning("maintenance: database unreachable (%s)", first_line(exc))
             if conn is not None:
                 conn.close()
             conn = None
-        stopped.wait(max(0.0, min(SCHEDULER_TICK, next_sweep - time.monotonic())))
+            wait = outage.failed(exc)
+        stopped.wait(max(wait, 0.01))  # never a busy loop, whatever the clock says
 
 
 def _setup(spec: ChildSpec, config, status: _Status) -> None:
@@ -175,11 +193,10 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
 
     _stop_on((signal.SIGTERM, signal.SIGINT, signal.SIGQUIT), lambda: os._exit(0))
     status.booted()
-    delay = 0.5
+    outage = _Outage("setup", first_wait=0.5)
     while True:
         try:
-            with psycopg.connect(spec.database_url, autocommit=True, connect_timeout=5,
-                                 application_name="everystep setup") as conn:
+            with psycopg.connect(spec.database_url, **liveness.connection_kwargs("everystep setup")) as conn:
                 if config.migrate:
                     applied = store.migrate(conn)
                     log.info("migrations: %s", f"applied {', '.join(applied)}" if applied else "up to date")
@@ -187,9 +204,32 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
                     for entry in scheduler.apply(conn, config.schedules):
                         if entry.action != "unchanged":
                             log.info("schedule %s: %s", entry.key, entry.action.replace("_", " "))
+            outage.over()
             return
         except psycopg.OperationalError as exc:
-            log.warning("setup: database unreachable (%s); retrying in %.0f s", first_line(exc), delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 10.0)
+            time.sleep(outage.failed(exc))
 
+
+class _Outage:
+    """How a child waits for a database that does not answer: the wait
+    doubles from `first_wait` up to RETRY_CEILING, and the outage is logged
+    once when it starts and once when it ends, however long it lasts."""
+
+    def __init__(self, who: str, first_wait: float):
+        self.who = who
+        self.first_wait = first_wait
+        self.wait: float | None = None  # None: the database answers
+
+    def failed(self, exc: psycopg.OperationalError) -> float:
+        """Seconds to wait before the next attempt."""
+        if self.wait is None:
+            log.warning("%s: the database is unreachable (%s); retrying until it answers", self.who, first_line(exc))
+            self.wait = self.first_wait
+        else:
+            self.wait = min(self.wait * 2, RETRY_CEILING)
+        return self.wait
+
+    def over(self) -> None:
+        if self.wait is not None:
+            log.info("%s: the database answers again", self.who)
+            self.wait = None

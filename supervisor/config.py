@@ -32,10 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import yaml
+from psycopg import conninfo
 
 from everystep import serde
 from everystep.errors import EverystepError
+from everystep.logs import first_line
 from everystep.scheduler import CATCHUP_POLICIES, OVERLAP_POLICIES, Schedule, next_fire_time
 
 
@@ -134,7 +137,7 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
     http = _Section(file, "http", top.raw.get("http"), HttpConfig)
     return Config(
         path=path,
-        database=DatabaseConfig(url=database.text("url")),
+        database=DatabaseConfig(url=_database_url(database)),
         name=_runner_base_name(top),
         imports=tuple(_module_names(top)),
         migrate=top.boolean("migrate"),
@@ -152,6 +155,19 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         http=HttpConfig(bind=_bind_address(http), port=http.integer("port", minimum=0, maximum=65535)),
         schedules=_schedules(file, top.raw.get("schedules")),
     )
+
+
+def _database_url(database: _Section) -> str:
+    url = database.text("url")
+    if url:
+        try:
+            conninfo.conninfo_to_dict(url)  # what libpq would refuse when a child connects
+        except psycopg.ProgrammingError as exc:
+            # libpq quotes the part it trips on, which may be a password: not in the logs.
+            problem = re.sub(r'"[^"]*"', lambda quoted: quoted[0] if quoted[0] == '"="' else '"..."',
+                             first_line(exc))
+            raise database.error("url", f"not a PostgreSQL URL or connection string: {problem}") from None
+    return url
 
 
 def _runner_base_name(top: _Section) -> str:

@@ -33,11 +33,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from everystep import store
+from everystep import liveness, store
 from supervisor import http, metrics_dir
 
 log = logging.getLogger("everystep.supervisor")
 
+APPLICATION_NAME = "everystep-observer"
 CONNECT_TIMEOUT_SECONDS = 2  # libpq's minimum
 STATEMENT_TIMEOUT_MS = 2000
 # How long a request waits for the database: a connect plus a statement, with
@@ -58,8 +59,9 @@ class Database:
     after a failure. Queries run on a thread of their own; callers wait at most
     DATABASE_DEADLINE_SECONDS for their answer."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, application_name: str = APPLICATION_NAME):
         self._url = url
+        self._application_name = application_name
         self._conn: psycopg.Connection | None = None
         self._queries: queue.Queue[tuple[Callable[[psycopg.Connection], object], Future]] = queue.Queue()
         threading.Thread(target=self._answer_queries, name="everystep-database", daemon=True).start()
@@ -101,10 +103,9 @@ class Database:
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None:
-            self._conn = psycopg.connect(
-                self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                application_name="everystep-observer",
-            )
+            self._conn = psycopg.connect(self._url, **{
+                **liveness.connection_kwargs(self._application_name), "connect_timeout": CONNECT_TIMEOUT_SECONDS,
+            })
             store.set_statement_timeout(self._conn, STATEMENT_TIMEOUT_MS)
         return self._conn
 
@@ -334,23 +335,26 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(bind: str, port: int, database_url: str, runtime_dir: Path, multiproc_dir: Path,
-          on_ready: Callable[[], None] | None = None) -> None:
-    """See supervisor.http.serve."""
+          on_ready: Callable[[int], None] | None = None, application_name: str = APPLICATION_NAME) -> None:
+    """Serve /metrics, /healthz and /readyz on bind:port until SIGTERM or
+    SIGINT, then return. Runs in the HTTP child; `on_ready(port)` is called
+    once the port is bound, with the port bound (port 0 takes any free one)."""
     # The signals are received by sigwait() below; blocked before any thread
     # starts, so that every thread inherits the mask and none takes them.
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
-        database = Database(database_url)
+        database = Database(database_url, application_name)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(FolderCollector(multiproc_dir))
         registry.register(QueueCollector(database))
         server = _Server((bind, port), runtime_dir, database, registry)
+        port = server.server_address[1]
         if on_ready is not None:
-            on_ready()
+            on_ready(port)
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="everystep-http",
                          daemon=True).start()
-        log.info("http: serving /metrics, /healthz, /readyz on %s:%d", bind, port)
+        log.info("http: serving /metrics, /healthz, /readyz on %s port %d", bind, port)
         received = signal.sigwait(stop_signals)
         log.info("http: %s received, stopping", signal.Signals(received).name)
         server.shutdown()

@@ -1,21 +1,17 @@
-"""The HTTP child's interface: the state file the arbiter writes, and `serve`.
+"""The state file: what the arbiter tells the HTTP child.
 
 The arbiter holds no database connection and serves nothing; it tells the HTTP
 child which processes should be alive, and which workers said they hold their
 lock, through a small JSON file in the runtime folder, replaced atomically
-whenever that changes (`write_state`). The HTTP child (`serve`) reads it on
-every health and readiness probe.
-
-This module imports only the standard library at its top, so the arbiter can
-import it before it sets PROMETHEUS_MULTIPROC_DIR (prometheus_client chooses
-its multiprocess mode when first imported).
+whenever that changes (`write_state`). The HTTP child (supervisor.endpoints)
+reads it on every health and readiness probe. The file also holds the port
+the HTTP child bound, for whoever runs the supervisor with `http.port: 0`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,6 +30,7 @@ class SupervisorState(NamedTuple):
     children: list[Child]
     expected_workers: list[str]  # runner names that should hold their lock
     locked_workers: list[str]  # runner names whose worker child reported holding its lock
+    http_port: int | None = None  # the port the HTTP child bound; None while it is not serving
 
 
 def write_state(
@@ -42,10 +39,11 @@ def write_state(
     children: list[tuple[str, str, int]],
     expected_workers: list[str],
     locked_workers: list[str],
+    http_port: int | None = None,
 ) -> None:
     """Replace the state file: the supervisor's pid, its live children as
-    (role, name, pid), the worker names it expects to run, and those whose
-    worker child said it holds its lock."""
+    (role, name, pid), the worker names it expects to run, those whose
+    worker child said it holds its lock, and the port the HTTP child bound."""
     for role, name, _ in children:
         if role not in ROLES:
             raise ValueError(f"child {name!r}: role {role!r} is not one of {', '.join(ROLES)}")
@@ -54,6 +52,7 @@ def write_state(
         "children": [{"role": role, "name": name, "pid": pid} for role, name, pid in children],
         "expected_workers": list(expected_workers),
         "locked_workers": list(locked_workers),
+        "http_port": http_port,
     }
     folder = Path(runtime_dir)
     aside = folder / f".{STATE_FILE}.{os.getpid()}.tmp"
@@ -72,15 +71,6 @@ def read_state(runtime_dir: str | os.PathLike) -> SupervisorState | None:
         children=[Child(c["role"], c["name"], int(c["pid"])) for c in document["children"]],
         expected_workers=[str(name) for name in document["expected_workers"]],
         locked_workers=[str(name) for name in document["locked_workers"]],
+        http_port=document.get("http_port"),
     )
 
-
-def serve(bind: str, port: int, database_url: str, runtime_dir: Path, multiproc_dir: Path,
-          on_ready: Callable[[], None] | None = None) -> None:
-    """Serve /metrics, /healthz and /readyz on bind:port until SIGTERM or
-    SIGINT, then return. Runs in the HTTP child; `on_ready` is called once the
-    port is bound."""
-    # Imported here, not at the top: see the module docstring.
-    from supervisor import endpoints  # noqa: PLC0415
-
-    endpoints.serve(bind, port, database_url, Path(runtime_dir), Path(multiproc_dir), on_ready)

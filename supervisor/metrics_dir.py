@@ -12,10 +12,6 @@ series carry the pid, which an archive cannot keep (everystep has none).
 Swapping files is done under the folder's exclusive lock, and readers hold the
 shared lock while they read (`locked`), so a scrape never sees a dead child's
 counts twice (archive and own file) or not at all.
-
-prometheus_client is only imported inside `mark_dead`: it chooses its
-multiprocess mode when first imported, and the supervisor imports this module
-before it sets PROMETHEUS_MULTIPROC_DIR.
 """
 
 from __future__ import annotations
@@ -27,6 +23,9 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from prometheus_client import multiprocess
+from prometheus_client.mmap_dict import MmapedDict
 
 log = logging.getLogger("everystep.supervisor")
 
@@ -108,9 +107,6 @@ def _acquire(fd: int, mode: int) -> bool:
 def mark_dead(path: str | os.PathLike, pid: int) -> None:
     """Account for a reaped child: fold its counters, histograms and non-live
     gauges into the archives, and delete its files (live gauges included)."""
-    # Not at the top of the module: see the module docstring.
-    from prometheus_client import multiprocess  # noqa: PLC0415
-
     folder = Path(path)
     swaps = []  # (new archive written aside, archive, the dead child's file)
     for dead_file in sorted(folder.glob(f"*_{pid}.db")):
@@ -134,16 +130,12 @@ def mark_dead(path: str | os.PathLike, pid: int) -> None:
 
 
 def _read(db_file: Path) -> dict[str, Value]:
-    from prometheus_client.mmap_dict import MmapedDict  # noqa: PLC0415  (see the module docstring)
-
     if db_file.stat().st_size == 0:
         return {}  # the child died while creating it: nothing recorded
     return {key: (value, timestamp) for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(db_file)}
 
 
 def _write(db_file: Path, values: dict[str, Value]) -> None:
-    from prometheus_client.mmap_dict import MmapedDict  # noqa: PLC0415  (see the module docstring)
-
     db_file.unlink(missing_ok=True)  # left by an interrupted merge
     out = MmapedDict(str(db_file))
     try:

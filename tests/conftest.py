@@ -115,6 +115,34 @@ def marks(tmp_path) -> str:
 
 
 @pytest.fixture
+def supervisors(tmp_path):
+    """supervisors(document) starts an `everystep-supervisor` (see
+    tests/supervisor_process.py); all are stopped at the end of the test."""
+    from tests.supervisor_process import SupervisorProcess  # noqa: PLC0415
+
+    started = []
+
+    def start(document: dict, **options) -> SupervisorProcess:
+        sup = SupervisorProcess(document, tmp_path / "supervisors", **options)
+        started.append(sup)
+        return sup
+
+    yield start
+    for sup in started:
+        sup.close()
+
+
+@pytest.fixture
+def private_server(tmp_path):
+    """A PostgreSQL server of the test's own, to stop, restart or cut off."""
+    from tests.private_postgres import PrivatePostgres  # noqa: PLC0415  (needs the embedded server's binaries)
+
+    server = PrivatePostgres(tmp_path / "pg")
+    yield server
+    server.close()
+
+
+@pytest.fixture
 def db(server_url):
     schema = f"t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(server_url, autocommit=True) as conn:

@@ -1,13 +1,14 @@
 """The HTTP child, as a process of its own for the tests:
-python -m tests.obs_serve BIND PORT DATABASE_URL RUNTIME_DIR MULTIPROC_DIR"""
+python -m tests.obs_serve BIND PORT DATABASE_URL RUNTIME_DIR MULTIPROC_DIR APPLICATION_NAME"""
 
 import logging
 import sys
 from pathlib import Path
 
-from supervisor import http
+from supervisor import endpoints
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    bind, port, database_url, runtime_dir, multiproc_dir = sys.argv[1:]
-    http.serve(bind, int(port), database_url, Path(runtime_dir), Path(multiproc_dir))
+    bind, port, database_url, runtime_dir, multiproc_dir, application_name = sys.argv[1:]
+    endpoints.serve(bind, int(port), database_url, Path(runtime_dir), Path(multiproc_dir),
+                    application_name=application_name)

@@ -25,21 +25,28 @@ def wait_for(predicate: Callable[[], object], timeout: float = 20.0, interval: f
         time.sleep(interval)
 
 
+def console_script(name: str) -> str:
+    """The installed command `name` (everystep, everystep-supervisor) next to this Python."""
+    script = Path(sys.executable).parent / name
+    assert script.exists(), f"{script} is not installed: pip install -e . installs it"
+    return str(script)
+
+
 class WorkerProcess:
     """`everystep worker` in a subprocess, logging to a file."""
 
     def __init__(self, url: str, name: str, log_dir: Path, threads: int = 4, poll: float = 0.5,
-                 drain: float = 10, grace: float = 2, max_crashes: int = 3, imports: tuple = ("tests.workflows",)):
+                 drain: float = 10, grace: float = 2, max_crashes: int = 3, imports: tuple = ("tests.workflows",),
+                 command: tuple = (sys.executable, "-m", "everystep.cli"), cwd: Path = ROOT):
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
-        command = [sys.executable, "-m", "everystep.cli", "--database-url", url, "worker", "--name", name,
-                   "--threads", str(threads), "--poll", str(poll), "--drain", str(drain), "--grace", str(grace),
-                   "--max-crashes", str(max_crashes)]
+        args = [*command, "--database-url", url, "worker", "--name", name, "--threads", str(threads),
+                "--poll", str(poll), "--drain", str(drain), "--grace", str(grace), "--max-crashes", str(max_crashes)]
         for module in imports:
-            command += ["--import", module]
+            args += ["--import", module]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(args, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.pid = self.proc.pid
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,28 @@ import psycopg
 import yaml
 
 import everystep
+from supervisor import http
 from tests import workflows
 from tests.processes import ROOT, wait_for
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def process_state(pid: int) -> str | None:
+    """The state of process `pid` (R, S, Z for a zombie...), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    return process_state(pid) not in (None, "Z")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time used so far by process `pid`."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def children_of(pid: int) -> dict[int, str]:
@@ -43,14 +56,14 @@ def children_of(pid: int) -> dict[int, str]:
 
 
 def config(url: str, name: str, **sections) -> dict:
-    """A config for tests: fast polls and recovery, a free HTTP port."""
+    """A config for tests: fast polls and recovery, any free HTTP port."""
     document = {
         "database": {"url": url},
         "name": name,
         "imports": ["tests.workflows"],
         "workers": {"processes": 2, "threads": 4, "poll": 0.5, "drain": 10},
         "recovery": {"interval": 0.5, "grace": 1.5, "max_crashes": 3},
-        "http": {"bind": "127.0.0.1", "port": free_port()},
+        "http": {"bind": "127.0.0.1", "port": 0},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(document.get(key), dict):
@@ -61,7 +74,8 @@ def config(url: str, name: str, **sections) -> dict:
 
 
 class SupervisorProcess:
-    def __init__(self, document: dict, folder: Path):
+    def __init__(self, document: dict, folder: Path, command: tuple = (sys.executable, "-m", "supervisor"),
+                 cwd: Path = ROOT):
         folder.mkdir(parents=True, exist_ok=True)
         self.document = document
         self.config_path = folder / f"everystep-{document['name']}.yaml"
@@ -74,7 +88,7 @@ class SupervisorProcess:
         self.tmp = folder / f"tmp-{document['name']}-{started}"
         self.tmp.mkdir()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "-c", str(self.config_path)], cwd=ROOT,
+            [*command, "-c", str(self.config_path)], cwd=cwd,
             stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp)},
         )
@@ -85,8 +99,17 @@ class SupervisorProcess:
         self.config_path.write_text(yaml.safe_dump(document))
 
     @property
+    def runtime_dir(self) -> Path:
+        """The supervisor's runtime folder: its state file and metrics folder."""
+        (folder,) = wait_for(lambda: list(self.tmp.glob("everystep-supervisor-*")), what="the runtime folder")
+        return folder
+
+    @property
     def port(self) -> int:
-        return self.document["http"]["port"]
+        """The port the HTTP child serves on now, as the supervisor's state file
+        says (each HTTP child binds any free port: http.port is 0)."""
+        return wait_for(lambda: (state := http.read_state(self.runtime_dir)) and state.http_port, timeout=30,
+                        what="the port of the HTTP child")
 
     def output(self) -> str:
         return self.log_path.read_text()
@@ -94,9 +117,7 @@ class SupervisorProcess:
     @property
     def metrics_folder(self) -> Path:
         """The multiprocess folder the supervisor made and its children write to."""
-        found = wait_for(lambda: list(self.tmp.glob("everystep-supervisor-*/metrics")), what="the metrics folder")
-        (folder,) = found
-        return folder
+        return self.runtime_dir / "metrics"
 
     def wait_logged(self, text: str, timeout: float = 30.0, count: int = 1) -> None:
         wait_for(lambda: self.output().count(text) >= count, timeout, what=f"{text!r} x{count} in the supervisor log")

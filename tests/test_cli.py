@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -17,6 +18,7 @@ import everystep
 from everystep import schedule, store
 from tests import cli_workflows
 from tests.cli_workflows import Crash, fails, greet, pays, stops
+from tests.processes import WorkerProcess, console_script, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 UNREACHABLE = "host=127.0.0.1 port=1 user=postgres dbname=test connect_timeout=3"
@@ -504,6 +506,10 @@ def test_schedule_with_an_idempotency_key_returns_the_existing_run(db):
      "everystep: idempotency_key must be a string of at most 255 characters"),
     (["tests.cli_workflows:greet", '"nul \\u0000"'],
      "everystep: cannot store the string 'nul \\x00'...: it contains a NUL character"),
+    (["tests.cli_workflows:greet"],
+     "everystep: tests.cli_workflows:greet(name): missing a required argument: 'name' (given 0 values)"),
+    (["tests.cli_workflows:greet", '"ada"', '"bob"'],
+     "everystep: tests.cli_workflows:greet(name): too many positional arguments (given 2 values)"),
 ])
 def test_schedule_refuses_bad_input_and_writes_nothing(db, args, message):
     assert error_line(cli(db, "schedule", *args), 2) == message
@@ -517,13 +523,38 @@ def test_schedule_reports_a_module_that_fails_to_import(db, tmp_path):
 
 
 def test_the_everystep_command_imports_workflows_from_the_current_directory(db, tmp_path):
-    script = Path(sys.executable).parent / "everystep"
-    if not script.exists():
-        pytest.skip("the everystep console script is not installed next to this Python")
+    # The console script, not `python -m`, which puts the current directory on sys.path by itself.
+    script = console_script("everystep")
     (tmp_path / "ops_flows.py").write_text("import everystep\n\n@everystep.workflow\ndef nightly():\n    return 1\n")
     out = ok(everystep_cli("--database-url", db.url, "schedule", "ops_flows:nightly", cwd=tmp_path,
-                           command=(str(script),)))
+                           command=(script,)))
     assert db.run(scheduled_id(out))["name"] == "ops_flows.nightly"
+
+    worker = WorkerProcess(db.url, "ops-w", tmp_path / "logs", imports=("ops_flows",), command=(script,),
+                           cwd=tmp_path)
+    try:
+        wait_for(lambda: db.run(scheduled_id(out))["status"] == "completed", what="the run done by the worker")
+        worker.signal(signal.SIGTERM)
+        assert worker.wait() == 0
+    finally:
+        worker.close()
+    assert "cannot import" not in worker.output()
+
+
+# ---------------------------------------------------------------- worker
+
+@pytest.mark.parametrize("args, message", [
+    (["--name", ""], "argument --name: expected 1 to 255 printable characters without whitespace, not ''"),
+    (["--name", "web 0"], "argument --name: expected 1 to 255 printable characters without whitespace, not 'web 0'"),
+    (["--name", "w" * 256], "argument --name: expected 1 to 255 printable characters without whitespace"),
+    (["--name", "w", "--drain", "-5"], "argument --drain: expected a number of seconds >= 0, not '-5'"),
+    (["--name", "w", "--grace", "nan"], "argument --grace: expected a number of seconds >= 0, not 'nan'"),
+    (["--name", "w", "--grace", "inf"], "argument --grace: expected a number of seconds >= 0, not 'inf'"),
+    (["--name", "w", "--poll", "0"], "argument --poll: expected a number of seconds > 0, not '0'"),
+])
+def test_worker_refuses_bad_options_in_one_line(db, args, message):
+    line = error_line(cli(db, "worker", *args), 2)
+    assert line.startswith(f"everystep worker: {message}"), line
 
 
 # ---------------------------------------------------------------- the database
@@ -538,6 +569,11 @@ def test_an_unreachable_database_is_one_line_and_exit_3(args):
     line = error_line(everystep_cli("--database-url", UNREACHABLE, *args), 3)
     assert line.startswith('everystep: cannot reach the database: connection failed: connection to server at'
                            ' "127.0.0.1", port 1 failed: Connection refused'), line
+
+
+def test_schedules_commands_take_the_database_after_the_command_too(db):
+    assert ok(everystep_cli("schedules", "list", "--database-url", db.url)) == "no live schedules\n"
+    assert ok(everystep_cli("schedules", "list", "--all", "--database-url", db.url)) == "no schedules\n"
 
 
 def test_the_database_url_comes_from_the_option_else_the_environment(db):

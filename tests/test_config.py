@@ -144,10 +144,10 @@ def test_variables_are_expanded_in_strings(config_dir, monkeypatch):
 def test_dollar_signs_that_are_not_substitutions(config_dir, monkeypatch):
     monkeypatch.setenv("ES_TEST_PASSWORD", "pa$$word")
     config = load_text("""
-        database: {url: "postgresql://u:pa$word@h/app ${ES_TEST_PASSWORD} $${ES_TEST_PASSWORD} $$ $"}
+        database: {url: "host=h password=pa$word application_name='${ES_TEST_PASSWORD} $${ES_TEST_PASSWORD} $$ $'"}
     """)
     # a lone $ stays; $$ is one $; a substituted value is not expanded again
-    assert config.database.url == "postgresql://u:pa$word@h/app pa$$word ${ES_TEST_PASSWORD} $ $"
+    assert config.database.url == "host=h password=pa$word application_name='pa$$word ${ES_TEST_PASSWORD} $ $'"
 
 
 def test_substituted_numbers_and_booleans_are_read_as_yaml_scalars(config_dir, monkeypatch):
@@ -223,6 +223,12 @@ def test_substitution_errors(config_dir, text, message):
         ("migrate: 'yes'", "migrate: must be true or false, got 'yes'"),
         ("migrate: 1", "migrate: must be true or false, got 1"),
         ("database: {url: 5432}", "database.url: must be a string, got 5432"),
+        ("database: {url: localhost}", 'database.url: not a PostgreSQL URL or connection string: missing "=" '
+                                       'after "..." in connection info string'),
+        ("database: {url: 'postgresql://u:se cret@h/app'}", "database.url: not a PostgreSQL URL or connection "
+         'string: unexpected spaces found in "...", use percent-encoded spaces (%20) instead'),
+        ("database: {url: 'host=h colour=blue'}",
+         'database.url: not a PostgreSQL URL or connection string: invalid connection option "..."'),
         # the runner name
         ("name: web 0", "name: must be printable characters without whitespace, got 'web 0'"),
         ("name: \"web\\t0\"", "name: must be printable characters without whitespace, got 'web\\t0'"),

@@ -7,78 +7,30 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
+import uuid
 from pathlib import Path
 
 import psycopg
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from everystep import store
 from supervisor import endpoints, http, metrics_dir
+from tests.processes import ROOT, wait_for
+from tests.scraping import PROMPTLY, UUID_SHAPED, Prometheus, binary, get, insert_runs, samples, value
 
-ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "config" / "prometheus" / "everystep.rules.yml"
 SCRAPE_CONFIG = ROOT / "config" / "prometheus" / "scrape.yml"
 UNREACHABLE_DATABASE = "host=127.0.0.1 port=1 user=postgres dbname=test"
-UUID_SHAPED = re.compile(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}", re.IGNORECASE)
 
 
 # ---------------------------------------------------------------- helpers
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def get(url: str, timeout: float = 15.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def samples(exposition: str) -> dict[tuple[str, frozenset], float]:
-    """{(sample name, labels): value} of a text exposition."""
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(exposition)
-        for s in family.samples
-    }
-
-
-def value(exposition: dict, name: str, **labels: str) -> float | None:
-    return exposition.get((name, frozenset(labels.items())))
-
-
-def binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is not installed (apt-get install prometheus); these tests need it")
-    return path
-
 
 class Folders:
     def __init__(self, tmp_path: Path):
@@ -92,26 +44,24 @@ class Folders:
 
 
 class HttpChild:
-    """`serve()` in a process of its own, as the supervisor's HTTP child."""
+    """`serve()` in a process of its own, as the supervisor's HTTP child, on
+    a port of its choosing, with a database connection named for it alone."""
 
     def __init__(self, folders: Folders, database_url: str):
-        port = free_port()
-        self.base = f"http://127.0.0.1:{port}"
-        self.log = folders.logs / f"http-{port}.log"
+        self.application_name = f"everystep-observer-{uuid.uuid4().hex[:12]}"
+        self.log = folders.logs / f"{self.application_name}.log"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.obs_serve", "127.0.0.1", str(port), database_url,
-             str(folders.runtime), str(folders.metrics)],
+            [sys.executable, "-m", "tests.obs_serve", "127.0.0.1", "0", database_url,
+             str(folders.runtime), str(folders.metrics), self.application_name],
             cwd=ROOT, env=folders.env, stdout=subprocess.DEVNULL, stderr=self.log.open("w"),
         )
-        wait_for(self._answers, what=f"the HTTP child on port {port} (log: {self.log})")
+        port = wait_for(self._port, what=f"the HTTP child to bind a port (log: {self.log})")
+        self.base = f"http://127.0.0.1:{port}"
 
-    def _answers(self) -> bool:
+    def _port(self) -> int | None:
         assert self.process.poll() is None, f"the HTTP child exited: {self.log.read_text()}"
-        try:
-            get(self.base + "/healthz", timeout=1)
-            return True
-        except OSError:
-            return False
+        bound = re.search(r"serving /metrics, /healthz, /readyz on \S+ port (\d+)", self.log.read_text())
+        return int(bound[1]) if bound else None
 
     @property
     def pid(self) -> int:
@@ -179,16 +129,6 @@ def start(folders):
             process.stop()
         else:
             process.kill()
-
-
-def insert_runs(db, status: str, count: int, age_seconds: float = 0, claimed_by: str | None = None) -> None:
-    with db.connect() as conn:
-        conn.execute(
-            "INSERT INTO everystep_workflow (id, name, args, status, claimed_by, created_at)"
-            " SELECT gen_random_uuid(), 'demo.flow', '[]', %s, %s, now() - make_interval(secs => %s)"
-            " FROM generate_series(1, %s)",
-            (status, claimed_by, age_seconds, count),
-        )
 
 
 # ---------------------------------------------------------------- the metrics folder
@@ -338,13 +278,10 @@ def serving_pending_runs(db, start, count: int) -> HttpChild:
 def test_queue_gauges_come_back_after_the_connection_is_dropped(db, folders, start):
     server = serving_pending_runs(db, start, 2)
 
-    # What a database restart does to the kept connection. (Every observer
-    # session of this database is cut; other tests' observers reconnect too.)
-    cut = db.value(
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-        " WHERE application_name = 'everystep-observer' AND datname = current_database()"
-    )
-    assert cut >= 1
+    # What a database restart does to the kept connection.
+    cut = db.value("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = %s",
+                   (server.application_name,))
+    assert cut == 1
     insert_runs(db, "scheduled", 1)
     scrape = server.metrics()
     assert value(scrape, "everystep_database_up") == 1
@@ -361,7 +298,7 @@ def test_a_query_stuck_on_a_lock_is_cut_short(db, folders, start):
         elapsed = time.monotonic() - started
         assert value(scrape, "everystep_database_up") == 0
         assert value(scrape, "everystep_workflows_pending") is None
-        assert elapsed < 6, elapsed
+        assert elapsed < PROMPTLY, elapsed
     scrape = server.metrics()  # the same connection, still good after a statement timeout
     assert value(scrape, "everystep_database_up") == 1
     assert value(scrape, "everystep_workflows_pending") == 1
@@ -375,12 +312,12 @@ def test_an_unreachable_database_answers_fast_and_does_not_touch_liveness(folder
 
     started = time.monotonic()
     status, body = server.get("/readyz")
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < PROMPTLY
     assert status == 503 and "database" in body, body
 
     started = time.monotonic()
     scrape = server.metrics()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < PROMPTLY
     assert value(scrape, "everystep_database_up") == 0
     assert value(scrape, "everystep_workflows_pending") is None
     assert value(scrape, "everystep_worker_claims_total", runner="web-0-0") == 1  # the children's metrics still
@@ -398,7 +335,7 @@ def test_a_database_that_never_answers_does_not_hang_a_scrape(folders, start):
         for _ in range(2):
             started = time.monotonic()
             scrape = server.metrics()
-            assert time.monotonic() - started < 6
+            assert time.monotonic() - started < PROMPTLY
             assert value(scrape, "everystep_database_up") == 0
 
 
@@ -510,7 +447,7 @@ def test_unknown_paths_are_404_and_sigterm_stops_the_server(db, folders, start):
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(10) == 0
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < PROMPTLY
     assert "SIGTERM received" in server.log.read_text()
 
 
@@ -557,38 +494,6 @@ def test_scrape_config_is_valid(tmp_path):
     checked.write_text(yaml.safe_dump(kubernetes_job_as_file_sd(config, tmp_path / "targets.json")))
     result = subprocess.run([binary("promtool"), "check", "config", str(checked)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-class Prometheus:
-    def __init__(self, config: Path, data: Path, log: Path):
-        self.base = f"http://127.0.0.1:{free_port()}"
-        self.log = log
-        self.process = subprocess.Popen(
-            [binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={data}",
-             f"--web.listen-address={self.base.removeprefix('http://')}"],
-            stdout=subprocess.DEVNULL, stderr=log.open("w"),
-        )
-        wait_for(self._ready, timeout=30, what=f"Prometheus to start (log: {log})")
-
-    def _ready(self) -> bool:
-        assert self.process.poll() is None, f"Prometheus exited: {self.log.read_text()}"
-        try:
-            return get(self.base + "/-/ready", timeout=1)[0] == 200
-        except OSError:
-            return False
-
-    def api(self, path: str, **params: str) -> dict:
-        status, body = get(f"{self.base}/api/v1/{path}?{urllib.parse.urlencode(params)}")
-        assert status == 200, body
-        return json.loads(body)["data"]
-
-    def query(self, promql: str) -> dict[frozenset, float]:
-        result = self.api("query", query=promql)["result"]
-        return {frozenset(r["metric"].items()): float(r["value"][1]) for r in result}
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(20)
 
 
 def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):

@@ -237,15 +237,6 @@ def test_runs_recovered_elsewhere_while_the_lock_was_lost_are_abandoned_on_reloc
     assert "engine error" not in worker.output()
 
 
-@pytest.fixture
-def private_server(tmp_path):
-    from tests.private_postgres import PrivatePostgres  # noqa: PLC0415
-
-    server = PrivatePostgres(tmp_path / "pg")
-    yield server
-    server.close()
-
-
 def busy_worker_through(server, folder, marks, runs: int, grace: float, disruption) -> str:
     """Start a worker on the private server with `runs` runs in flight, apply
     `disruption(worker)`, and check every run completes with the worker
