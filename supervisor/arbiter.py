@@ -86,6 +86,7 @@ class Arbiter:
         self._stop_embedded = None
         self._kill_at: float | None = None
         self._replacing: Slot | None = None  # the worker a HUP's roll is replacing
+        self._published: tuple | None = None  # the state last published, to publish only changes
 
     # ---------------------------------------------------------------- life
 
@@ -146,6 +147,7 @@ class Arbiter:
         while True:
             self._roll()
             self._start_due()
+            self._stop_the_rest()
             self._publish()
             if self.phase == "stopping" and not any(s.pid for s in self.slots.values()):
                 return
@@ -324,7 +326,7 @@ class Arbiter:
 
     def _stop(self, how: int) -> None:
         """Drain (TERM) or stop fast (QUIT): the workers first, then the rest
-        once the workers are gone (see `_publish`)."""
+        once the workers are gone (see `_stop_the_rest`)."""
         first = self.phase != "stopping"
         self.phase = "stopping"
         log.info("%s: stopping %s", signal.Signals(how).name, "(draining workers)" if how == signal.SIGTERM else "fast")
@@ -410,17 +412,20 @@ class Arbiter:
 
     # ---------------------------------------------------------------- state
 
+    def _stop_the_rest(self) -> None:
+        """While stopping: once the workers are gone, the other children go."""
+        if self.phase == "stopping" and not any(s.pid for s in self.slots.values() if s.role == "worker"):
+            for slot in self.slots.values():
+                if slot.pid and not slot.stopping:
+                    self._signal(slot, signal.SIGTERM)
+
     def _publish(self) -> None:
         """The process title, the children gauge, and the state file the HTTP
         child reads for /healthz and /readyz."""
-        if self.phase == "stopping" and not any(s.pid for s in self.slots.values() if s.role == "worker"):
-            for slot in self.slots.values():
-                if slot.role != "worker" and slot.pid and not slot.stopping:
-                    self._signal(slot, signal.SIGTERM)
         live = [(s.role, s.name, s.pid) for s in self.slots.values() if s.pid]
         locked = sorted(s.name for s in self.slots.values() if s.role == "worker" and s.pid and s.locked)
         state = (self.phase, tuple(sorted(live)), tuple(locked), self.http_port)
-        if state == getattr(self, "_published", None):
+        if state == self._published:
             return
         self._published = state
         workers = sum(1 for role, _, _ in live if role == "worker")
