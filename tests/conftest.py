@@ -82,15 +82,15 @@ class Database:
         with self.connect() as conn:
             while runs := store.claim(conn, runner, limit):
                 for run in runs:
-                    ended[run.id] = engine.execute(run)
+                    ended[run.id] = engine.execute(run).outcome
         return ended
 
     def resume_held(self, runner: str = "test-runner") -> dict:
-        """Execute the runs held by `runner` again, as its catchup would."""
+        """Claim the runs held by `runner` again and execute them, as its catchup would."""
         engine = Runner(self.pool, runner)
         with self.connect() as conn:
-            runs = store.held_runs(conn, runner)
-        return {run.id: engine.execute(run) for run in runs}
+            runs = store.reclaim_held(conn, runner)
+        return {run.id: engine.execute(run).outcome for run in runs}
 
     def schedule_many(self, fn, args_list) -> list:
         """Schedule a run of `fn(*args)` for each args, in one transaction."""
