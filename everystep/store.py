@@ -467,7 +467,8 @@ def finish_run(
     if last_step is None:
         done = _run_hot(conn, _END_RUN_ALONE, values)
     else:
-        done = _run_hot(conn, _END_RUN_WITH_STEP, {**values, **{f"step_{k}": v for k, v in last_step._asdict().items()}})
+        step = {f"step_{field}": value for field, value in last_step._asdict().items()}
+        done = _run_hot(conn, _END_RUN_WITH_STEP, {**values, **step})
     if done.get_value(0, 0) != b"t":
         return None
     return _claimed_runs(conn, done, first_column=1)

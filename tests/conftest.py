@@ -115,6 +115,24 @@ def marks(tmp_path) -> str:
 
 
 @pytest.fixture
+def start_worker(db, tmp_path):
+    """start_worker(name, **options) starts an `everystep worker` process on the
+    test's schema (see tests/processes.py); all are killed at the end of the test."""
+    from tests.processes import WorkerProcess  # noqa: PLC0415
+
+    started = []
+
+    def start(name: str, **options) -> WorkerProcess:
+        worker = WorkerProcess(db.url, name, tmp_path / "logs", **options)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.close()
+
+
+@pytest.fixture
 def supervisors(tmp_path):
     """supervisors(document) starts an `everystep-supervisor` (see
     tests/supervisor_process.py); all are stopped at the end of the test."""

@@ -14,7 +14,6 @@ import everystep
 from everystep import schedule, store
 from tests import workflows
 from tests.processes import WorkerProcess, wait_for
-from tests.test_worker import start_worker  # noqa: F401  (fixture)
 
 
 def tags_of(marks, run_id) -> list[str]:
@@ -148,7 +147,8 @@ def test_an_unsafe_steps_mark_from_another_execution_blocks_and_the_effect_never
     (run,) = db.schedule_many(workflows.held_then_unsafe, [(marks, str(release))])
     start_worker(f"w-unsafe-{db.schema}", threads=1, grace=60)
     wait_for(lambda: tags_of(marks, run.id) == ["held"], what="the first step started")
-    insert_step_row(db, run.id, "2", "tests.workflows.unsafe_effect", "started")  # another execution is (or was) in the effect
+    # Another execution is (or was) in the effect.
+    insert_step_row(db, run.id, "2", "tests.workflows.unsafe_effect", "started")
     release.touch()
     wait_for(lambda: db.run(run.id)["status"] == "blocked", what="the run blocked")
     assert "effect" not in tags_of(marks, run.id)  # the effect was not started a second time
