@@ -457,7 +457,9 @@ def _database_options(parser: argparse.ArgumentParser, default: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="everystep", description="Operate everystep runs on PostgreSQL.")
+    parser = _Parser(prog="everystep", description="Operate everystep runs on PostgreSQL.",
+                     epilog="The commands: docs/operations.md. The keys of -c FILE: docs/running.md, "
+                            "section Configuration.")
     _database_options(parser, None)
     # The same options after the command; SUPPRESS keeps them from resetting
     # what was given before it.

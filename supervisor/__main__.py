@@ -24,7 +24,8 @@ EXIT_CONFIG = 2
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="everystep-supervisor", description="Run everystep workers under a process manager."
+        prog="everystep-supervisor", description="Run everystep workers under a process manager.",
+        epilog="The configuration keys: docs/running.md, section Configuration.",
     )
     parser.add_argument("-c", "--config", default="everystep.yaml", help="config file (default: everystep.yaml)")
     args = parser.parse_args(argv)
