@@ -23,7 +23,17 @@ import yaml
 from everystep import store
 from supervisor import endpoints, http, metrics_dir
 from tests.processes import ROOT, wait_for
-from tests.scraping import PROMPTLY, UUID_SHAPED, Prometheus, binary, get, insert_runs, samples, value
+from tests.scraping import (
+    PROMPTLY,
+    UUID_SHAPED,
+    Prometheus,
+    binary,
+    get,
+    insert_runs,
+    needs_prometheus,
+    samples,
+    value,
+)
 
 RULES = ROOT / "config" / "prometheus" / "everystep.rules.yml"
 SCRAPE_CONFIG = ROOT / "config" / "prometheus" / "scrape.yml"
@@ -463,6 +473,7 @@ def test_write_state_replaces_the_file_whole(tmp_path):
 
 # ---------------------------------------------------------------- Prometheus
 
+@needs_prometheus("promtool")
 def test_alert_rules_are_valid_and_fire_when_they_should():
     promtool = binary("promtool")
     check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
@@ -483,6 +494,7 @@ def kubernetes_job_as_file_sd(config: dict, targets_file: Path) -> dict:
     return config
 
 
+@needs_prometheus("promtool")
 def test_scrape_config_is_valid(tmp_path):
     config = yaml.safe_load(SCRAPE_CONFIG.read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
@@ -496,6 +508,7 @@ def test_scrape_config_is_valid(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@needs_prometheus("prometheus")
 def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
     insert_runs(db, "scheduled", 4, age_seconds=30)
     insert_runs(db, "blocked", 1)

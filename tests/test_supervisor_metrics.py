@@ -19,7 +19,7 @@ import everystep
 from supervisor import endpoints
 from tests import obs_workflows, obs_workload, workflows
 from tests.processes import WorkerProcess, wait_for
-from tests.scraping import PROMPTLY, UUID_SHAPED, Prometheus, get, insert_runs, samples, value
+from tests.scraping import PROMPTLY, UUID_SHAPED, Prometheus, get, insert_runs, needs_prometheus, samples, value
 from tests.supervisor_process import SupervisorProcess, children_of, config, process_state, restart_workers
 
 ROLES = ("worker", "http", "maintenance")
@@ -425,6 +425,7 @@ def test_readyz_answers_503_fast_while_the_database_is_down(private_server, supe
 
 # ---------------------------------------------------------------- a real Prometheus
 
+@needs_prometheus("prometheus")
 def test_a_real_prometheus_scrapes_the_supervisor_and_sees_a_restart(db, supervisors, tmp_path):
     sup = supervisors(config(db.url, "prom"))
     sup.wait_workers({"prom-0", "prom-1"})
