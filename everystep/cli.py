@@ -69,7 +69,7 @@ def database_url(args: argparse.Namespace) -> str:
     if os.environ.get("EVERYSTEP_DATABASE_URL"):
         return os.environ["EVERYSTEP_DATABASE_URL"]
     if getattr(args, "config", None):
-        from supervisor.config import ConfigError, load  # noqa: PLC0415  (only with -c)
+        from everystep.config import ConfigError, load  # noqa: PLC0415  (only with -c)
 
         try:
             url = load(args.config).database.url
@@ -77,7 +77,7 @@ def database_url(args: argparse.Namespace) -> str:
             raise CliError(str(exc)) from None
         if url:
             return url
-        from supervisor import embedded  # noqa: PLC0415
+        from everystep import embedded  # noqa: PLC0415
 
         url = embedded.running_url()
         if url:
@@ -608,7 +608,7 @@ def _schedules_manifest(args: argparse.Namespace) -> dict:
     """The schedules of -c FILE, validated before anything is read or written."""
     if not args.config:
         raise CliError(f"schedules {args.schedules_command} needs the manifest: -c everystep.yaml")
-    from supervisor.config import ConfigError, load  # noqa: PLC0415  (only with -c)
+    from everystep.config import ConfigError, load  # noqa: PLC0415  (only with -c)
 
     try:
         return load(args.config).schedules

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(config_path: str, runtime_dir: str) -> int:
-    from supervisor.config import ConfigError, load  # noqa: PLC0415
+    from everystep.config import ConfigError, load  # noqa: PLC0415
 
     try:
         config = load(config_path)

@@ -145,13 +145,13 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
 
 
 def _http(spec: ChildSpec, config, status: _Status) -> None:
-    from supervisor import endpoints  # noqa: PLC0415  (the arbiter serves nothing)
+    from supervisor import http_server  # noqa: PLC0415  (the arbiter serves nothing)
 
     def bound(port: int) -> None:  # a port in use is a boot failure
         status.port(port)
         status.booted()
 
-    endpoints.serve(config.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
+    http_server.serve(config.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
                     Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), on_ready=bound)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import (
+from everystep.config import (
     Config,
     ConfigError,
     DatabaseConfig,

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from supervisor.config import load
+from everystep.config import load
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = ROOT / "config" / "kubernetes"

@@ -16,7 +16,7 @@ import psycopg
 import yaml
 
 import everystep
-from supervisor import endpoints
+from supervisor import http_server
 from tests import obs_workflows, obs_workload, workflows
 from tests.processes import WorkerProcess, wait_for
 from tests.scraping import PROMPTLY, UUID_SHAPED, Prometheus, get, insert_runs, needs_prometheus, samples, value
@@ -350,8 +350,8 @@ def test_healthz_stays_up_across_restarts_and_fails_when_a_dead_child_is_left_un
         seen = time.monotonic()
         assert probe(sup, "/healthz") == (200, "ok\n")  # its supervisor may be about to reap it
         status, body = wait_for(lambda: (r := probe(sup, "/healthz"))[0] == 503 and r,
-                                timeout=endpoints.UNREAPED_GRACE_SECONDS + 10, what="/healthz 503")
-        assert time.monotonic() - seen >= endpoints.UNREAPED_GRACE_SECONDS
+                                timeout=http_server.UNREAPED_GRACE_SECONDS + 10, what="/healthz 503")
+        assert time.monotonic() - seen >= http_server.UNREAPED_GRACE_SECONDS
         assert body.startswith(f"worker hz-1 (pid {victim}) is not running"), body
     finally:
         os.kill(sup.pid, signal.SIGCONT)
