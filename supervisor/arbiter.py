@@ -437,7 +437,7 @@ class Arbiter:
         # the setup, no longer during a drain.
         expected = [self._worker_name(i) for i in range(self.processes)]
         state_file.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "setup"], expected, locked,
-                         self.http_port)
+                               self.http_port)
 
 
 def _describe(status: int) -> str:

@@ -11,4 +11,4 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     bind, port, database_url, runtime_dir, multiproc_dir, application_name = sys.argv[1:]
     http_server.serve(bind, int(port), database_url, Path(runtime_dir), Path(multiproc_dir),
-                    application_name=application_name)
+                      application_name=application_name)
