@@ -1,6 +1,6 @@
 """everystep: durable workflows for Python on PostgreSQL."""
 
-from everystep.api import ScheduledRun, parallel, resolve_step, schedule, step, transaction, use, workflow
+from everystep.api import ScheduledRun, parallel, patched, resolve_step, schedule, step, transaction, use, workflow
 from everystep.context import Outcome, RunContext, current
 from everystep.errors import (
     EffectUncertain,
@@ -26,6 +26,7 @@ __all__ = [
     "decode_exception",
     "encode_exception",
     "parallel",
+    "patched",
     "resolve_step",
     "schedule",
     "step",

@@ -16,7 +16,7 @@ from everystep import serde, store
 from everystep.context import current_scope
 from everystep.errors import EverystepError, StepFailure
 from everystep.ids import uuid7
-from everystep.runner import REGISTRY, run_branches
+from everystep.runner import PATCH_NAME, REGISTRY, run_branches
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -72,6 +72,23 @@ def parallel(*branches: Callable[[], Any] | list[Callable[[], Any]], everystep_i
     if scope is None:
         return run_branches(branches, None)
     return scope.run.replay.fork(scope, branches, everystep_id)
+
+
+def patched(patch: str) -> bool:
+    """Change a workflow's code safely with runs in flight:
+    `if everystep.patched("new-discount"): <new code> else: <old code>`.
+    True for a run that reaches the patch for the first time under the new
+    code, False for a run whose recorded history already went the old way;
+    the answer is recorded like a step, so every replay gives the same.
+    Outside a workflow: True (plain Python runs the new code)."""
+    if not isinstance(patch, str) or not PATCH_NAME.fullmatch(patch):
+        raise EverystepError(
+            f"bad patch name {patch!r}: use letters, digits, '_', '-' or ':', not only digits, and no dots"
+        )
+    scope = current_scope.get()
+    if scope is None:
+        return True
+    return scope.run.replay.patched(scope, patch)
 
 
 # ---------------------------------------------------------------- scheduling

@@ -14,6 +14,7 @@ import contextvars
 import functools
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -24,7 +25,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from everystep import metrics, serde, store
-from everystep.context import Outcome, RunContext, Scope, current_run, current_scope
+from everystep.context import MAX_STEP_ID, Outcome, RunContext, Scope, current_run, current_scope
 from everystep.errors import (
     Drain,
     EffectUncertain,
@@ -95,6 +96,12 @@ class Execution(NamedTuple):
     successor: store.ClaimedRun | None  # claimed for this slot by the statement that ended the run
     look_again: bool  # the runner may hold runs it does not know of: an answer was lost, or another
     # execution's row was found
+
+
+# The step name a patch decision is recorded under (see Replay.patched), and
+# what a patch name may be: one dotpath segment, like a step's everystep_id.
+PATCH_STEP = "everystep.patched"
+PATCH_NAME = re.compile(r"(?!\d+$)[A-Za-z0-9_\-:]+")
 
 
 # A step's outcome, on the run's own thread, waits for the next step or the
@@ -223,6 +230,9 @@ class Replay:
         self._unwritten: tuple[store.StepRow, float, float] | None = None
         self._outcome_lock = threading.Lock()
         self._late_failure_logged = False
+        # Step ids this execution has reached (served or run): what `patched`
+        # compares the recorded history with.
+        self.reached: set[str] = set()
 
     # -------------------------------------------------------------- writes
 
@@ -385,6 +395,7 @@ class Replay:
         step_id = scope.next_id(everystep_id)
         if self.halt is not None:
             raise self.halt
+        self.reached.add(step_id)
         recorded = self.recorded.get(step_id)
         rerun_started = False
         if recorded is not None:
@@ -499,6 +510,40 @@ class Replay:
         runs, duration = _step_metrics(self.workflow_name, name, status)
         runs.inc()
         duration.observe(time.perf_counter() - started)
+
+    # -------------------------------------------------------------- patches
+
+    def patched(self, scope: Scope, patch: str) -> bool:
+        """Whether this run takes the new branch of the patch `patch`: the
+        decision recorded for it, else True when the run's recorded history
+        in this scope goes no further than here (it reaches the patch for the
+        first time under the new code), False when it does (it went the old
+        way). The decision is recorded like a step, under its own id
+        (`<scope>patch:<name>`; the name is checked by the caller), so the positional ids of the steps around it
+        do not move, and every later replay decides the same."""
+        step_id = f"{scope.prefix}patch:{patch}"
+        if len(step_id) > MAX_STEP_ID:
+            raise EverystepError(f"patch id {step_id[:60]}... is {len(step_id)} characters; at most {MAX_STEP_ID}")
+        if self.halt is not None:
+            raise self.halt
+        recorded = self.recorded.get(step_id)
+        if recorded is not None:
+            if recorded[0] != PATCH_STEP:
+                raise self.stop_with(WorkflowCodeError(
+                    f"id {step_id!r} was recorded as the step {recorded[0]}, not as a patch"))
+            return bool(serde.from_json(recorded[2]))
+        went_further = any(
+            other.startswith(scope.prefix) and other not in self.reached and row[0] != PATCH_STEP
+            for other, row in list(self.recorded.items())
+        )
+        try:
+            self.runner.fence.check(self.claim)
+        except (Drain, LostClaim) as exc:
+            raise self.stop_with(exc) from None
+        self._write_unwritten()
+        now = (time.perf_counter(), time.time())
+        self._record(step_id, PATCH_STEP, "[]", "{}", "done", not went_further, None, False, now)
+        return not went_further
 
     # -------------------------------------------------------------- parallel
 
