@@ -25,13 +25,26 @@ def _qualified_name(fn: Callable) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
-def workflow(fn: F) -> F:
+@overload
+def workflow(fn: F) -> F: ...
+@overload
+def workflow(*, concurrency: int | None = None) -> Callable[[F], F]: ...
+
+
+def workflow(fn: Callable | None = None, *, concurrency: int | None = None) -> Any:
     """Mark a function as a workflow, registered under `module.qualname`.
-    Called directly, it is a plain function call."""
+    Called directly, it is a plain function call. `concurrency=N`: at most N
+    runs of it running at once across every worker sharing the database (the
+    config's `workflows: {name: {concurrency: ...}}` overrides it)."""
+    if concurrency is not None and (type(concurrency) is not int or concurrency < 1):
+        raise EverystepError(f"concurrency must be a whole number >= 1 or None, got {concurrency!r}")
+    if fn is None:
+        return functools.partial(workflow, concurrency=concurrency)
     name = _qualified_name(fn)
     if len(name) > 300:
         raise EverystepError(f"workflow name {name[:60]}... is longer than 300 characters")
     fn.__everystep_workflow__ = name  # type: ignore[attr-defined]
+    fn.__everystep_concurrency__ = concurrency  # type: ignore[attr-defined]
     REGISTRY[name] = fn
     return fn
 

@@ -237,6 +237,15 @@ def _import_modules(names: Sequence[str]) -> None:
             raise CliError(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
 
 
+def _workflow_pattern(text: str) -> str:
+    from everystep.config import WORKFLOW_PATTERN  # noqa: PLC0415
+
+    if len(text) > 300 or not WORKFLOW_PATTERN.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a workflow name pattern like myapp.gpu.* (letters, digits, '_', '.', '*', '?')")
+    return text
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker in this process until TERM/INT (drain) or QUIT (fast stop)."""
     from everystep import logs  # noqa: PLC0415
@@ -247,7 +256,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     url = database_url(args)
     _import_modules(args.imports)
     worker = Worker(url, args.name, threads=args.threads, poll=args.poll, drain=args.drain, grace=args.grace,
-                    max_crashes=args.max_crashes)
+                    max_crashes=args.max_crashes, workflows=args.workflows)
     stop_on_signals(worker)
     worker.run()
     sys.stdout.flush()
@@ -557,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="runner name: the claimed_by of its runs; unique while alive")
     worker.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="module defining workflows (repeatable)")
+    worker.add_argument("--workflows", action="append", type=_workflow_pattern, metavar="PATTERN",
+                        help="run only the workflows whose name matches PATTERN ('*' any characters, '?' one); "
+                             "repeat for several (default: every workflow)")
     worker.add_argument("--threads", type=_whole_number(1), default=8, help="runs in flight (default 8)")
     worker.add_argument("--poll", type=_seconds(zero=False), default=1.0,
                         help="seconds between polls (default 1)")

@@ -64,6 +64,7 @@ class WorkersConfig:
     threads: int = 8
     poll: float = 1.0
     drain: float = 30.0  # 0: wait for ever
+    workflows: tuple[str, ...] | None = None  # name patterns of the workflows these workers run; None: all
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,12 @@ class RecoveryConfig:
 class HttpConfig:
     bind: str = "0.0.0.0"
     port: int = 9117  # 0: any free port (for tests)
+
+
+@dataclass(frozen=True)
+class WorkflowConfig:
+    """Settings of one workflow by name, overriding its decorator's."""
+    concurrency: int | None = None  # runs at once across the fleet; None (null): no limit
 
 
 # The manifest's entries are the engine's schedule definitions.
@@ -94,6 +101,7 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     schedules: dict[str, ScheduleConfig] = field(default_factory=dict)
+    workflows: dict[str, WorkflowConfig] = field(default_factory=dict)
 
 
 # Room left after the base name for "-<index>" within the 255 characters of
@@ -147,6 +155,7 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
             threads=workers.integer("threads", minimum=1),
             poll=workers.number("poll", above=0),
             drain=workers.number("drain", at_least=0),
+            workflows=_workflow_patterns(workers),
         ),
         recovery=RecoveryConfig(
             interval=recovery.number("interval", above=0),
@@ -155,7 +164,41 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         ),
         http=HttpConfig(bind=_bind_address(http), port=http.integer("port", minimum=0, maximum=65535)),
         schedules=_schedules(file, top.raw.get("schedules")),
+        workflows=_workflows(file, top.raw.get("workflows")),
     )
+
+
+# A workflow name pattern: a dotted name where `*` stands for any run of
+# characters and `?` for one.
+WORKFLOW_PATTERN = re.compile(r"[A-Za-z0-9_.*?]+")
+
+
+def _workflow_patterns(workers: _Section) -> tuple[str, ...] | None:
+    if workers.raw.get("workflows") is None:
+        return None
+    patterns = workers.items("workflows")
+    for i, pattern in enumerate(patterns):
+        if not isinstance(pattern, str) or len(pattern) > 300 or not WORKFLOW_PATTERN.fullmatch(pattern):
+            raise workers.error(f"workflows[{i}]", "must be a workflow name pattern like myapp.gpu.* "
+                                                   f"(letters, digits, '_', '.', '*', '?'), got {_show(pattern)}")
+    if not patterns:
+        raise workers.error("workflows", "must list at least one pattern (leave it out to run every workflow)")
+    return tuple(patterns)
+
+
+def _workflows(file: str, raw: Any) -> dict[str, WorkflowConfig]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: workflows: must be a mapping of workflow names, got {_show(raw)}")
+    workflows = {}
+    for name, entry in raw.items():
+        if not isinstance(name, str) or "." not in name or len(name) > 300 or not _is_dotted_name(name):
+            raise ConfigError(f"{file}: workflows: the key {_show(name)} must be the module.qualname of an @workflow")
+        section = _Section(file, f"workflows.{name}", entry, WorkflowConfig)
+        concurrency = None if section.get("concurrency") is None else section.integer("concurrency", minimum=1)
+        workflows[name] = WorkflowConfig(concurrency=concurrency)
+    return workflows
 
 
 def _database_url(database: _Section) -> str:

@@ -83,6 +83,9 @@ class Successors:
     """Whether the statement that ends a run may also claim the next run for
     the slot it frees. This default never claims."""
 
+    # The workflows a successor may be of (LIKE patterns, store.routes_of; None: all).
+    routes: list[str] | None = None
+
     def reserve(self, run: store.ClaimedRun) -> bool:
         """Asked once, as this execution of the run is about to end. True
         obliges the caller of `Runner.execute` to take the execution's
@@ -353,7 +356,8 @@ class Replay:
         if self.claim_successor is None:
             self.claim_successor = self.runner.successors.reserve(self.claim)
         try:
-            claimed = self._fenced(store.finish_run, (status, result, error, row, self.claim_successor), None,
+            claimed = self._fenced(store.finish_run, (status, result, error, row, self.claim_successor,
+                                                     self.runner.successors.routes), None,
                                    status, "ending the run")
         except psycopg.errors.UniqueViolation:
             # The last step's row is there already: written by this execution's
@@ -363,7 +367,8 @@ class Replay:
             if why != store.WRITTEN:
                 self.look_again = self.look_again or why == store.OTHER
                 raise LostClaim(f"run {self.run_id}: step {row.step_id!r} was written by another execution") from None
-            claimed = self._fenced(store.finish_run, (status, result, error, None, self.claim_successor), None,
+            claimed = self._fenced(store.finish_run, (status, result, error, None, self.claim_successor,
+                                                     self.runner.successors.routes), None,
                                    status, "ending the run")
         # None: an earlier attempt ended it, and its claim, if any, is found
         # by the worker looking again (look_again is set by the retry).

@@ -190,19 +190,117 @@ _RUN_WITH_STEPS = (
 )
 
 
-def claim(conn: psycopg.Connection, runner: str, limit: int) -> list[ClaimedRun]:
-    """Claim up to `limit` scheduled runs, oldest first, with their recorded steps."""
-    rows = conn.execute(
-        f"UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s, claim_token = {_NEW_TOKEN}"
-        " WHERE w.id IN (SELECT id FROM everystep_workflow WHERE status = 'scheduled'"
-        "  ORDER BY created_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
-        f" RETURNING {_RUN_WITH_STEPS}",
-        {"runner": runner, "limit": limit},
-        prepare=True,
-    ).fetchall()
+# Which scheduled runs a claim takes, and the slots of limited workflows it
+# takes with them: the CTEs `free` .. `picked` that end in `picked(id, slot,
+# token)`, shared by `claim` and the successor claim of `finish_run`.
+# {gate}: a condition that must hold for anything to be picked; %(limit)s: how
+# many runs at most; %(routes)s: LIKE patterns of the workflow names this
+# claimer runs (NULL: all).
+#
+# A slot is free when its last run is not running in it any more. A claim
+# that committed after this statement's snapshot was taken has written its
+# newer token on the slot row: the row lock then re-checks the condition on
+# that version, against the run as the snapshot shows it, whose token is
+# older than the slot's (or NULL) — busy. The scalar subquery keeps the check
+# a subplan re-evaluated on that recheck (an anti-join would not be).
+_PICK = (
+    "free AS (SELECT s.name, s.slot FROM everystep_slot s"
+    " WHERE {gate} (SELECT count(*) FROM everystep_workflow h WHERE h.id = s.run_id"
+    "  AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0"
+    " FOR UPDATE OF s SKIP LOCKED),"
+    " room AS (SELECT name, count(*) AS n FROM free GROUP BY name),"
+    " unlimited AS (SELECT w.id, w.name, w.created_at FROM everystep_workflow w"
+    "  WHERE {gate} w.status = 'scheduled' AND {routed}"
+    "  AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name)"
+    "  ORDER BY w.created_at LIMIT %(limit)s FOR UPDATE OF w SKIP LOCKED),"
+    " limited AS (SELECT w.id, w.name, w.created_at FROM room CROSS JOIN LATERAL"
+    "  (SELECT w.id, w.name, w.created_at FROM everystep_workflow w"
+    "   WHERE w.status = 'scheduled' AND w.name = room.name AND {routed}"
+    "   ORDER BY w.created_at, w.id LIMIT least(room.n, %(limit)s) FOR UPDATE OF w SKIP LOCKED) w),"
+    " ranked AS (SELECT id, name, created_at, row_number() OVER (PARTITION BY name ORDER BY created_at, id) AS k"
+    "  FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate),"
+    " numbered AS (SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k FROM free),"
+    " first AS (SELECT r.id, f.name AS slot_name, f.slot FROM ranked r"
+    "  LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k ORDER BY r.created_at, r.id LIMIT %(limit)s),"
+    f" picked AS MATERIALIZED (SELECT id, slot_name, slot, {_NEW_TOKEN} AS token FROM first),"
+    " took AS (UPDATE everystep_slot s SET run_id = p.id, token = p.token FROM picked p"
+    "  WHERE s.name = p.slot_name AND s.slot = p.slot)"
+)
+_ROUTED = "(%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))"
+# Setting a picked run running under its new token and slot.
+_TAKE_PICKED = (
+    "UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s, claim_token = p.token,"
+    " slot = p.slot FROM picked p WHERE w.id = p.id"
+)
+_CLAIM = (
+    "WITH " + _PICK.format(gate="", routed=_ROUTED) + " " + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}"
+)
+
+
+def routes_of(patterns: list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """The LIKE patterns of shell-style workflow name patterns (`*` any run
+    of characters, `?` one character), or None for "every workflow"."""
+    if patterns is None:
+        return None
+    like = []
+    for pattern in patterns:
+        escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        like.append(escaped.replace("*", "%").replace("?", "_"))
+    return like
+
+
+def _array_literal(items: list[str] | None) -> str | None:
+    """A text[] literal of `items` (for the hot statements' text parameters)."""
+    if items is None:
+        return None
+    quoted = ('"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"' for item in items)
+    return "{" + ",".join(quoted) + "}"
+
+
+def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] | None = None) -> list[ClaimedRun]:
+    """Claim up to `limit` scheduled runs, oldest first, with their recorded
+    steps: of unlimited workflows, and of limited ones as far as they have
+    free slots; only of workflows matching `routes` (LIKE patterns, see
+    `routes_of`; None: all)."""
+    rows = conn.execute(_CLAIM, {"runner": runner, "limit": limit, "routes": routes}, prepare=True).fetchall()
     runs = [ClaimedRun(*row) for row in rows]
     runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
     return runs
+
+
+def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None]) -> None:
+    """Write the concurrency limit of each workflow (None: no limit), in one
+    transaction: its row and its slots 1..N. Lowering a limit drops the slots
+    above it; a run still running in one finishes."""
+    limited = {name: n for name, n in limits.items() if n is not None}
+    with conn.transaction():
+        conn.execute("DELETE FROM everystep_limit WHERE name = ANY(%s)",
+                     ([name for name, n in limits.items() if n is None],))
+        if not limited:
+            return
+        names, counts = list(limited), list(limited.values())
+        conn.execute(
+            "INSERT INTO everystep_limit (name, concurrency) SELECT * FROM unnest(%s::text[], %s::int[])"
+            " ON CONFLICT (name) DO UPDATE SET concurrency = EXCLUDED.concurrency, updated_at = now()"
+            " WHERE everystep_limit.concurrency <> EXCLUDED.concurrency",
+            (names, counts),
+        )
+        conn.execute(
+            "DELETE FROM everystep_slot s USING unnest(%s::text[], %s::int[]) AS l(name, n)"
+            " WHERE s.name = l.name AND s.slot > l.n",
+            (names, counts),
+        )
+        conn.execute(
+            "INSERT INTO everystep_slot (name, slot) SELECT l.name, generate_series(1, l.n)"
+            " FROM unnest(%s::text[], %s::int[]) AS l(name, n) ON CONFLICT DO NOTHING",
+            (names, counts),
+        )
+        conn.execute(f"SELECT {_NOTIFY}")  # a raised limit may make runs claimable
+
+
+def limits(conn: psycopg.Connection) -> dict[str, int]:
+    """The concurrency limits in force, by workflow name."""
+    return dict(conn.execute("SELECT name, concurrency FROM everystep_limit ORDER BY name").fetchall())
 
 
 def reclaim_held(conn: psycopg.Connection, runner: str, executing: list[int] = ()) -> list[ClaimedRun]:
@@ -430,16 +528,16 @@ _ENDING = (
 # the next run (%(claim)s: 1 or 0) only if the run was ended: one row per run
 # claimed, at least one.
 _END_RUN = (
-    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held} RETURNING id, claim_token),"
+    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held} RETURNING id, claim_token, slot),"
     " {step}"
-    " claimed AS (UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s,"
-    "  claim_token = {new_token}"
-    "  WHERE w.id = (SELECT id FROM everystep_workflow WHERE status = 'scheduled' AND EXISTS (SELECT 1 FROM ended)"
-    "   ORDER BY created_at LIMIT %(claim)s FOR UPDATE SKIP LOCKED)"
-    "  RETURNING {run_with_steps})"
-    " SELECT ended.id IS NOT NULL, claimed.* FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
+    + _PICK.format(gate="EXISTS (SELECT 1 FROM ended) AND", routed=_ROUTED).replace("{", "{{").replace("}", "}}")
+    + ", claimed AS (" + _TAKE_PICKED + " RETURNING {run_with_steps})"
+    # A limited run that ended freed a slot: wake the claimers.
+    " SELECT ended.id IS NOT NULL, claimed.*,"
+    f"  (SELECT {_NOTIFY} FROM ended WHERE ended.slot IS NOT NULL)"
+    " FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
 )
-_END_RUN_PARAMS = ("run", "runner", "token", "status", "result", "error", "claim")
+_END_RUN_PARAMS = ("run", "runner", "token", "status", "result", "error", "limit", "routes")
 # The last step's row is inserted only if the run was ended here; a row
 # already there is a unique violation that undoes the whole statement.
 _END_RUN_WITH_STEP = _hot("end_run_with_step", _END_RUN.format(
@@ -454,16 +552,16 @@ _END_RUN_ALONE = _hot("end_run", _END_RUN.format(
 
 def finish_run(
     conn: Executor, run: uuid.UUID, runner: str, token: int, status: str, result: str | None, error: str | None,
-    last_step: StepRow | None = None, claim: bool = False,
+    last_step: StepRow | None = None, claim: bool = False, routes: list[str] | None = None,
 ) -> list[ClaimedRun] | None:
     """Move a held run to its end (completed/failed/stopped/blocked), in one
     statement with the row of its last step when that is not written yet,
     and, with `claim`, with the claim of the next scheduled run for the slot
     it frees. Returns the runs claimed, or None if the run was not held by
     this execution (nothing was written). Raises UniqueViolation (nothing
-    written) if the last step's row exists already."""
+    written) if the last step's row exists already. `routes`: as for `claim`."""
     values = {"run": run, "runner": runner, "token": token, "status": status, "result": result, "error": error,
-              "claim": int(claim)}
+              "limit": int(claim), "routes": _array_literal(routes)}
     if last_step is None:
         done = _run_hot(conn, _END_RUN_ALONE, values)
     else:

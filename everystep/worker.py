@@ -22,7 +22,7 @@ import select
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
@@ -31,7 +31,7 @@ from psycopg_pool import ConnectionPool
 from everystep import liveness, metrics, store
 from everystep.errors import Drain, LostClaim
 from everystep.logs import first_line
-from everystep.runner import Execution, Fence, Runner, Successors
+from everystep.runner import REGISTRY, Execution, Fence, Runner, Successors
 
 log = logging.getLogger("everystep")
 
@@ -95,6 +95,8 @@ class Worker(Successors):
         on_claim: Callable[[int], None] | None = None,
         on_load: Callable[[int, int], None] | None = None,
         on_lock: Callable[[bool], None] | None = None,
+        workflows: Sequence[str] | None = None,
+        limits: Mapping[str, int | None] | None = None,
     ):
         if not name or len(name) > 255:
             raise ValueError("a worker name must have 1 to 255 characters")
@@ -108,6 +110,10 @@ class Worker(Successors):
         self.on_claim = on_claim  # called with the number of runs claimed
         self.on_load = on_load  # called with (runs in flight, threads) when it changes
         self.on_lock = on_lock  # called with True once the name's lock is held, False when it is not any more
+        # The workflows this worker runs: name patterns (`*`, `?`), None for all.
+        self.workflows = None if workflows is None else tuple(workflows)
+        self.routes = store.routes_of(self.workflows)  # (Successors.) as LIKE patterns
+        self.limits = dict(limits or {})  # concurrency overrides by workflow name (config)
 
         self.fence = WorkerFence()
         self._stopping = False
@@ -197,6 +203,7 @@ class Worker(Successors):
                     store.listen(conn)
                     self._conn = conn
                     if catchup:
+                        store.apply_limits(conn, self.concurrency_limits())
                         self._catchup(conn)
                     else:
                         self._after_relock(conn)
@@ -215,6 +222,13 @@ class Worker(Successors):
             self._abandon_after_grace(lost_at)
             self._sleep(delay)
             delay = min(delay * 2, 5.0)
+
+    def concurrency_limits(self) -> dict[str, int | None]:
+        """The limit of every workflow this process knows (imported, or in
+        the overrides): the override, else the decorator's; None: unlimited."""
+        limits = {name: getattr(fn, "__everystep_concurrency__", None) for name, fn in REGISTRY.items()}
+        limits.update(self.limits)
+        return limits
 
     def _abandon_after_grace(self, lost_at: float) -> None:
         """A worker that cannot get its lock back within the grace stops
@@ -343,7 +357,7 @@ class Worker(Successors):
         if self._backlog:
             self._start_backlog(free)
             return False
-        runs = store.claim(conn, self.name, free)
+        runs = store.claim(conn, self.name, free, self.routes)
         if runs:
             metrics.CLAIMS.labels(self.name).inc(len(runs))
             for run in runs:

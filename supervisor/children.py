@@ -127,7 +127,8 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
         spec.database_url, spec.name, threads=workers.threads, poll=workers.poll, drain=workers.drain,
         grace=config.recovery.grace, max_crashes=config.recovery.max_crashes, on_claim=status.claimed_work,
         on_load=lambda inflight, threads: setproctitle(f"everystep: worker {spec.name} [{inflight}/{threads}]"),
-        on_lock=status.lock,
+        on_lock=status.lock, workflows=workers.workflows,
+        limits={name: settings.concurrency for name, settings in config.workflows.items()},
     )
     metrics.declare_runner(spec.name)
     stop_on_signals(worker)

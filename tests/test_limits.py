@@ -1,0 +1,165 @@
+"""Concurrency limits, fleet-wide: the claim never admits more runs of a
+limited workflow than its limit, in order, whoever claims at once; unlimited
+workflows are not held back by limited ones."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import everystep
+from everystep import EverystepError, store
+from tests.flow_workflows import limited, unlimited
+from tests.processes import wait_for
+from tests.workflows import marks_of
+
+LIMITED = limited.__everystep_workflow__
+UNLIMITED = unlimited.__everystep_workflow__
+
+
+def running(db, name: str) -> int:
+    return db.value("SELECT count(*) FROM everystep_workflow WHERE name = %s AND status = 'running'", (name,))
+
+
+def end(db, run: store.ClaimedRun, runner: str, claim: bool = False) -> list[store.ClaimedRun]:
+    with db.connect() as conn:
+        return store.finish_run(conn, run.id, runner, run.token, "completed", "null", None, claim=claim)
+
+
+def test_the_claim_admits_a_limited_workflow_up_to_its_limit_in_order(db):
+    with db.connect() as conn:
+        store.apply_limits(conn, {LIMITED: 2})
+    limited_runs = db.schedule_many(limited, [("m", i) for i in range(5)])
+    unlimited_runs = db.schedule_many(unlimited, [("m", i) for i in range(3)])
+    with db.connect() as conn:
+        claimed = store.claim(conn, "w1", 10)
+        assert [r.id for r in claimed] == [r.id for r in limited_runs[:2] + unlimited_runs]
+        assert store.claim(conn, "w1", 10) == []  # the limited runs wait
+    # Ending one frees its slot for the next in line (and wakes the claimers).
+    with db.connect() as listener:
+        store.listen(listener)
+        end(db, claimed[0], "w1")
+        assert list(listener.notifies(timeout=2, stop_after=1))
+    with db.connect() as conn:
+        assert [r.id for r in store.claim(conn, "w1", 10)] == [limited_runs[2].id]
+    assert running(db, LIMITED) == 2
+
+
+def test_a_slot_is_free_again_whichever_way_its_run_left_running(db):
+    with db.connect() as conn:
+        store.apply_limits(conn, {LIMITED: 1})
+    runs = db.schedule_many(limited, [("m", i) for i in range(3)])
+    with db.connect() as conn:
+        first = store.claim(conn, "w1", 5)
+        assert [r.id for r in first] == [runs[0].id]
+        store.requeue_held(conn, "w1", [store.Claim(first[0].id, first[0].token)])  # a drain
+        again = store.claim(conn, "w2", 5)
+        assert [r.id for r in again] == [runs[0].id]  # requeued: first in line again
+        assert store.reclaim_held(conn, "w2")  # a catchup: new token, same slot, still counted
+        assert store.claim(conn, "w3", 5) == []
+
+
+def test_the_successor_claim_respects_the_limit(db):
+    with db.connect() as conn:
+        store.apply_limits(conn, {LIMITED: 1})
+    runs = db.schedule_many(limited, [("m", i) for i in range(3)])
+    other = db.schedule_many(unlimited, [("m", 0)])
+    with db.connect() as conn:
+        first = store.claim(conn, "w1", 1)
+    assert [r.id for r in first] == [runs[0].id]
+    # The slot is busy (until this statement commits): the successor is the unlimited run.
+    assert [r.id for r in end(db, first[0], "w1", claim=True)] == [other[0].id]
+    with db.connect() as conn:
+        second = store.claim(conn, "w2", 5)
+    assert [r.id for r in second] == [runs[1].id]
+    assert end(db, second[0], "w2", claim=True) == []
+
+
+def test_raising_lowering_and_removing_a_limit(db):
+    runs = db.schedule_many(limited, [("m", i) for i in range(6)])
+    with db.connect() as conn:
+        store.apply_limits(conn, {LIMITED: 1})
+        assert len(store.claim(conn, "w1", 10)) == 1
+        store.apply_limits(conn, {LIMITED: 3})
+        assert store.limits(conn) == {LIMITED: 3}
+        assert len(store.claim(conn, "w1", 10)) == 2
+        store.apply_limits(conn, {LIMITED: 2})
+        assert store.claim(conn, "w1", 10) == []
+        store.apply_limits(conn, {LIMITED: None})
+        assert store.limits(conn) == {}
+        assert len(store.claim(conn, "w1", 10)) == 3
+    assert running(db, LIMITED) == len(runs)
+
+
+def test_concurrent_claims_never_over_admit(db):
+    """8 claimers claiming and ending runs (with successor claims) as fast as
+    they can while an observer counts the running runs of the workflow."""
+    limit = 3
+    with db.connect() as conn:
+        store.apply_limits(conn, {LIMITED: limit})
+    db.schedule_many(limited, [("m", i) for i in range(300)])
+    db.schedule_many(unlimited, [("m", i) for i in range(100)])
+    seen: list[int] = []
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def observe() -> None:
+        with db.connect() as conn:
+            while not done.is_set():
+                seen.append(conn.execute(
+                    "SELECT count(*) FROM everystep_workflow WHERE name = %s AND status = 'running'", (LIMITED,)
+                ).fetchone()[0])
+
+    def claimer(i: int) -> None:
+        name = f"w{i}"
+        try:
+            with db.connect() as conn:
+                store.prepare_session(conn)
+                idle = 0
+                while idle < 20:
+                    runs = store.claim(conn, name, 2)
+                    idle = 0 if runs else idle + 1
+                    while runs:
+                        run = runs.pop()
+                        runs += store.finish_run(conn, run.id, name, run.token, "completed", "null", None,
+                                                 claim=not runs) or []
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    observer = threading.Thread(target=observe)
+    observer.start()
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    done.set()
+    observer.join()
+    assert not errors, errors
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'") == 0
+    assert max(seen) <= limit
+    assert len(seen) > 50
+
+
+def test_eight_worker_processes_keep_the_limit(db, marks, start_worker):
+    limited_runs = db.schedule_many(limited, [(marks, 0.05) for _ in range(40)])
+    db.schedule_many(unlimited, [(marks, 0.05) for _ in range(40)])
+    for i in range(8):
+        start_worker(f"w{i}", threads=4, imports=("tests.workflows", "tests.flow_workflows"))
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 80, 120,
+             what="every run completed")
+    ids = {str(r.id) for r in limited_runs}
+    now = highest = 0
+    for run, tag, _pid in marks_of(marks):
+        if run in ids:
+            now += 1 if tag == "limited" else -1 if tag == "limited:end" else 0
+            highest = max(highest, now)
+    assert highest <= 3
+    assert highest >= 2  # the limit admits in parallel, not one at a time
+
+
+def test_the_decorator_refuses_a_bad_limit():
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(EverystepError):
+            everystep.workflow(concurrency=bad)
