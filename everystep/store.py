@@ -624,25 +624,48 @@ def queue_stats(conn: psycopg.Connection) -> QueueStats:
     return QueueStats(row[0], row[1], row[2], max(float(row[3]), 0.0))
 
 
-# The runner-name lock key, applied to the column `expected.name`.
-_LOCK_KEY_OF_EXPECTED = _LOCK_KEY % "expected.name"
+def _lock_held(column: str) -> str:
+    """The condition "the advisory lock of the runner name in `column` is held
+    in this database". pg_locks shows a 64-bit advisory key as classid (high
+    32 bits), objid (low 32 bits) and objsubid 1."""
+    key = _LOCK_KEY % column
+    return (
+        "EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        f" AND l.classid = (({key} >> 32) & 4294967295)::oid AND l.objid = ({key} & 4294967295)::oid)"
+    )
 
 
 def runners_without_lock(conn: psycopg.Connection, runners: list[str]) -> list[str]:
     """The runner names, among `runners`, whose advisory lock nobody holds in
-    this database. pg_locks shows a 64-bit advisory key as classid (high 32
-    bits), objid (low 32 bits) and objsubid 1."""
+    this database."""
     rows = conn.execute(
         "SELECT expected.name FROM unnest(%s::text[]) WITH ORDINALITY AS expected(name, position)"
-        " WHERE NOT EXISTS (SELECT 1 FROM pg_locks l"
-        "  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
-        "  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-        f"  AND l.classid = (({_LOCK_KEY_OF_EXPECTED} >> 32) & 4294967295)::oid"
-        f"  AND l.objid = ({_LOCK_KEY_OF_EXPECTED} & 4294967295)::oid)"
+        f" WHERE NOT {_lock_held('expected.name')}"
         " ORDER BY expected.position",
         (runners,),
     ).fetchall()
     return [row[0] for row in rows]
+
+
+def publish_route(conn: psycopg.Connection, runner: str, routes: list[str] | None) -> None:
+    """Say which workflows this runner claims (LIKE patterns; None: all)."""
+    conn.execute(
+        "INSERT INTO everystep_route (runner, patterns) VALUES (%s, %s)"
+        " ON CONFLICT (runner) DO UPDATE SET patterns = EXCLUDED.patterns, updated_at = now()",
+        (runner, routes),
+    )
+
+
+def unserved_runs(conn: psycopg.Connection) -> dict[str, int]:
+    """Scheduled runs, by workflow name, that no live worker (one whose lock
+    is held in this database) claims: none of their routes matches."""
+    return dict(conn.execute(
+        f"WITH live AS MATERIALIZED (SELECT r.patterns FROM everystep_route r WHERE {_lock_held('r.runner')})"
+        " SELECT w.name, count(*) FROM everystep_workflow w WHERE w.status = 'scheduled'"
+        "  AND NOT EXISTS (SELECT 1 FROM live WHERE live.patterns IS NULL OR w.name LIKE ANY(live.patterns))"
+        " GROUP BY w.name ORDER BY w.name"
+    ).fetchall())
 
 
 # ---------------------------------------------------------------- operators

@@ -201,6 +201,7 @@ class Worker(Successors):
                         self._abandon_after_grace(lost_at)
                         self._sleep(min(self.poll, 1.0))
                     store.listen(conn)
+                    store.publish_route(conn, self.name, self.routes)
                     self._conn = conn
                     if catchup:
                         store.apply_limits(conn, self.concurrency_limits())

@@ -163,7 +163,7 @@ class QueueCollector:
 
     def collect(self) -> Iterator[Metric]:
         try:
-            stats = self._database.call(store.queue_stats)
+            stats, unserved = self._database.call(lambda conn: (store.queue_stats(conn), store.unserved_runs(conn)))
         except DatabaseUnavailable as exc:
             self._report(False, str(exc))
             yield GaugeMetricFamily("everystep_database_up", _DATABASE_UP_HELP, value=0)
@@ -185,6 +185,15 @@ class QueueCollector:
             "Age of the oldest scheduled run by the database's clock (0 when none is pending).",
             value=stats.oldest_pending_age_seconds,
         )
+        family = GaugeMetricFamily(
+            "everystep_workflows_unserved",
+            "Scheduled runs that no live worker claims: their workflow matches none of the workers' "
+            "`workers.workflows` patterns.",
+            labels=["workflow"],
+        )
+        for name, count in unserved.items():
+            family.add_metric([name], count)
+        yield family
 
     def _report(self, up: bool, reason: str) -> None:
         """Log when the database goes away or comes back, not on every scrape."""

@@ -26,3 +26,12 @@ ALTER TABLE everystep_workflow ADD COLUMN slot integer;
 -- scheduled in one transaction share created_at: the UUIDv7 id orders them).
 CREATE INDEX everystep_workflow_claimable_by_name ON everystep_workflow (name, created_at, id)
     WHERE status = 'scheduled';
+
+-- Routing: the workflows each worker runs, as it said when it took its lock
+-- (LIKE patterns; NULL: every workflow). Rows of workers whose lock nobody
+-- holds are stale and ignored; a worker rewrites its row at every start.
+CREATE TABLE everystep_route (
+    runner     varchar(255) PRIMARY KEY,
+    patterns   text[],
+    updated_at timestamptz NOT NULL DEFAULT now()
+);

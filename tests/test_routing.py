@@ -1,0 +1,88 @@
+"""Routing: `workers.workflows` patterns restrict what a worker claims; runs of
+a workflow nobody serves stay scheduled and show in a metric."""
+
+from __future__ import annotations
+
+import pytest
+
+from everystep import config, store
+from everystep.config import ConfigError
+from supervisor.http_server import Database, QueueCollector
+from tests.flow_workflows import cpu_job, gpu_job, unlimited
+from tests.processes import wait_for
+from tests.workflows import marks_of
+
+IMPORTS = ("tests.workflows", "tests.flow_workflows")
+
+
+def unserved_gauge(db) -> dict[str, float]:
+    families = {f.name: f for f in QueueCollector(Database(db.url)).collect()}
+    return {s.labels["workflow"]: s.value for s in families["everystep_workflows_unserved"].samples}
+
+
+def test_workers_claim_only_the_workflows_they_serve(db, marks, start_worker):
+    gpu = db.schedule_many(gpu_job, [(marks,) for _ in range(4)])
+    cpu = db.schedule_many(cpu_job, [(marks,) for _ in range(4)])
+    nobody = db.schedule_many(unlimited, [(marks, 0)])
+    assert unserved_gauge(db) == {n: c for n, c in (
+        (gpu_job.__everystep_workflow__, 4), (cpu_job.__everystep_workflow__, 4),
+        (unlimited.__everystep_workflow__, 1))}  # no live worker at all
+    gpu_worker = start_worker("gpu-1", imports=IMPORTS, workflows=("tests.flow_workflows.gpu_*",))
+    cpu_worker = start_worker("cpu-1", imports=IMPORTS, workflows=("tests.flow_workflows.cpu?job", "other.*"))
+    done = [r.id for r in gpu + cpu]
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE id = ANY(%s) AND status = 'completed'",
+                              (done,)) == 8, 60, what="the routed runs completed")
+    claimers = dict(db.query("SELECT id, claimed_by FROM everystep_workflow WHERE id = ANY(%s)", (done,)))
+    assert {claimers[r.id] for r in gpu} == {"gpu-1"}
+    assert {claimers[r.id] for r in cpu} == {"cpu-1"}
+    pids = {tag: {pid for _run, t, pid in marks_of(marks) if t == tag} for tag in ("gpu", "cpu")}
+    assert pids == {"gpu": {gpu_worker.pid}, "cpu": {cpu_worker.pid}}
+    assert db.run(nobody[0].id)["status"] == "scheduled"
+    assert unserved_gauge(db) == {unlimited.__everystep_workflow__: 1}
+    # A worker serving everything picks it up; the gauge empties.
+    start_worker("any-1", imports=IMPORTS)
+    wait_for(lambda: db.run(nobody[0].id)["status"] == "completed", 30, what="the unserved run completed")
+    assert unserved_gauge(db) == {}
+
+
+def test_routes_are_like_patterns_with_their_wildcards_escaped(db):
+    assert store.routes_of(["a.b_c*", "x?y"]) == ["a.b\\_c%", "x_y"]
+    assert store.routes_of(None) is None
+    db.schedule_many(gpu_job, [("m",)])
+    db.schedule_many(cpu_job, [("m",)])
+    with db.connect() as conn:
+        # "_" in a pattern is no wildcard; "?" is.
+        assert store.claim(conn, "w", 10, store.routes_of(["tests.flow_workflows.gpu?job_"])) == []
+        claimed = store.claim(conn, "w", 10, store.routes_of(["tests.flow_workflows.gpu_job", "nothing.*"]))
+    assert [r.name for r in claimed] == [gpu_job.__everystep_workflow__]
+
+
+def write(tmp_path, text):
+    path = tmp_path / "everystep.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_config_reads_routing_and_limits(tmp_path):
+    loaded = config.load(write(tmp_path, (
+        "workers:\n  workflows: [myapp.gpu.*, myapp.render]\n"
+        "workflows:\n  myapp.render:\n    concurrency: 2\n  myapp.other:\n    concurrency: null\n"
+    )))
+    assert loaded.workers.workflows == ("myapp.gpu.*", "myapp.render")
+    assert loaded.workflows == {"myapp.render": config.WorkflowConfig(2), "myapp.other": config.WorkflowConfig(None)}
+    assert config.load(write(tmp_path, "")).workers.workflows is None
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("workers: {workflows: []}", "workers.workflows: must list at least one pattern"),
+    ("workers: {workflows: 'a.*'}", "workers.workflows: must be a list"),
+    ("workers: {workflows: ['a b']}", "workers.workflows[0]: must be a workflow name pattern"),
+    ("workflows: {render: {concurrency: 2}}", "workflows: the key 'render' must be the module.qualname"),
+    ("workflows: {a.b: {concurrency: 0}}", "workflows.a.b.concurrency: must be an integer >= 1, got 0"),
+    ("workflows: {a.b: {concurency: 2}}", "workflows.a.b.concurency: unknown key (did you mean 'concurrency'?)"),
+    ("workflows: [a.b]", "workflows: must be a mapping of workflow names"),
+])
+def test_routing_and_limit_mistakes(tmp_path, text, message):
+    with pytest.raises(ConfigError) as error:
+        config.load(write(tmp_path, text))
+    assert message in str(error.value)
