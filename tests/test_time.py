@@ -180,3 +180,156 @@ def test_a_sleep_survives_a_server_restart(private_server, tmp_path, marks):
         assert tags(marks, run.id) == ["before", "before:end", "after", "after:end"]
     finally:
         worker.close()
+
+
+# ---------------------------------------------------------------- cancellation
+
+def cancel(db, run_id, reason=None) -> str:
+    with db.connect() as conn, everystep.transaction(conn):
+        return everystep.cancel(run_id, reason)
+
+
+def test_cancel_a_scheduled_a_waiting_and_a_blocked_run_at_once(db, marks, tmp_path):
+    waiting = schedule_one(db, tw.started_at, marks, after=3600)
+    sleeping = schedule_one(db, tw.sleeper, marks, 3600)
+    assert db.run_pending() == {sleeping.id: "sleeping"}
+    blocked = schedule_one(db, tw.unsafe_retries, marks, "listed", "other")
+    with db.connect() as conn:  # an unsafe step started, its worker gone: blocked on replay
+        conn.execute("INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status)"
+                     " VALUES (%s, '1', 'tests.time_workflows.unsafe_retry_on', '[]', '{}', 'started')", (blocked.id,))
+    assert db.run_pending() == {blocked.id: "blocked"}
+    scheduled = schedule_one(db, tw.started_at, marks)
+    for run in (scheduled, waiting, sleeping, blocked):
+        assert cancel(db, run.id, "not needed") == "cancelled"
+        row = db.run(run.id)
+        assert (row["status"], row["cancel_reason"]) == ("cancelled", "not needed")
+        assert row["completed_at"] is not None
+    assert cancel(db, scheduled.id) == "cancelled"  # again: nothing changes
+    assert db.run_pending() == {}
+
+
+def test_cancel_in_the_callers_transaction_rolls_back_with_it(db, marks):
+    run = schedule_one(db, tw.started_at, marks)
+    with db.connect() as conn:
+        with pytest.raises(RuntimeError), everystep.transaction(conn):
+            everystep.cancel(run.id)
+            raise RuntimeError("rolled back")
+    assert status(db, run.id) == "scheduled"
+
+
+@pytest.mark.parametrize("cleanup", [False, True])
+def test_cancel_a_running_run_at_its_next_step(db, marks, tmp_path, start_worker, cleanup):
+    """The step in progress finishes and is recorded; the body gets Cancelled
+    at its next step call; the run ends cancelled (a cleanup step included)."""
+    release = tmp_path / "release"
+    worker = start_worker("w-cancel", threads=1, imports=IMPORTS)
+    run = schedule_one(db, tw.cancellable, marks, str(release), cleanup)
+    wait_for(lambda: "held" in tags(marks, run.id), timeout=20)
+    assert cancel(db, run.id, "operator") == "running"  # requested
+    release.touch()
+    wait_for(lambda: status(db, run.id) not in ("running", "scheduled"), timeout=20)
+    row = db.run(run.id)
+    assert row["status"] == "cancelled"
+    steps = {s["step_id"]: (s["status"], s["error"] and s["error"]["type"]) for s in db.steps(run.id)}
+    assert steps["1"] == ("done", None)  # the step in progress finished and is recorded
+    assert steps["2"] == ("failed", "everystep.errors.Cancelled")
+    assert "next" not in tags(marks, run.id)
+    if cleanup:
+        assert "cleanup:operator" in tags(marks, run.id)
+        assert (row["result"], row["error"]["type"]) == ("cleaned up", "everystep.errors.Cancelled")
+    else:
+        assert row["error"]["type"] == "everystep.errors.Cancelled" and row["error"]["message"] == "operator"
+    assert worker.alive()
+
+
+def test_a_cancel_racing_the_end_of_the_run_has_exactly_one_winner(db, marks, tmp_path, start_worker):
+    """A run whose last step is held: the cancel request lands before its end
+    (the run ends cancelled, its result kept) or after (the run completed and
+    the cancel changes nothing) — never both, never neither."""
+    start_worker("w-race", threads=4, imports=IMPORTS)
+    outcomes = set()
+    for i in range(6):
+        release = tmp_path / f"release-{i}"
+        run = schedule_one(db, tw.finishes_after_hold, marks, str(release))
+        wait_for(lambda run=run: "held" in tags(marks, run.id), timeout=20)
+        release.touch()
+        time.sleep(0.01 * i)
+        answer = cancel(db, run.id)
+        wait_for(lambda run=run: status(db, run.id) in ("completed", "cancelled"), timeout=20)
+        final = db.run(run.id)
+        assert answer in ("running", "completed")
+        assert final["status"] == ("cancelled" if answer == "running" else "completed")
+        assert final["result"] == "finished"
+        outcomes.add(final["status"])
+
+
+def test_a_cancel_survives_a_worker_kill_and_a_drain(db, marks, tmp_path, start_worker):
+    release = tmp_path / "release"
+    first = start_worker("w-k1", threads=1, imports=IMPORTS)
+    killed = schedule_one(db, tw.cancellable, marks, str(release), False)
+    wait_for(lambda: "held" in tags(marks, killed.id), timeout=20)
+    assert cancel(db, killed.id, "kill") == "running"
+    first.kill()  # the request is on the run's row, not in the worker
+    drained = schedule_one(db, tw.cancellable, marks, str(release), True)
+    second = start_worker("w-k2", threads=2, imports=IMPORTS)
+    wait_for(lambda: "held" in tags(marks, drained.id), timeout=30)
+    assert cancel(db, drained.id, "drain") == "running"
+    second.signal(signal.SIGTERM)  # drains: the held step goes on until released
+    time.sleep(0.3)
+    release.touch()
+    second.wait()
+    start_worker("w-k3", threads=2, poll=0.2, imports=IMPORTS)  # recovers the killed worker's run
+    with db.connect() as conn:
+        store.requeue_claimer(conn, "w-k1")  # the dead worker's runs, as the sweep would
+    wait_for(lambda: status(db, killed.id) == "cancelled" and status(db, drained.id) == "cancelled", timeout=30)
+    assert db.run(killed.id)["error"]["message"] == "kill"
+    assert "cleanup:drain" in tags(marks, drained.id)
+
+
+# ---------------------------------------------------------------- retries
+
+def test_a_step_is_retried_with_its_attempts_recorded(db, marks):
+    run = schedule_one(db, tw.retrying, marks, 2)
+    assert db.run_pending() == {run.id: "completed"}
+    (step,) = db.steps(run.id)
+    assert (step["status"], step["result"]) == ("done", "ok")
+    assert [a["attempt"] for a in step["attempts"]] == [1, 2]
+    assert [a["error"]["type"] for a in step["attempts"]] == ["tests.time_workflows.Flaky"] * 2
+    waits = [a["retry_at"] - a["at"] for a in step["attempts"]]
+    assert waits == pytest.approx([0.05, 0.1])  # exponential, no jitter here
+    assert tags(marks, run.id).count("flaky") == 3
+
+
+def test_after_the_last_attempt_the_failure_is_raised(db, marks):
+    run = schedule_one(db, tw.retrying, marks, 10)
+    assert db.run_pending() == {run.id: "failed"}
+    (step,) = db.steps(run.id)
+    assert step["status"] == "failed" and len(step["attempts"]) == 3  # 4 attempts in all
+    assert tags(marks, run.id).count("flaky") == 4
+
+
+def test_unsafe_steps_retry_only_on_the_types_listed(db, marks):
+    not_listed = schedule_one(db, tw.unsafe_retries, marks, "none")
+    listed = schedule_one(db, tw.unsafe_retries, marks, "listed", "flaky")
+    other = schedule_one(db, tw.unsafe_retries, marks, "listed", "other")
+    assert db.run_pending() == {not_listed.id: "failed", listed.id: "failed", other.id: "failed"}
+    assert tags(marks, not_listed.id).count("unsafe") == 1
+    assert tags(marks, listed.id).count("unsafe") == 3
+    assert tags(marks, other.id).count("unsafe") == 1
+    assert len(db.steps(listed.id)[0]["attempts"]) == 2
+
+
+def test_a_long_back_off_parks_the_run_and_outlives_a_worker_crash(db, marks, start_worker):
+    run = schedule_one(db, tw.retrying_slowly, marks, 2)
+    first = start_worker("w-r1", threads=1, imports=IMPORTS)
+    wait_for(lambda: status(db, run.id) == "waiting", timeout=20)  # the 2 s back-off parks it
+    (step,) = db.steps(run.id)
+    assert step["status"] == "retrying" and len(step["attempts"]) == 1
+    first.kill()
+    start_worker("w-r2", threads=1, poll=0.2, imports=IMPORTS)
+    wait_for(lambda: status(db, run.id) == "completed", timeout=30)
+    (step,) = db.steps(run.id)
+    assert [a["attempt"] for a in step["attempts"]] == [1, 2]
+    assert tags(marks, run.id).count("slow") == 3
+    gaps = [b["at"] - a["retry_at"] for a, b in zip(step["attempts"], step["attempts"][1:])]
+    assert all(gap >= 0 for gap in gaps)  # no attempt before its back-off was over
