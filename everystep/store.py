@@ -814,7 +814,7 @@ def requeue_from_dead_claimers(conn: psycopg.Connection, claims: list[tuple[uuid
 # clock). A run completes after it is created, so the bound on created_at adds
 # nothing to the condition but lets the (status, created_at) index limit the scan.
 _PRUNABLE = (
-    "status IN ('completed', 'failed', 'stopped')"
+    "status IN ('completed', 'failed', 'stopped', 'cancelled')"
     " AND created_at < now() - make_interval(days => %(days)s::int)"
     " AND completed_at < now() - make_interval(days => %(days)s::int)"
 )

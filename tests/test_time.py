@@ -4,6 +4,7 @@ retries, against a real PostgreSQL and real worker processes."""
 from __future__ import annotations
 
 import datetime
+import json
 import signal
 import time
 
@@ -333,3 +334,29 @@ def test_a_long_back_off_parks_the_run_and_outlives_a_worker_crash(db, marks, st
     assert tags(marks, run.id).count("slow") == 3
     gaps = [b["at"] - a["retry_at"] for a, b in zip(step["attempts"], step["attempts"][1:])]
     assert all(gap >= 0 for gap in gaps)  # no attempt before its back-off was over
+
+
+# ---------------------------------------------------------------- the CLI
+
+def test_the_cancel_command_and_the_listings(db, marks, tmp_path):
+    from tests.test_cli import cli, error_line, ok  # noqa: PLC0415
+
+    waiting = schedule_one(db, tw.started_at, marks, after=3600)
+    sleeping = schedule_one(db, tw.sleeper, marks, 3600)
+    retried = schedule_one(db, tw.retrying, marks, 1)
+    assert db.run_pending() == {sleeping.id: "sleeping", retried.id: "completed"}
+    shown = ok(cli(db, "runs", "show", str(sleeping.id)))
+    assert "status          waiting" in shown and "due             " in shown and "wakes at " in shown
+    shown = ok(cli(db, "runs", "show", str(retried.id)))
+    assert "step 1 attempt 1 failed at " in shown and "tests.time_workflows.Flaky: transient failure 1" in shown
+    assert "waiting for its time" in error_line(cli(db, "requeue", str(waiting.id)), 1)
+
+    assert error_line(cli(db, "cancel", str(waiting.id), str(retried.id)), 1) == (
+        f"everystep: run {retried.id} is completed already; nothing was cancelled")
+    assert status(db, waiting.id) == "waiting"  # all or nothing
+    out = ok(cli(db, "cancel", str(waiting.id), str(sleeping.id), "--reason", "no longer needed"))
+    assert out == f"cancelled run {waiting.id}\ncancelled run {sleeping.id}\n"
+    assert "cancel          requested " in ok(cli(db, "runs", "show", str(waiting.id)))
+    listed = json.loads(ok(cli(db, "runs", "list", "--status", "cancelled", "--json")))
+    assert {run["id"] for run in listed} == {str(waiting.id), str(sleeping.id)}
+    assert "no run" in error_line(cli(db, "cancel", "0190e1f4-0000-7000-8000-000000000000"), 2)
