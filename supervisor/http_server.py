@@ -171,7 +171,8 @@ class QueueCollector:
         self._report(True, "")
         yield GaugeMetricFamily("everystep_database_up", _DATABASE_UP_HELP, value=1)
         yield GaugeMetricFamily(
-            "everystep_workflows_pending", "Runs claimable now (scheduled, or waiting and due) and not claimed yet.", value=stats.pending
+            "everystep_workflows_pending", "Runs claimable now (scheduled, or waiting and due) and not claimed yet.",
+            value=stats.pending
         )
         yield GaugeMetricFamily(
             "everystep_workflows_running", "Runs claimed by a worker.", value=stats.running
