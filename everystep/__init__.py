@@ -1,8 +1,22 @@
 """everystep: durable workflows for Python on PostgreSQL."""
 
-from everystep.api import ScheduledRun, parallel, patched, resolve_step, schedule, step, transaction, use, workflow
+from everystep.api import (
+    ScheduledRun,
+    cancel,
+    parallel,
+    patched,
+    resolve_step,
+    schedule,
+    sleep,
+    sleep_until,
+    step,
+    transaction,
+    use,
+    workflow,
+)
 from everystep.context import Outcome, RunContext, current
 from everystep.errors import (
+    Cancelled,
     EffectUncertain,
     EverystepError,
     LostClaim,
@@ -10,9 +24,12 @@ from everystep.errors import (
     Terminal,
     WorkflowCodeError,
 )
+from everystep.runner import Backoff
 from everystep.serde import decode_exception, encode_exception
 
 __all__ = [
+    "Backoff",
+    "Cancelled",
     "EffectUncertain",
     "EverystepError",
     "LostClaim",
@@ -20,6 +37,9 @@ __all__ = [
     "RunContext",
     "ScheduledRun",
     "StepFailure",
+    "cancel",
+    "sleep",
+    "sleep_until",
     "Terminal",
     "WorkflowCodeError",
     "current",

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
+import math
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -16,7 +19,7 @@ from everystep import serde, store
 from everystep.context import current_scope
 from everystep.errors import EverystepError, StepFailure
 from everystep.ids import uuid7
-from everystep.runner import PATCH_NAME, REGISTRY, run_branches
+from everystep.runner import PATCH_NAME, REGISTRY, Backoff, RetryPolicy, run_branches
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,14 +55,25 @@ def workflow(fn: Callable | None = None, *, concurrency: int | None = None) -> A
 @overload
 def step(fn: F) -> F: ...
 @overload
-def step(*, unsafe_to_repeat: bool = False) -> Callable[[F], F]: ...
+def step(*, unsafe_to_repeat: bool = False, retries: int = 0, backoff: float | Backoff | None = None,
+         retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None) -> Callable[[F], F]: ...
 
 
-def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False) -> Any:
+def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries: int = 0,
+         backoff: float | Backoff | None = None,
+         retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None) -> Any:
     """Mark a unit of durable work. Inside a running workflow each call is
-    recorded (or served from the record on replay); outside, a plain call."""
+    recorded (or served from the record on replay); outside, a plain call.
+
+    `retries=N`: up to N further attempts after a failed one, waiting
+    `backoff` between them (a Backoff, or a number: its initial wait in
+    seconds; default Backoff(): 1 s doubling up to 300 s, 20% jitter).
+    `retry_on`: the exception types retried (default: every Exception; an
+    unsafe_to_repeat step is retried only on the types listed here)."""
+    retry = _retry_policy(retries, backoff, retry_on)
     if fn is None:
-        return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat)
+        return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat, retries=retries, backoff=backoff,
+                                 retry_on=retry_on)
     name = _qualified_name(fn)
     if len(name) > 300:
         raise EverystepError(f"step name {name[:60]}... is longer than 300 characters")
@@ -69,11 +83,37 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False) -> Any:
         scope = current_scope.get()
         if scope is None:
             return fn(*args, **kwargs)
-        return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id)
+        return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry)
 
     call.__everystep_step__ = name  # type: ignore[attr-defined]
     call.unsafe_to_repeat = unsafe_to_repeat  # type: ignore[attr-defined]
+    call.retry = retry  # type: ignore[attr-defined]
     return call
+
+
+def _retry_policy(retries: Any, backoff: Any, retry_on: Any) -> RetryPolicy | None:
+    """The checked retry options of @step (one clear error for a bad one)."""
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise EverystepError(f"retries must be a whole number >= 0, not {retries!r}")
+    if backoff is None:
+        backoff = Backoff()
+    elif isinstance(backoff, (int, float)) and not isinstance(backoff, bool):
+        backoff = Backoff(initial=float(backoff))
+    if not isinstance(backoff, Backoff):
+        raise EverystepError(f"backoff must be a number of seconds or an everystep.Backoff, not {backoff!r}")
+    for field, value in backoff._asdict().items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise EverystepError(f"Backoff {field} must be a finite number >= 0, not {value!r}")
+    if backoff.factor < 1 or backoff.jitter > 1:
+        raise EverystepError("Backoff factor must be >= 1 and jitter between 0 and 1")
+    if retry_on is not None:
+        types = retry_on if isinstance(retry_on, tuple) else (retry_on,)
+        if not types or not all(isinstance(t, type) and issubclass(t, Exception) for t in types):
+            raise EverystepError(f"retry_on must be an Exception class or a tuple of them, not {retry_on!r}")
+        retry_on = types
+    if retries == 0:
+        return None
+    return RetryPolicy(retries, backoff, retry_on)
 
 
 def parallel(*branches: Callable[[], Any] | list[Callable[[], Any]], everystep_id: str | None = None) -> tuple:
@@ -142,29 +182,103 @@ def transaction(conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
 
 
 def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
-             conn: psycopg.Connection | None = None) -> ScheduledRun:
+             conn: psycopg.Connection | None = None, at: datetime.datetime | None = None,
+             after: float | datetime.timedelta | None = None) -> ScheduledRun:
     """Insert a run of `workflow_fn(*args)` into the caller's transaction.
-    Nothing runs now; workers claim the run once the transaction commits."""
+    Nothing runs now; workers claim the run once the transaction commits,
+    and not before `at` (an aware datetime) or `after` seconds (or a
+    timedelta) from now, by the database's clock."""
     name = getattr(workflow_fn, "__everystep_workflow__", None)
     if name is None:
         raise TypeError(f"schedule() takes an @workflow function, not {workflow_fn!r}")
     if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > 255):
         raise EverystepError("idempotency_key must be a string of at most 255 characters")
+    if at is not None and after is not None:
+        raise EverystepError("schedule() takes at= or after=, not both")
+    at = None if at is None else _aware("schedule(at=...)", at)
+    after = None if after is None else _seconds("schedule(after=...)", after)
     args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
+    conn = _transaction_connection("schedule()", conn)
+    run_id, created = store.insert_run(conn, uuid7(), name, args_json, idempotency_key, at, after)
+    return ScheduledRun(run_id, name, created)
+
+
+def _transaction_connection(what: str, conn: Any) -> Any:
+    """The connection to write into: given, bound, or Django's; in a transaction."""
     conn = conn or _bound.get() or _django_connection()
     if conn is None:
         raise EverystepError(
-            "schedule() found no transaction: pass conn=<psycopg connection>, bind one with "
+            f"{what} found no transaction: pass conn=<psycopg connection>, bind one with "
             "`with everystep.transaction(conn):` or `everystep.use(conn)`, or configure Django"
         )
     if isinstance(conn, psycopg.Connection):
         if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
             raise EverystepError(
-                "schedule() needs an open transaction: this connection is in autocommit mode outside "
+                f"{what} needs an open transaction: this connection is in autocommit mode outside "
                 "a transaction block; use `with everystep.transaction(conn):` or `with conn.transaction():`"
             )
-    run_id, created = store.insert_run(conn, uuid7(), name, args_json, idempotency_key)
-    return ScheduledRun(run_id, name, created)
+    return conn
+
+
+def _aware(what: str, when: Any) -> datetime.datetime:
+    if not isinstance(when, datetime.datetime):
+        raise EverystepError(f"{what} takes a datetime with a timezone, not {when!r}")
+    if when.tzinfo is None or when.utcoffset() is None:
+        raise EverystepError(f"{what} takes a datetime with a timezone (an aware datetime), not the naive {when}")
+    return when
+
+
+def _seconds(what: str, delay: Any) -> float:
+    if isinstance(delay, datetime.timedelta):
+        delay = delay.total_seconds()
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
+        raise EverystepError(f"{what} takes a number of seconds >= 0 or a timedelta, not {delay!r}")
+    return float(delay)
+
+
+# ---------------------------------------------------------------- time and control
+
+def sleep(seconds: float | datetime.timedelta) -> None:
+    """Inside a workflow body: a durable sleep, recorded like a step. Until
+    the time comes the run is `waiting` and holds no worker slot (a wait of
+    a moment is waited on the thread); a replay after the time returns at
+    once. Outside a workflow: time.sleep."""
+    seconds = _seconds("sleep()", seconds)
+    scope = current_scope.get()
+    if scope is None:
+        time.sleep(seconds)
+        return
+    scope.run.replay.sleep(scope, seconds, None)
+
+
+def sleep_until(when: datetime.datetime) -> None:
+    """Like `sleep`, until an aware datetime (by the database's clock)."""
+    when = _aware("sleep_until()", when)
+    scope = current_scope.get()
+    if scope is None:
+        time.sleep(max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds()))
+        return
+    scope.run.replay.sleep(scope, None, when)
+
+
+def cancel(run_id: uuid.UUID | str, reason: str | None = None, conn: psycopg.Connection | None = None) -> str:
+    """Cancel a run, in the caller's transaction (like `schedule()`). A
+    scheduled, waiting or blocked run is `cancelled` at once; a running one
+    is asked to stop: its body gets `Cancelled` at its next step call and the
+    run ends `cancelled`. Returns the run's status after the call: `cancelled`,
+    `running` (the request is recorded), or the end it had already reached
+    (nothing changed). Raises EverystepError for an unknown run."""
+    if reason is not None and not isinstance(reason, str):
+        raise EverystepError(f"cancel() takes a reason string, not {reason!r}")
+    try:
+        run_id = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
+    except ValueError:
+        raise EverystepError(f"cancel() takes a run id, not {run_id!r}") from None
+    conn = _transaction_connection("cancel()", conn)
+    outcome = store.cancel_run(conn, run_id, reason)
+    if outcome.status is None:
+        raise EverystepError(f"no run {run_id}")
+    return outcome.status
 
 
 def _django_connection() -> Any:

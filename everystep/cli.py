@@ -5,6 +5,7 @@
     everystep runs show RUN [--json]
     everystep resolve-step RUN STEP (--result JSON | --error MSG | --discard)
     everystep requeue RUN...
+    everystep cancel RUN... [--reason TEXT]
     everystep prune --older-than DAYS [--dry-run]
     everystep schedule MODULE:FUNC [JSON ...] [--idempotency-key K]
     everystep schedules plan|apply|retire|list
@@ -49,7 +50,7 @@ EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_DATABASE = 3
 
-STATUSES = ("scheduled", "running", "completed", "failed", "stopped", "blocked")
+STATUSES = ("scheduled", "waiting", "running", "completed", "failed", "stopped", "blocked", "cancelled")
 MAX_DAYS = 36500  # 100 years: the bound of --older-than
 MAX_RUNNER_NAME = 255  # the width of claimed_by
 PRUNE_BATCH = 1000  # runs deleted per transaction, so prune never holds locks for long
@@ -179,6 +180,11 @@ def _whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
 
 def _utc(moment: dt.datetime | None) -> str:
     return "-" if moment is None else moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _epoch_utc(seconds: float) -> str:
+    """Epoch seconds (database time) as UTC, to the millisecond."""
+    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ").replace("000Z", "Z")
 
 
 def _json_text(data: Any) -> str:
@@ -336,7 +342,12 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         ("ended", _utc(run["completed_at"])),
         ("args", _json_text(run["args"])),
     ]
-    if run["status"] == "completed":
+    if run["status"] == "waiting":
+        fields.append(("due", _utc(run["due_at"])))
+    if run["cancel_requested_at"] is not None:
+        fields.append(("cancel", f"requested {_utc(run['cancel_requested_at'])}"
+                                 + (f": {run['cancel_reason']}" if run["cancel_reason"] else "")))
+    if run["status"] in ("completed", "cancelled") and run["result"] is not None:
         fields.append(("result", _json_text(run["result"])))
     if run["error"] is not None:
         fields.append(("error", _describe_error(run["error"])))
@@ -347,6 +358,10 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         print("no steps recorded")
     else:
         print(_table(("STEP", "STATUS", "FUNCTION", "ARGS", "RESULT OR ERROR"), [_step_row(s) for s in steps]))
+        for step in steps:
+            for attempt in step["attempts"] or []:
+                print(f"  step {step['step_id']} attempt {attempt['attempt']} failed at {_epoch_utc(attempt['at'])}:"
+                      f" {_describe_error(attempt['error'])}; retry at {_epoch_utc(attempt['retry_at'])}")
     started = [s["step_id"] for s in steps if s["status"] == "started"]
     if run["status"] == "blocked" and started:
         print()
@@ -357,8 +372,12 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 
 def _step_row(step: dict) -> tuple[str, ...]:
     args = _json_text(step["args"]) + (f" {_json_text(step['kwargs'])}" if step["kwargs"] else "")
-    if step["status"] == "done":
+    if step["name"] == "everystep.sleep" and step["status"] == "done":
+        outcome = f"wakes at {_epoch_utc(step['result'])}"
+    elif step["status"] == "done":
         outcome = _json_text(step["result"])
+    elif step["status"] == "retrying":
+        outcome = f"(retrying after {_plural(len(step['attempts'] or []), 'failed attempt')})"
     elif step["status"] == "failed":
         outcome = _describe_error(step["error"])
     else:
@@ -428,6 +447,8 @@ def _why_not_requeued(run: dict) -> str | None:
     status = run["status"]
     if status == "scheduled":
         return f"run {run['id']} is scheduled: it needs nothing, a worker will claim it"
+    if status == "waiting":
+        return f"run {run['id']} is waiting for its time ({_utc(run['due_at'])}): a worker will claim it then"
     if status == "blocked":
         return f"run {run['id']} is blocked: resolve its started step with `everystep resolve-step`"
     if status in store.TERMINAL:
@@ -435,8 +456,28 @@ def _why_not_requeued(run: dict) -> str | None:
     return None
 
 
+def cmd_cancel(args: argparse.Namespace) -> int:
+    run_ids = list(dict.fromkeys(args.runs))
+    with connect(args) as conn:
+        for run_id in run_ids:
+            _load_run(conn, run_id)
+        with api.transaction(conn):  # all or nothing
+            statuses = {run_id: api.cancel(run_id, args.reason) for run_id in run_ids}
+            finished = [f"run {run_id} is {status} already" for run_id, status in statuses.items()
+                        if status not in ("cancelled", "running")]
+            if finished:
+                raise CliError("; ".join(finished) + ("; nothing was cancelled" if len(run_ids) > 1 else ""),
+                               EXIT_REFUSED)
+    for run_id, status in statuses.items():
+        if status == "running":
+            print(f"asked run {run_id} to stop: it is running; it ends cancelled at its next step")
+        else:
+            print(f"cancelled run {run_id}")
+    return 0
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
-    what = f"completed, failed or stopped more than {_plural(args.older_than, 'day')} ago"
+    what = f"completed, failed, stopped or cancelled more than {_plural(args.older_than, 'day')} ago"
     with connect(args) as conn:
         if args.dry_run:
             count = store.count_prunable(conn, args.older_than)
@@ -549,8 +590,13 @@ def build_parser() -> argparse.ArgumentParser:
                   "put running runs whose claimer is dead back to scheduled")
     requeue.add_argument("runs", type=_run_id, nargs="+", metavar="RUN")
 
+    cancel = add(commands, "cancel", cmd_cancel,
+                 "cancel runs: scheduled, waiting and blocked ones at once, running ones at their next step")
+    cancel.add_argument("runs", type=_run_id, nargs="+", metavar="RUN")
+    cancel.add_argument("--reason", metavar="TEXT", help="why (recorded with the run, given to its Cancelled)")
+
     prune = add(commands, "prune", cmd_prune,
-                "delete completed, failed and stopped runs (with their steps) older than a bound")
+                "delete completed, failed, stopped and cancelled runs (with their steps) older than a bound")
     prune.add_argument("--older-than", type=_whole_number(1, MAX_DAYS), required=True,
                        metavar="DAYS", help="days since the run ended")
     prune.add_argument("--dry-run", action="store_true", help="only count what would be deleted")

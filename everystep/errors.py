@@ -48,3 +48,22 @@ class Drain(BaseException):
     """Internal: the worker is draining; unwind the run at a step boundary so it
     can be requeued. A BaseException so `except Exception` in a workflow body
     does not swallow it."""
+
+
+class Cancelled(Exception):
+    """Raised in a workflow body at its next step call once its run is
+    cancelled (`everystep.cancel`). The body may catch it to run cleanup
+    steps; the run ends `cancelled` whatever the body does then."""
+
+    def __init__(self, reason: str | None = None):
+        super().__init__(reason)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason or "cancelled"
+
+
+class Parked(BaseException):
+    """Internal: the run is parked `waiting` until its due time (a durable
+    sleep, a retry's back-off); this execution is over. A BaseException so
+    `except Exception` in a workflow body does not swallow it."""

@@ -44,6 +44,14 @@ CLAIMS_LOST = Counter(
     "everystep_claims_lost", "Runs a worker abandoned because a fenced write matched nothing.", ["runner"]
 )
 
+# Time and control.
+CANCELLATIONS = Counter(
+    "everystep_cancellations", "Cancel requests delivered to a running run's body as Cancelled.", ["workflow"]
+)
+STEP_RETRIES = Counter(
+    "everystep_step_retries", "Failed step attempts that are tried again (retries=).", ["workflow", "step"]
+)
+
 # Recovery (the maintenance child's sweep and the workers' catchup).
 RECOVERED = Counter("everystep_recovered_runs", "Runs requeued from dead claimers by the sweep.")
 POISONED = Counter(

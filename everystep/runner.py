@@ -14,6 +14,7 @@ import contextvars
 import functools
 import logging
 import os
+import random
 import re
 import threading
 import time
@@ -27,10 +28,12 @@ from psycopg_pool import ConnectionPool
 from everystep import metrics, serde, store
 from everystep.context import MAX_STEP_ID, Outcome, RunContext, Scope, current_run, current_scope
 from everystep.errors import (
+    Cancelled,
     Drain,
     EffectUncertain,
     EverystepError,
     LostClaim,
+    Parked,
     Terminal,
     WorkflowCodeError,
 )
@@ -42,7 +45,33 @@ REGISTRY: dict[str, Callable] = {}
 
 # Ends of a run that are decided by the run itself, whatever the body does
 # with them: once raised, every later step call raises the same again.
-HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain)
+HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain, Parked)
+
+# The step name of a durable sleep's row.
+SLEEP = "everystep.sleep"
+# A wait no longer than this (seconds) is waited on the run's thread; a longer
+# one parks the run (`waiting`), its slot given back.
+MOMENT = 1.0
+
+
+class RetryPolicy(NamedTuple):
+    """How a step is retried (see `everystep.step`)."""
+    retries: int  # further attempts after the first
+    backoff: Backoff
+    retry_on: tuple[type[BaseException], ...] | None  # None: every Exception (safe steps only)
+
+
+class Backoff(NamedTuple):
+    """The wait before retry n (n = 1, 2, ...): min(maximum, initial *
+    factor ** (n - 1)), then multiplied by a random factor in [1 - jitter, 1]."""
+    initial: float = 1.0
+    factor: float = 2.0
+    maximum: float = 300.0
+    jitter: float = 0.2
+
+    def wait(self, retry: int) -> float:
+        base = min(self.maximum, self.initial * self.factor ** (retry - 1))
+        return base * (1 - self.jitter * random.random())
 
 
 @functools.cache
@@ -95,7 +124,8 @@ class Successors:
 
 class Execution(NamedTuple):
     """What one execution of a run came to, as `Runner.execute` returns it."""
-    outcome: str  # completed, failed, stopped, blocked, requeued (drain) or abandoned (claim lost)
+    outcome: str  # completed, failed, stopped, blocked, cancelled, sleeping (parked waiting),
+    # requeued (drain) or abandoned (claim lost)
     successor: store.ClaimedRun | None  # claimed for this slot by the statement that ended the run
     look_again: bool  # the runner may hold runs it does not know of: an answer was lost, or another
     # execution's row was found
@@ -213,7 +243,12 @@ class Replay:
         self.token: int = run.token
         self.workflow_name: str = run.name
         self.args = run.args
+        # step id -> [name, status, result, error, attempts]
         self.recorded: dict[str, list] = {row[0]: row[1:] for row in run.steps}
+        # A cancel request known to this execution (from its claim or a step
+        # write's answer), and whether the body got its `Cancelled` yet.
+        self.cancel_requested = run.cancel_requested
+        self.cancel_delivered: Cancelled | None = None
         self.halt: BaseException | None = None
         self._halt_lock = threading.Lock()
         self.context = RunContext(run.id, run.name, runner.name, self)
@@ -233,9 +268,6 @@ class Replay:
         self._unwritten: tuple[store.StepRow, float, float] | None = None
         self._outcome_lock = threading.Lock()
         self._late_failure_logged = False
-        # Step ids this execution has reached (served or run): what `patched`
-        # compares the recorded history with.
-        self.reached: set[str] = set()
 
     # -------------------------------------------------------------- writes
 
@@ -319,6 +351,8 @@ class Replay:
             unwritten, self._unwritten = self._unwritten, None
         if isinstance(exc, LostClaim):
             raise exc
+        if isinstance(exc, Parked):
+            return "sleeping"  # parked by the statement that recorded it
         if isinstance(exc, Drain):
             if unwritten is not None:
                 self._write_step(unwritten[0], unwritten[1], update=False)  # recorded before the requeue
@@ -328,7 +362,20 @@ class Replay:
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
             raise exc  # KeyboardInterrupt, SystemExit: not ours to record
-        if exc is None:
+        if self.cancel_delivered and not isinstance(exc, EffectUncertain):
+            # Cancelled at a step call: the run ends `cancelled`, with what the
+            # body returned, or with what it raised (the Cancelled itself when
+            # it let it through), or with the Cancelled when it returned.
+            status, result, error = "cancelled", None, None
+            if exc is None:
+                error = serde.dumps(serde.encode_exception(self.cancel_delivered))
+                try:
+                    result = serde.dumps(value)
+                except EverystepError:
+                    pass
+            else:
+                error = serde.dumps(serde.encode_exception(exc))
+        elif exc is None:
             try:
                 status, result, error = "completed", serde.dumps(value), None
             except EverystepError as bad:
@@ -344,14 +391,14 @@ class Replay:
                     extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
                     exc_info=exc,
                 )
-        self.end(status, result, error, unwritten)
-        return status
+        return self.end(status, result, error, unwritten)
 
     def end(self, status: str, result: str | None, error: str | None,
-            unwritten: tuple[store.StepRow, float, float] | None) -> None:
+            unwritten: tuple[store.StepRow, float, float] | None) -> str:
         """The last step's row, the run's end and the claim of the next run for
         this slot: one statement, one commit. The successor, if any, is left in
-        `self.successor`."""
+        `self.successor`. Returns the run's end as written (`cancelled` when a
+        cancel request reached the row first)."""
         row = None if unwritten is None else unwritten[0]
         if self.claim_successor is None:
             self.claim_successor = self.runner.successors.reserve(self.claim)
@@ -372,9 +419,10 @@ class Replay:
                                    status, "ending the run")
         # None: an earlier attempt ended it, and its claim, if any, is found
         # by the worker looking again (look_again is set by the retry).
-        self.successor = claimed[0] if claimed else None
+        self.successor = claimed.claimed[0] if claimed and claimed.claimed else None
         if unwritten is not None:
             self._count(row.name, row.status, unwritten[1])
+        return claimed.status if claimed else status
 
     def stop_with(self, exc: BaseException) -> BaseException:
         """Set the run's halt (the first one wins) and return it to raise."""
@@ -390,21 +438,22 @@ class Replay:
                 name, status, serde.from_json(result) if status == "done" else None,
                 serde.decode_exception(error) if status == "failed" else None,
             )
-            for step_id, (name, status, result, error) in list(self.recorded.items())
+            for step_id, (name, status, result, error, _) in list(self.recorded.items())
         }
 
     # -------------------------------------------------------------- steps
 
     def step(self, scope: Scope, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
-             everystep_id: str | None) -> Any:
+             everystep_id: str | None, retry: RetryPolicy | None = None) -> Any:
         step_id = scope.next_id(everystep_id)
         if self.halt is not None:
             raise self.halt
-        self.reached.add(step_id)
         recorded = self.recorded.get(step_id)
         rerun_started = False
+        attempts: list = []
         if recorded is not None:
-            rec_name, status, result, error = recorded
+            rec_name, status, result, error, attempts = recorded
+            attempts = attempts or []
             if rec_name != name:
                 raise self.stop_with(WorkflowCodeError(
                     f"step {step_id!r} was recorded as {rec_name} but the workflow now calls {name} there; "
@@ -416,40 +465,147 @@ class Replay:
                 exc = serde.decode_exception(error)
                 if isinstance(exc, Terminal):
                     raise self.stop_with(exc)
+                if isinstance(exc, Cancelled) and self.cancel_delivered is None:
+                    self.cancel_delivered = exc  # delivered here by an earlier execution
                 raise exc
-            if unsafe:  # started, no outcome: the effect may or may not have happened
+            if status == "started" and unsafe:  # no outcome: the effect may or may not have happened
                 raise self.stop_with(EffectUncertain(
                     f"step {step_id!r} ({name}) is unsafe to repeat and was started without a recorded "
                     "outcome; resolve it with `everystep resolve-step`"
                 ))
-            rerun_started = True  # the unsafe mark was removed from the code: run it again
+            # `started` of a step no longer unsafe (run it again), or `retrying`: the row is updated in place.
+            rerun_started = True
 
+        self._boundary(step_id, name)
+        if attempts:  # retrying: the back-off recorded with the last failed attempt comes first
+            self._wait(scope, attempts[-1]["retry_at"], self.claim.claimed_at)
+        args_json = serde.dumps(list(args))
+        kwargs_json = serde.dumps(kwargs)
+        while True:
+            started = (time.perf_counter(), time.time())
+            if unsafe:
+                self._record(step_id, name, args_json, kwargs_json, "started", None, None, rerun_started, started)
+                rerun_started = True
+
+            scope_token = current_scope.set(None)  # a step called inside a step is a plain call
+            failure: Exception | None = None
+            try:
+                value = fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (recorded, then re-raised or retried)
+                failure = exc
+            finally:
+                current_scope.reset(scope_token)
+            if failure is None:
+                result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
+                self._record(step_id, name, args_json, kwargs_json, "done", result, None, rerun_started, started)
+                return value
+            error = serde.encode_exception(failure)
+            if not isinstance(failure, Terminal) and _retried(retry, unsafe, failure, len(attempts)):
+                attempt = self._record_attempt(step_id, name, args_json, kwargs_json, error, len(attempts) + 1,
+                                               retry.backoff.wait(len(attempts) + 1), started)
+                attempts.append(attempt)
+                rerun_started = True
+                self._wait(scope, attempt["retry_at"], attempt["at"])
+                continue
+            self._record(step_id, name, args_json, kwargs_json, "failed", None, error, rerun_started, started)
+            if isinstance(failure, Terminal):
+                raise self.stop_with(failure)
+            raise failure
+
+    def _boundary(self, step_id: str, name: str) -> None:
+        """Before a new step (or sleep) starts: stop here for a drain or a
+        lost claim, write the previous step's outcome (its answer tells of a
+        cancel request), and deliver a known cancel request as `Cancelled`,
+        recorded as this step's failure so that a replay raises it at the
+        same call."""
         try:
             self.runner.fence.check(self.claim)
         except (Drain, LostClaim) as exc:
             raise self.stop_with(exc) from None
         self._write_unwritten()  # the previous step's outcome is written before this step starts
-        args_json = serde.dumps(list(args))
-        kwargs_json = serde.dumps(kwargs)
-        started = (time.perf_counter(), time.time())
-        if unsafe and not rerun_started:
-            self._record(step_id, name, args_json, kwargs_json, "started", None, None, False, started)
-            rerun_started = True
+        if self.cancel_requested and self.cancel_delivered is None:
+            with self.cursor() as cur:
+                cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
+            self.cancel_delivered = cancelled
+            now = time.time()
+            self._record(step_id, name, "[]", "{}", "failed", None, serde.encode_exception(cancelled), False,
+                         (time.perf_counter(), now))
+            metrics.CANCELLATIONS.labels(self.workflow_name).inc()
+            raise cancelled
 
-        scope_token = current_scope.set(None)  # a step called inside a step is a plain call
+    def _record_attempt(self, step_id: str, name: str, args: str, kwargs: str, error: dict, attempt: int,
+                        wait: float, started: tuple[float, float]) -> dict:
+        """Record a failed attempt that will be retried after `wait` seconds;
+        returns the attempt as recorded (its times by the database's clock)."""
+        row = store.StepRow(step_id, name, args, kwargs, "retrying", None, serde.dump_data(error), started[1],
+                            time.time())
+        self._write_unwritten()
         try:
-            value = fn(*args, **kwargs)
-        except Exception as exc:
-            error = serde.encode_exception(exc)
-            self._record(step_id, name, args_json, kwargs_json, "failed", None, error, rerun_started, started)
-            if isinstance(exc, Terminal):
-                raise self.stop_with(exc)  # noqa: B904  (the Terminal itself)
-            raise
-        finally:
-            current_scope.reset(scope_token)
-        result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
-        self._record(step_id, name, args_json, kwargs_json, "done", result, None, rerun_started, started)
-        return value
+            done = self._fenced(store.record_attempt, (row, attempt, wait), step_id, "retrying",
+                                f"attempt {attempt} of step {step_id!r}")
+        except LostClaim as lost:
+            raise self.stop_with(lost) from None
+        if done is None:  # written by this execution's earlier try: its answer was lost
+            self.look_again = True
+            raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
+        self._cancel_known(done)
+        metrics.STEP_RETRIES.labels(self.workflow_name, name).inc()
+        attempts = self.recorded.setdefault(step_id, [name, "retrying", None, None, []])
+        attempts[1], attempts[4] = "retrying", (attempts[4] or []) + [done.attempt]
+        return done.attempt
+
+    # -------------------------------------------------------------- time
+
+    def sleep(self, scope: Scope, seconds: float | None, until: Any) -> None:
+        """A durable sleep: a recorded step whose result is the wake time."""
+        step_id = scope.next_id(None)
+        if self.halt is not None:
+            raise self.halt
+        recorded = self.recorded.get(step_id)
+        if recorded is not None:
+            if recorded[0] != SLEEP:
+                raise self.stop_with(WorkflowCodeError(
+                    f"step {step_id!r} was recorded as {recorded[0]} but the workflow now sleeps there; "
+                    "the workflow code changed in a way that breaks replay"
+                ))
+            if recorded[1] == "failed":
+                exc = serde.decode_exception(recorded[3])
+                if isinstance(exc, Cancelled) and self.cancel_delivered is None:
+                    self.cancel_delivered = exc
+                raise exc
+            self._wait(scope, float(recorded[2]), self.claim.claimed_at)
+            return
+        self._boundary(step_id, SLEEP)
+        done = self._fenced(store.record_sleep, (step_id, SLEEP, seconds, until), step_id, "done", "a sleep")
+        if done is None:  # written by this execution's earlier try: its answer was lost
+            self.look_again = True
+            raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
+        self.recorded[step_id] = [SLEEP, "done", done.wake_at, None, None]
+        self._wait(scope, done.wake_at, done.now)
+
+    def _wait(self, scope: Scope, wake_at: float, now: float) -> None:
+        """Wait until `wake_at` (database time; `now` is the database's time
+        as last seen): a moment on this thread; longer, the run is parked
+        `waiting` (this execution ends with Parked) unless a cancel request
+        is on it (then it returns, and the next step call gets `Cancelled`).
+        Parallel branches always wait on their thread."""
+        remaining = wake_at - now
+        if remaining <= 0:
+            return
+        if remaining > MOMENT and scope.prefix == "" and threading.get_ident() == self._owner:
+            self._write_unwritten()
+            parking = self._fenced(store.park_run, (wake_at,), None, "waiting", "parking the run")
+            if parking is None or parking.parked:
+                raise self.stop_with(Parked())
+            if parking.cancel_requested:
+                self.cancel_requested = True
+                return
+            return  # the time came meanwhile
+        time.sleep(remaining)
+
+    def _cancel_known(self, written: Any) -> None:
+        if getattr(written, "cancel_requested", False):
+            self.cancel_requested = True
 
     def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,
                 result: Any, error: dict | None, update: bool, started: tuple[float, float]) -> None:
@@ -466,7 +622,8 @@ class Replay:
                             None if status != "done" else serde.dump_data(result),
                             None if error is None else serde.dump_data(error),
                             started[1], None if status == "started" else time.time())
-        self.recorded[step_id] = [name, status, result, error]
+        attempts = self.recorded.get(step_id, [None] * 5)[4]
+        self.recorded[step_id] = [name, status, result, error, attempts]
         if status != "started" and not update and threading.get_ident() == self._owner:
             with self._outcome_lock:
                 self._unwritten = (row, started[0], time.perf_counter())
@@ -504,10 +661,11 @@ class Replay:
 
     def _write_step(self, row: store.StepRow, started: float, update: bool) -> None:
         try:
-            self._fenced(store.complete_started_step if update else store.record_step, (row,), row.step_id,
-                         row.status, f"step {row.step_id!r}")
+            written = self._fenced(store.complete_started_step if update else store.record_step, (row,),
+                                   row.step_id, row.status, f"step {row.step_id!r}")
         except LostClaim as lost:
             raise self.stop_with(lost) from None
+        self._cancel_known(written)
         if row.status != "started":
             self._count(row.name, row.status, started)
 
@@ -537,8 +695,11 @@ class Replay:
                 raise self.stop_with(WorkflowCodeError(
                     f"id {step_id!r} was recorded as the step {recorded[0]}, not as a patch"))
             return bool(serde.from_json(recorded[2]))
+        with scope.lock:
+            reached = set(scope.used)  # the ids this scope has given out so far (a fork's: its branches too)
         went_further = any(
-            other.startswith(scope.prefix) and other not in self.reached and row[0] != PATCH_STEP
+            other.startswith(scope.prefix) and other[len(scope.prefix):].split(".")[0] not in reached
+            and row[0] != PATCH_STEP
             for other, row in list(self.recorded.items())
         )
         try:
@@ -562,6 +723,16 @@ class Replay:
         if self.halt is not None:
             raise self.halt
         return results
+
+
+def _retried(policy: RetryPolicy | None, unsafe: bool, exc: Exception, failed_before: int) -> bool:
+    """Whether a step's attempt that raised `exc` is tried again: within the
+    count, and of a type retried (an unsafe step only on the types listed)."""
+    if policy is None or failed_before >= policy.retries:
+        return False
+    if policy.retry_on is None:
+        return not unsafe
+    return isinstance(exc, policy.retry_on)
 
 
 def run_branches(branches: tuple, scopes: list[Scope] | None) -> tuple:

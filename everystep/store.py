@@ -29,7 +29,7 @@ from psycopg import errors, pq, sql
 # Notifications go to a channel per schema, so deployments sharing a database
 # (or test schemas) do not wake each other's workers.
 _NOTIFY = "pg_notify('everystep:' || current_schema(), '')"
-TERMINAL = ("completed", "failed", "stopped")
+TERMINAL = ("completed", "failed", "stopped", "cancelled")
 
 # The 64-bit advisory-lock key of a runner name, scoped to the schema so two
 # deployments sharing a database (or two test schemas) never collide.
@@ -37,6 +37,13 @@ _LOCK_KEY = "hashtextextended('everystep:' || current_schema() || ':' || %s, 0)"
 _HELD = "id = %(run)s AND status = 'running' AND claimed_by = %(runner)s AND claim_token = %(token)s::bigint"
 # A new execution token, for every claim.
 _NEW_TOKEN = "nextval('everystep_claim_token')"
+# Which runs a claim may take, and in which order: the one place of the claim
+# predicate, shared by `claim` and the successor claim of `finish_run`. Ready
+# (`scheduled`) and `waiting` runs alike, once due by the database's clock;
+# the partial index everystep_workflow_due makes it a range scan that never
+# reads a run not due yet.
+_CLAIMABLE = "status IN ('scheduled', 'waiting') AND due_at <= now()"
+_CLAIM_ORDER = "ORDER BY due_at"
 
 # What the writes about a held run execute on: a connection, or a cursor of
 # one (the runner reuses one cursor for all the writes of an execution).
@@ -52,8 +59,10 @@ class ClaimedRun(NamedTuple):
     id: uuid.UUID
     name: str
     args: Any  # stored JSON, not yet decoded
-    steps: list  # [[step_id, name, status, result, error], ...] as stored
+    steps: list  # [[step_id, name, status, result, error, attempts], ...] as stored
     token: int  # the execution token of this claim
+    cancel_requested: bool = False  # a cancel request was on the run when it was claimed
+    claimed_at: float = 0.0  # the database's time of the claim (epoch seconds)
 
 
 class Claim(NamedTuple):
@@ -92,19 +101,25 @@ def migrate(conn: psycopg.Connection) -> list[str]:
 # ---------------------------------------------------------------- scheduling
 
 def insert_run(
-    conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None
+    conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
+    at: datetime.datetime | None = None, after: float | None = None,
 ) -> tuple[uuid.UUID, bool]:
-    """Insert a scheduled run into the caller's transaction and notify workers
-    (Postgres delivers the notification at commit). With an idempotency key, an
-    existing run of the same (name, key) is returned instead: (id, created)."""
+    """Insert a run into the caller's transaction and notify workers
+    (Postgres delivers the notification at commit). It is due `at` a time, or
+    `after` seconds from now by the database's clock, or at once; a run not
+    due yet is `waiting`. With an idempotency key, an existing run of the same
+    (name, key) is returned instead: (id, created)."""
     row = conn.execute(
-        "WITH ins AS ("
-        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)"
-        " VALUES (%s, %s, %s::jsonb, %s, 'scheduled')"
+        "WITH due AS (SELECT coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(after)s::float8),"
+        "  now()) AS at),"
+        " ins AS ("
+        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, due_at)"
+        " SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,"
+        "  CASE WHEN due.at > now() THEN 'waiting' ELSE 'scheduled' END, greatest(due.at, now()) FROM due"
         " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
         " RETURNING id)"
         f" SELECT id, {_NOTIFY} FROM ins",
-        (run_id, name, args_json, idempotency_key),
+        {"id": run_id, "name": name, "args": args_json, "key": idempotency_key, "at": at, "after": after},
     ).fetchone()
     if row is not None:
         return row[0], True
@@ -185,17 +200,19 @@ def running_claimers(conn: psycopg.Connection) -> list[str]:
 # ARRAY(...) rather than json_agg: no aggregate to set up on every claim, and
 # most claimed runs have no steps.
 _RUN_WITH_STEPS = (
-    "w.id, w.name, w.args, to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error)"
-    " FROM everystep_step s WHERE s.workflow_id = w.id)), w.claim_token"
+    "w.id, w.name, w.args, to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error,"
+    " s.attempts) FROM everystep_step s WHERE s.workflow_id = w.id)), w.claim_token,"
+    " w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8"
 )
 
 
-# Which scheduled runs a claim takes, and the slots of limited workflows it
+# Which claimable runs a claim takes, and the slots of limited workflows it
 # takes with them: the CTEs `free` .. `picked` that end in `picked(id, slot,
 # token)`, shared by `claim` and the successor claim of `finish_run`.
-# {gate}: a condition that must hold for anything to be picked; %(limit)s: how
-# many runs at most; %(routes)s: LIKE patterns of the workflow names this
-# claimer runs (NULL: all).
+# Claimable runs are those of _CLAIMABLE, in _CLAIM_ORDER (then by id: runs
+# scheduled in one transaction are due at the same time). {gate}: a condition
+# that must hold for anything to be picked; %(limit)s: how many runs at most;
+# %(routes)s: LIKE patterns of the workflow names this claimer runs (NULL: all).
 #
 # A slot is free when its last run is not running in it any more. A claim
 # that committed after this statement's snapshot was taken has written its
@@ -209,19 +226,19 @@ _PICK = (
     "  AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0"
     " FOR UPDATE OF s SKIP LOCKED),"
     " room AS (SELECT name, count(*) AS n FROM free GROUP BY name),"
-    " unlimited AS (SELECT w.id, w.name, w.created_at FROM everystep_workflow w"
-    "  WHERE {gate} w.status = 'scheduled' AND {routed}"
+    " unlimited AS (SELECT w.id, w.name, w.due_at FROM everystep_workflow w"
+    "  WHERE {gate} {claimable} AND {routed}"
     "  AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name)"
-    "  ORDER BY w.created_at LIMIT %(limit)s FOR UPDATE OF w SKIP LOCKED),"
-    " limited AS (SELECT w.id, w.name, w.created_at FROM room CROSS JOIN LATERAL"
-    "  (SELECT w.id, w.name, w.created_at FROM everystep_workflow w"
-    "   WHERE w.status = 'scheduled' AND w.name = room.name AND {routed}"
-    "   ORDER BY w.created_at, w.id LIMIT least(room.n, %(limit)s) FOR UPDATE OF w SKIP LOCKED) w),"
-    " ranked AS (SELECT id, name, created_at, row_number() OVER (PARTITION BY name ORDER BY created_at, id) AS k"
+    "  {claim_order}, w.id LIMIT %(limit)s FOR UPDATE OF w SKIP LOCKED),"
+    " limited AS (SELECT w.id, w.name, w.due_at FROM room CROSS JOIN LATERAL"
+    "  (SELECT w.id, w.name, w.due_at FROM everystep_workflow w"
+    "   WHERE {claimable} AND w.name = room.name AND {routed}"
+    "   {claim_order}, w.id LIMIT least(room.n, %(limit)s) FOR UPDATE OF w SKIP LOCKED) w),"
+    " ranked AS (SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k"
     "  FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate),"
     " numbered AS (SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k FROM free),"
     " first AS (SELECT r.id, f.name AS slot_name, f.slot FROM ranked r"
-    "  LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k ORDER BY r.created_at, r.id LIMIT %(limit)s),"
+    "  LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k ORDER BY r.due_at, r.id LIMIT %(limit)s),"
     f" picked AS MATERIALIZED (SELECT id, slot_name, slot, {_NEW_TOKEN} AS token FROM first),"
     " took AS (UPDATE everystep_slot s SET run_id = p.id, token = p.token FROM picked p"
     "  WHERE s.name = p.slot_name AND s.slot = p.slot)"
@@ -233,7 +250,8 @@ _TAKE_PICKED = (
     " slot = p.slot FROM picked p WHERE w.id = p.id"
 )
 _CLAIM = (
-    "WITH " + _PICK.format(gate="", routed=_ROUTED) + " " + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}"
+    "WITH " + _PICK.format(gate="", routed=_ROUTED, claimable=_CLAIMABLE, claim_order=_CLAIM_ORDER)
+    + " " + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}"
 )
 
 
@@ -422,10 +440,10 @@ def _claimed_runs(on: Executor, result: pq.abc.PGresult, first_column: int) -> l
     encoding = (on.connection if isinstance(on, psycopg.Cursor) else on).info.encoding
     runs = []
     for row in range(result.ntuples):
-        run_id, name, args, steps, token = (result.get_value(row, first_column + i) for i in range(5))
+        run_id, name, args, steps, token, cancel, now = (result.get_value(row, first_column + i) for i in range(7))
         if run_id is not None:
             runs.append(ClaimedRun(uuid.UUID(run_id.decode()), name.decode(encoding), json.loads(args.decode(encoding)),
-                                   json.loads(steps.decode(encoding)), int(token)))
+                                   json.loads(steps.decode(encoding)), int(token), cancel == b"t", float(now)))
     return runs
 
 
@@ -444,13 +462,19 @@ class StepRow(NamedTuple):
     finished_at: float | None  # None while `started`
 
 
-def record_step(conn: Executor, run: uuid.UUID, runner: str, token: int, row: StepRow) -> bool:
+class Written(NamedTuple):
+    """A fenced step write went through; the run's row said whether a cancel
+    is requested (learnt with the write, at no extra round trip)."""
+    cancel_requested: bool
+
+
+def record_step(conn: Executor, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:
     """Record a step's outcome (`done`/`failed`), or the `started` mark of an
     unsafe-to-repeat step, with the token of the execution that wrote it. The
     unique (workflow, step_id) makes this insert the claim on the step: False
     if the run is not held by this execution or the row exists."""
     done = _run_hot(conn, _RECORD_STEP, {"run": run, "runner": runner, "token": token, **row._asdict()})
-    return done.command_tuples == 1
+    return Written(done.get_value(0, 0) == b"t") if done.ntuples == 1 else False
 
 
 # The step columns of the hot statements, from parameters named after StepRow's fields.
@@ -461,26 +485,66 @@ _STEP_VALUES = (
 )
 _RECORD_STEP = _hot(
     "record_step",
-    f"INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
-    f" SELECT id, {_STEP_VALUES} FROM everystep_workflow WHERE {_HELD} FOR SHARE"
-    " ON CONFLICT (workflow_id, step_id) DO NOTHING",
+    f"WITH w AS (SELECT id, claim_token, cancel_requested_at FROM everystep_workflow WHERE {_HELD} FOR SHARE),"
+    f" ins AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
+    f" SELECT id, {_STEP_VALUES} FROM w"
+    " ON CONFLICT (workflow_id, step_id) DO NOTHING RETURNING 1)"
+    " SELECT w.cancel_requested_at IS NOT NULL FROM ins, w",
     ("run", "runner", "token", *StepRow._fields),
 )
 
 
-def complete_started_step(conn: Executor, run: uuid.UUID, runner: str, token: int, row: StepRow) -> bool:
-    """Update a `started` step row in place with its outcome (the row may be
-    an earlier execution's, when the unsafe mark was removed from the code)."""
-    cur = conn.execute(
+def complete_started_step(conn: Executor, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:
+    """Update a `started` (or `retrying`) step row in place with its outcome
+    (the row may be an earlier execution's, when the unsafe mark was removed
+    from the code); its recorded attempts stay."""
+    found = conn.execute(
         "UPDATE everystep_step s SET name = %(name)s, args = %(args)s::jsonb, kwargs = %(kwargs)s::jsonb,"
         " status = %(status)s, result = %(result)s::jsonb, error = %(error)s::jsonb, claim_token = w.claim_token,"
         " started_at = to_timestamp(%(started_at)s::float8), finished_at = to_timestamp(%(finished_at)s::float8)"
-        " FROM (SELECT id, claim_token FROM everystep_workflow WHERE " + _HELD + " FOR SHARE) w"
-        " WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s AND s.status = 'started'",
+        " FROM (SELECT id, claim_token, cancel_requested_at FROM everystep_workflow WHERE " + _HELD + " FOR SHARE) w"
+        " WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s AND s.status IN ('started', 'retrying')"
+        " RETURNING w.cancel_requested_at IS NOT NULL",
         {"run": run, "runner": runner, "token": token, **row._asdict()},
         prepare=True,
-    )
-    return cur.rowcount == 1
+    ).fetchone()
+    return False if found is None else Written(found[0])
+
+
+class Attempt(NamedTuple):
+    cancel_requested: bool
+    attempt: dict  # {"attempt": n, "error": {...}, "at": epoch, "retry_at": epoch}, database time
+
+
+def record_attempt(conn: Executor, run: uuid.UUID, runner: str, token: int, row: StepRow, attempt: int,
+                   wait: float) -> Attempt | bool:
+    """Record failed attempt number `attempt` (its error in `row.error`) of a
+    step that is tried again after `wait` seconds: the step's row is
+    `retrying` (inserted, or updated from an earlier attempt's `retrying` or
+    an unsafe step's `started`) and the attempt, timed by the database's
+    clock, is appended to its attempts. False if the run is not held by this
+    execution, or the row holds an outcome or this attempt already."""
+    found = conn.execute(
+        "WITH w AS (SELECT id, claim_token, cancel_requested_at FROM everystep_workflow WHERE " + _HELD + " FOR SHARE),"
+        " a AS (SELECT jsonb_build_object('attempt', %(attempt)s::int, 'error', %(error)s::jsonb,"
+        "  'at', extract(epoch FROM now()), 'retry_at', extract(epoch FROM now()) + %(wait)s::float8) AS attempt)"
+        f" INSERT INTO everystep_step AS s (workflow_id, {_STEP_COLUMNS}, attempts)"
+        f" SELECT id, {_STEP_VALUES}, jsonb_build_array(a.attempt) FROM w, a"
+        " ON CONFLICT (workflow_id, step_id) DO UPDATE SET status = 'retrying', attempts = coalesce(s.attempts, '[]')"
+        "  || EXCLUDED.attempts, error = EXCLUDED.error, claim_token = EXCLUDED.claim_token,"
+        "  started_at = EXCLUDED.started_at, finished_at = EXCLUDED.finished_at"
+        " WHERE s.status IN ('retrying', 'started')"
+        "  AND NOT coalesce(s.attempts, '[]') @> jsonb_build_array(jsonb_build_object('attempt', %(attempt)s::int))"
+        " RETURNING (SELECT cancel_requested_at IS NOT NULL FROM w), (SELECT attempt FROM a)",
+        {"run": run, "runner": runner, "token": token, "attempt": attempt, "wait": wait, **row._asdict()},
+    ).fetchone()
+    return False if found is None else Attempt(found[0], found[1])
+
+
+def cancel_reason(conn: Executor, run: uuid.UUID) -> str | None:
+    """The reason given with a run's cancel request."""
+    row = conn.execute("SELECT cancel_reason FROM everystep_workflow WHERE id = %s", (run,)).fetchone()
+    return None if row is None else row[0]
 
 
 def step_row(conn: Executor, run: uuid.UUID, step_id: str) -> tuple | None:
@@ -503,8 +567,9 @@ def why_not_written(conn: Executor, run: uuid.UUID, runner: str, token: int, ste
     own; for the end of the run (`step_id` None): whether this execution ended
     it with `status`."""
     if step_id is None:
+        # The end of a run with a cancel request is `cancelled`, whatever status it was asked for.
         row = conn.execute(
-            "SELECT status = %s, status = 'running' FROM everystep_workflow"
+            "SELECT status = %s OR status = 'cancelled', status = 'running' FROM everystep_workflow"
             " WHERE id = %s AND claimed_by = %s AND claim_token = %s",
             (status, run, runner, token),
         ).fetchone()
@@ -519,21 +584,25 @@ def why_not_written(conn: Executor, run: uuid.UUID, runner: str, token: int, ste
     return WRITTEN if mine else OTHER if held else LOST
 
 
-# The SET clause that ends a run.
+# The SET clause that ends a run. A cancel request that reached the row
+# before the end wins over every other end: the run is `cancelled` (what
+# the body returned or raised is kept in result/error).
 _ENDING = (
-    "status = %(status)s::text, result = %(result)s::jsonb, error = %(error)s::jsonb,"
-    " completed_at = CASE WHEN %(status)s::text = 'blocked' THEN NULL ELSE now() END"
+    "status = CASE WHEN cancel_requested_at IS NULL THEN %(status)s::text ELSE 'cancelled' END,"
+    " result = %(result)s::jsonb, error = %(error)s::jsonb,"
+    " completed_at = CASE WHEN %(status)s::text = 'blocked' AND cancel_requested_at IS NULL THEN NULL ELSE now() END"
 )
 # Ending a run, with the row of its last step when there is one, and claiming
 # the next run (%(claim)s: 1 or 0) only if the run was ended: one row per run
 # claimed, at least one.
 _END_RUN = (
-    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held} RETURNING id, claim_token, slot),"
+    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held} RETURNING id, claim_token, status, slot),"
     " {step}"
-    + _PICK.format(gate="EXISTS (SELECT 1 FROM ended) AND", routed=_ROUTED).replace("{", "{{").replace("}", "}}")
+    + _PICK.format(gate="EXISTS (SELECT 1 FROM ended) AND", routed=_ROUTED, claimable=_CLAIMABLE,
+                   claim_order=_CLAIM_ORDER).replace("{", "{{").replace("}", "}}")
     + ", claimed AS (" + _TAKE_PICKED + " RETURNING {run_with_steps})"
     # A limited run that ended freed a slot: wake the claimers.
-    " SELECT ended.id IS NOT NULL, claimed.*,"
+    " SELECT ended.status, claimed.*,"
     f"  (SELECT {_NOTIFY} FROM ended WHERE ended.slot IS NOT NULL)"
     " FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
 )
@@ -541,25 +610,33 @@ _END_RUN_PARAMS = ("run", "runner", "token", "status", "result", "error", "limit
 # The last step's row is inserted only if the run was ended here; a row
 # already there is a unique violation that undoes the whole statement.
 _END_RUN_WITH_STEP = _hot("end_run_with_step", _END_RUN.format(
-    ending=_ENDING, held=_HELD, new_token=_NEW_TOKEN, run_with_steps=_RUN_WITH_STEPS,
+    ending=_ENDING, held=_HELD, new_token=_NEW_TOKEN, run_with_steps=_RUN_WITH_STEPS, claimable=_CLAIMABLE,
+    claim_order=_CLAIM_ORDER,
     step=f"step AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
     f" SELECT id, {_STEP_VALUES.replace('%(', '%(step_')} FROM ended),",
 ), _END_RUN_PARAMS + tuple(f"step_{field}" for field in StepRow._fields))
 _END_RUN_ALONE = _hot("end_run", _END_RUN.format(
-    ending=_ENDING, held=_HELD, new_token=_NEW_TOKEN, run_with_steps=_RUN_WITH_STEPS, step="",
+    ending=_ENDING, held=_HELD, new_token=_NEW_TOKEN, run_with_steps=_RUN_WITH_STEPS, claimable=_CLAIMABLE,
+    claim_order=_CLAIM_ORDER, step="",
 ), _END_RUN_PARAMS)
+
+
+class Ended(NamedTuple):
+    status: str  # the run's end as written: `cancelled` when a cancel request was on the row
+    claimed: list[ClaimedRun]  # the successor claimed for the slot, if any
 
 
 def finish_run(
     conn: Executor, run: uuid.UUID, runner: str, token: int, status: str, result: str | None, error: str | None,
     last_step: StepRow | None = None, claim: bool = False, routes: list[str] | None = None,
-) -> list[ClaimedRun] | None:
-    """Move a held run to its end (completed/failed/stopped/blocked), in one
-    statement with the row of its last step when that is not written yet,
-    and, with `claim`, with the claim of the next scheduled run for the slot
-    it frees. Returns the runs claimed, or None if the run was not held by
-    this execution (nothing was written). Raises UniqueViolation (nothing
-    written) if the last step's row exists already. `routes`: as for `claim`."""
+) -> Ended | None:
+    """Move a held run to its end (completed/failed/stopped/blocked, or
+    cancelled), in one statement with the row of its last step when that is
+    not written yet, and, with `claim`, with the claim of the next claimable
+    run for the slot it frees. Returns the end and the runs claimed, or None if the
+    run was not held by this execution (nothing was written). Raises
+    UniqueViolation (nothing written) if the last step's row exists already.
+    `routes`: as for `claim`."""
     values = {"run": run, "runner": runner, "token": token, "status": status, "result": result, "error": error,
               "limit": int(claim), "routes": _array_literal(routes)}
     if last_step is None:
@@ -567,9 +644,10 @@ def finish_run(
     else:
         step = {f"step_{field}": value for field, value in last_step._asdict().items()}
         done = _run_hot(conn, _END_RUN_WITH_STEP, {**values, **step})
-    if done.get_value(0, 0) != b"t":
+    ended = done.get_value(0, 0)
+    if ended is None:
         return None
-    return _claimed_runs(conn, done, first_column=1)
+    return Ended(ended.decode(), _claimed_runs(conn, done, first_column=1))
 
 
 def requeue_held(conn: Executor, runner: str, claims: list[Claim]) -> list[uuid.UUID]:
@@ -598,13 +676,103 @@ def requeue_claimer(conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
     return [row[0] for row in rows]
 
 
+# ---------------------------------------------------------------- time
+
+def next_due_in(conn: psycopg.Connection) -> float | None:
+    """Seconds until the earliest waiting run becomes due, by the database's
+    clock (<= 0: one is due now), or None when nothing waits. A min() on the
+    claim's index: one index probe."""
+    row = conn.execute(
+        "SELECT extract(epoch FROM min(due_at) - now()) FROM everystep_workflow"
+        " WHERE status IN ('scheduled', 'waiting') AND due_at > now()",
+        prepare=True,
+    ).fetchone()
+    return None if row[0] is None else float(row[0])
+
+
+class Sleep(NamedTuple):
+    wake_at: float  # epoch seconds, database time
+    now: float  # the database's time of the write
+
+
+def record_sleep(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id: str, name: str,
+                 seconds: float | None, until: datetime.datetime | None) -> Sleep | bool:
+    """Record a durable sleep as the step row `step_id` (status done), its
+    result the wake time: `until`, or `seconds` from now by the database's
+    clock. False if not held by this execution or the row exists."""
+    found = conn.execute(
+        "WITH w AS (SELECT id, claim_token FROM everystep_workflow WHERE " + _HELD + " FOR SHARE),"
+        " wake AS (SELECT extract(epoch FROM coalesce(%(until)s::timestamptz,"
+        "  now() + make_interval(secs => %(seconds)s::float8))) AS at),"
+        " ins AS (INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, claim_token,"
+        "  started_at, finished_at)"
+        "  SELECT w.id, %(step_id)s, %(name)s, '[]', '{}', 'done', to_jsonb(wake.at), w.claim_token, now(), now()"
+        "  FROM w, wake ON CONFLICT (workflow_id, step_id) DO NOTHING RETURNING 1)"
+        " SELECT wake.at, extract(epoch FROM now()) FROM ins, wake",
+        {"run": run, "runner": runner, "token": token, "step_id": step_id, "name": name, "seconds": seconds,
+         "until": until},
+    ).fetchone()
+    return False if found is None else Sleep(float(found[0]), float(found[1]))
+
+
+class Parking(NamedTuple):
+    parked: bool  # the run is `waiting` until its due time; this execution is over
+    cancel_requested: bool  # not parked: a cancel request is on the run
+    # neither: the time has come already (by the database's clock)
+
+
+def park_run(conn: Executor, run: uuid.UUID, runner: str, token: int, due_at: float) -> Parking | bool:
+    """End this execution of a held run and leave it `waiting` until `due_at`
+    (epoch seconds), claimed by nobody, and wake the workers to recompute
+    their next due time — unless the time has come already or a cancel is
+    requested (then nothing changes; Parking says which). One statement.
+    False if the run is not held by this execution."""
+    found = conn.execute(
+        "WITH w AS (SELECT id, cancel_requested_at IS NOT NULL AS cancel,"
+        "  to_timestamp(%(due)s::float8) > now() AS later FROM everystep_workflow WHERE " + _HELD + " FOR UPDATE),"
+        " p AS (UPDATE everystep_workflow r SET status = 'waiting', claimed_by = NULL,"
+        "  due_at = to_timestamp(%(due)s::float8) FROM w WHERE r.id = w.id AND w.later AND NOT w.cancel RETURNING 1)"
+        f" SELECT EXISTS (SELECT FROM p), w.cancel, {_NOTIFY} FROM w",
+        {"run": run, "runner": runner, "token": token, "due": due_at},
+    ).fetchone()
+    return False if found is None else Parking(found[0], found[1])
+
+
+class CancelOutcome(NamedTuple):
+    status: str | None  # the run's status after the call; None: no such run
+    changed: bool  # this call cancelled it, or requested its cancel
+
+
+def cancel_run(conn: psycopg.Connection, run: uuid.UUID, reason: str | None) -> CancelOutcome:
+    """Cancel a run, in the caller's transaction, with one conditional UPDATE:
+    a scheduled, waiting or blocked run is `cancelled` at once; a running one
+    gets a durable cancel request that its execution honours at its next step
+    boundary (and that the end of the run honours, whatever ends first). A
+    finished run, or one with a request already, is left as it is."""
+    row = conn.execute(
+        "UPDATE everystep_workflow SET"
+        " status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,"
+        " completed_at = CASE WHEN status = 'running' THEN completed_at ELSE now() END,"
+        " cancel_requested_at = coalesce(cancel_requested_at, now()), cancel_reason = coalesce(%s, cancel_reason)"
+        " WHERE id = %s AND (status IN ('scheduled', 'waiting', 'blocked')"
+        "  OR status = 'running' AND cancel_requested_at IS NULL)"
+        " RETURNING status",
+        (reason, run),
+    ).fetchone()
+    if row is not None:
+        return CancelOutcome(row[0], True)
+    row = conn.execute("SELECT status FROM everystep_workflow WHERE id = %s", (run,)).fetchone()
+    return CancelOutcome(None if row is None else row[0], False)
+
+
 # ---------------------------------------------------------------- observability
 
 class QueueStats(NamedTuple):
-    pending: int
+    pending: int  # claimable now: scheduled, or waiting and due
     running: int
     blocked: int
     oldest_pending_age_seconds: float  # database time; 0 when nothing is pending
+    waiting: int = 0  # waiting for their time (delayed starts, sleeps, retry back-offs)
 
 
 def set_statement_timeout(conn: psycopg.Connection, milliseconds: int) -> None:
@@ -615,13 +783,16 @@ def set_statement_timeout(conn: psycopg.Connection, milliseconds: int) -> None:
 def queue_stats(conn: psycopg.Connection) -> QueueStats:
     """The queue as it stands: counts of the unfinished statuses and the age of
     the oldest scheduled run, measured with the server's clock."""
+    # A waiting run is pending from its due time on; a scheduled one since it was created (or requeued).
     row = conn.execute(
-        "SELECT count(*) FILTER (WHERE status = 'scheduled'), count(*) FILTER (WHERE status = 'running'),"
+        f"SELECT count(*) FILTER (WHERE {_CLAIMABLE}), count(*) FILTER (WHERE status = 'running'),"
         " count(*) FILTER (WHERE status = 'blocked'),"
-        " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'scheduled')), 0)"
-        " FROM everystep_workflow WHERE status IN ('scheduled', 'running', 'blocked')"
+        " coalesce(extract(epoch FROM now() - min(CASE WHEN status = 'waiting' THEN due_at ELSE created_at END)"
+        f"  FILTER (WHERE {_CLAIMABLE})), 0),"
+        " count(*) FILTER (WHERE status = 'waiting' AND due_at > now())"
+        " FROM everystep_workflow WHERE status IN ('scheduled', 'waiting', 'running', 'blocked')"
     ).fetchone()
-    return QueueStats(row[0], row[1], row[2], max(float(row[3]), 0.0))
+    return QueueStats(row[0], row[1], row[2], max(float(row[3]), 0.0), row[4])
 
 
 def _lock_held(column: str) -> str:
@@ -662,7 +833,7 @@ def unserved_runs(conn: psycopg.Connection) -> dict[str, int]:
     is held in this database) claims: none of their routes matches."""
     return dict(conn.execute(
         f"WITH live AS MATERIALIZED (SELECT r.patterns FROM everystep_route r WHERE {_lock_held('r.runner')})"
-        " SELECT w.name, count(*) FROM everystep_workflow w WHERE w.status = 'scheduled'"
+        f" SELECT w.name, count(*) FROM everystep_workflow w WHERE {_CLAIMABLE}"
         "  AND NOT EXISTS (SELECT 1 FROM live WHERE live.patterns IS NULL OR w.name LIKE ANY(live.patterns))"
         " GROUP BY w.name ORDER BY w.name"
     ).fetchall())
@@ -677,8 +848,8 @@ def _dicts(cur: psycopg.Cursor) -> list[dict]:
 
 def load_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
     rows = _dicts(conn.execute(
-        "SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at"
-        " FROM everystep_workflow WHERE id = %s",
+        "SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at,"
+        " due_at, cancel_requested_at, cancel_reason FROM everystep_workflow WHERE id = %s",
         (run,),
     ))
     return rows[0] if rows else None
@@ -686,7 +857,8 @@ def load_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
 
 def load_steps(conn: psycopg.Connection, run: uuid.UUID) -> list[dict]:
     return _dicts(conn.execute(
-        "SELECT id, step_id, name, args, kwargs, status, result, error, started_at, finished_at FROM everystep_step"
+        "SELECT id, step_id, name, args, kwargs, status, result, error, started_at, finished_at, attempts"
+        " FROM everystep_step"
         " WHERE workflow_id = %s ORDER BY id",
         (run,),
     ))
@@ -767,7 +939,7 @@ def requeue_from_dead_claimers(conn: psycopg.Connection, claims: list[tuple[uuid
 # clock). A run completes after it is created, so the bound on created_at adds
 # nothing to the condition but lets the (status, created_at) index limit the scan.
 _PRUNABLE = (
-    "status IN ('completed', 'failed', 'stopped')"
+    "status IN ('completed', 'failed', 'stopped', 'cancelled')"
     " AND created_at < now() - make_interval(days => %(days)s::int)"
     " AND completed_at < now() - make_interval(days => %(days)s::int)"
 )

@@ -37,6 +37,9 @@ log = logging.getLogger("everystep")
 
 PING_INTERVAL = 2.0  # seconds between checks of the control connection when idle
 CLAIM_LANDING_TIMEOUT = 5.0  # seconds a fast stop waits for claims in flight on ending runs
+# Past a waiting run's due time before claiming it (seconds): its claim's now()
+# must not be a hair before the due time.
+DUE_MARGIN = 0.002
 
 
 def control_connection(database_url: str, name: str) -> psycopg.Connection:
@@ -313,11 +316,17 @@ class Worker(Successors):
                 if self._stopping:
                     self._requeue_backlog()
                 more = False
+                next_due = None
                 if not self._stopping:
                     more = self._fill_slots(conn)
+                    if not more and len(self._executing) < self.threads:
+                        # Idle slots: wake when the next waiting run becomes due.
+                        next_due = store.next_due_in(conn)
                     last_query = time.monotonic()
                 self._publish_load()
                 timeout = 0 if more else min(self.poll, PING_INTERVAL)
+                if next_due is not None:
+                    timeout = min(timeout, max(0.0, next_due + DUE_MARGIN))
                 if drain_deadline is not None:
                     timeout = min(timeout, max(0.0, drain_deadline - time.monotonic()))
                 if self._wait(conn, timeout):

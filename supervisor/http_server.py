@@ -171,10 +171,15 @@ class QueueCollector:
         self._report(True, "")
         yield GaugeMetricFamily("everystep_database_up", _DATABASE_UP_HELP, value=1)
         yield GaugeMetricFamily(
-            "everystep_workflows_pending", "Runs scheduled and not claimed yet.", value=stats.pending
+            "everystep_workflows_pending", "Runs claimable now (scheduled, or waiting and due) and not claimed yet.",
+            value=stats.pending
         )
         yield GaugeMetricFamily(
             "everystep_workflows_running", "Runs claimed by a worker.", value=stats.running
+        )
+        yield GaugeMetricFamily(
+            "everystep_workflows_waiting", "Runs waiting for their time: delayed starts, durable sleeps, "
+            "retry back-offs (not due yet).", value=stats.waiting
         )
         yield GaugeMetricFamily(
             "everystep_workflows_blocked", "Runs waiting for an operator to resolve an unsafe step.",

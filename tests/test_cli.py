@@ -171,8 +171,8 @@ def test_runs_list_json(db):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--status", "done"], "argument --status: invalid choice: 'done' (choose from 'scheduled', 'running',"
-                           " 'completed', 'failed', 'stopped', 'blocked')"),
+    (["--status", "done"], "argument --status: invalid choice: 'done' (choose from 'scheduled', 'waiting',"
+                           " 'running', 'completed', 'failed', 'stopped', 'blocked', 'cancelled')"),
     (["--limit", "0"], "argument --limit: expected a whole number of at least 1, not '0'"),
     (["--limit", "ten"], "argument --limit: expected a whole number of at least 1, not 'ten'"),
 ])
@@ -415,12 +415,12 @@ def test_prune_deletes_old_terminal_runs_only_with_their_steps(db):
     steps_before = db.value("SELECT count(*) FROM everystep_step")
 
     assert ok(cli(db, "prune", "--older-than", "30", "--dry-run")) == (
-        "would delete 3 runs completed, failed or stopped more than 30 days ago, with their steps"
+        "would delete 3 runs completed, failed, stopped or cancelled more than 30 days ago, with their steps"
         " (dry run: nothing deleted)\n")
     assert workflow_count(db) == 7 and db.value("SELECT count(*) FROM everystep_step") == steps_before
 
     assert ok(cli(db, "prune", "--older-than", "30")) == (
-        "deleted 3 runs completed, failed or stopped more than 30 days ago, with their steps\n")
+        "deleted 3 runs completed, failed, stopped or cancelled more than 30 days ago, with their steps\n")
     kept = {row[0] for row in db.query("SELECT id FROM everystep_workflow")}
     assert kept == {recent, old["blocked"], old["running"], old["scheduled"]}
     pruned = [old["completed"], old["failed"], old["stopped"]]
@@ -429,9 +429,9 @@ def test_prune_deletes_old_terminal_runs_only_with_their_steps(db):
     assert [s["step_id"] for s in db.steps(recent)] == ["1"]
 
     assert ok(cli(db, "prune", "--older-than", "1")) == (
-        "deleted 1 run completed, failed or stopped more than 1 day ago, with their steps\n")
+        "deleted 1 run completed, failed, stopped or cancelled more than 1 day ago, with their steps\n")
     assert ok(cli(db, "prune", "--older-than", "1")) == (
-        "deleted 0 runs completed, failed or stopped more than 1 day ago, with their steps\n")
+        "deleted 0 runs completed, failed, stopped or cancelled more than 1 day ago, with their steps\n")
     assert workflow_count(db) == 3
 
 
@@ -440,7 +440,7 @@ def test_prune_deletes_more_runs_than_one_batch(db):
              " SELECT gen_random_uuid(), 'tests.cli_workflows.greet', '[]', 'completed',"
              " now() - interval '9 days', now() - interval '8 days' FROM generate_series(1, 2500)")
     assert ok(cli(db, "prune", "--older-than", "7")) == (
-        "deleted 2500 runs completed, failed or stopped more than 7 days ago, with their steps\n")
+        "deleted 2500 runs completed, failed, stopped or cancelled more than 7 days ago, with their steps\n")
     assert workflow_count(db) == 0
 
 

@@ -195,10 +195,12 @@ def test_the_end_of_a_run_claims_the_next_one_with_its_recorded_steps(db):
         # second: scheduled again, one step recorded
         assert store.requeue_held(conn, "w1", [store.Claim(second.id, claims[1].token)]) == [second.id]
         last_step = store.StepRow("1", "tests.test_engine.record", '["one"]', "{}", "done", '"one"', None, 1.0, 2.0)
-        claimed = store.finish_run(conn, first.id, "w1", claims[0].token, "completed", '"ok"', None, last_step,
-                                   claim=True)
+        ended = store.finish_run(conn, first.id, "w1", claims[0].token, "completed", '"ok"', None, last_step,
+                                 claim=True)
+        assert ended.status == "completed"
+        claimed = ended.claimed
         assert [(run.id, run.steps) for run in claimed] == [
-            (second.id, [["1", "tests.test_engine.record", "done", "one", None]])
+            (second.id, [["1", "tests.test_engine.record", "done", "one", None, None]])
         ]
         assert claimed[0].token not in (claims[0].token, claims[1].token)
         # Not held any more: nothing is written, nothing claimed.

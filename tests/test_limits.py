@@ -24,7 +24,7 @@ def running(db, name: str) -> int:
 
 def end(db, run: store.ClaimedRun, runner: str, claim: bool = False) -> list[store.ClaimedRun]:
     with db.connect() as conn:
-        return store.finish_run(conn, run.id, runner, run.token, "completed", "null", None, claim=claim)
+        return store.finish_run(conn, run.id, runner, run.token, "completed", "null", None, claim=claim).claimed
 
 
 def test_the_claim_admits_a_limited_workflow_up_to_its_limit_in_order(db):
@@ -123,7 +123,7 @@ def test_concurrent_claims_never_over_admit(db):
                     while runs:
                         run = runs.pop()
                         runs += store.finish_run(conn, run.id, name, run.token, "completed", "null", None,
-                                                 claim=not runs) or []
+                                                 claim=not runs).claimed
         except BaseException as exc:  # noqa: BLE001  (reported below)
             errors.append(exc)
 

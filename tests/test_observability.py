@@ -258,11 +258,17 @@ def test_queue_gauges_match_the_tables(db, folders, start):
     insert_runs(db, "blocked", 1)
     insert_runs(db, "completed", 4, age_seconds=600)
     insert_runs(db, "failed", 1, age_seconds=600)
+    insert_runs(db, "waiting", 3, age_seconds=600)
+    with db.connect() as conn:  # two not due for an hour; one due 30 s ago (pending since then)
+        conn.execute("UPDATE everystep_workflow SET due_at = now() + CASE WHEN id = (SELECT min(id::text)::uuid"
+                     " FROM everystep_workflow WHERE status = 'waiting') THEN interval '-30 s' ELSE interval '1 h' END"
+                     " WHERE status = 'waiting'")
     server = start.http(db.url)
 
     scrape = server.metrics()
     assert value(scrape, "everystep_database_up") == 1
-    assert value(scrape, "everystep_workflows_pending") == 3
+    assert value(scrape, "everystep_workflows_pending") == 4
+    assert value(scrape, "everystep_workflows_waiting") == 2
     assert value(scrape, "everystep_workflows_running") == 2
     assert value(scrape, "everystep_workflows_blocked") == 1
     assert 90 <= value(scrape, "everystep_workflows_oldest_pending_age_seconds") < 150
@@ -271,9 +277,9 @@ def test_queue_gauges_match_the_tables(db, folders, start):
         conn.execute("UPDATE everystep_workflow SET status = 'running', claimed_by = 'web-0-1'"
                      " WHERE status = 'scheduled'")
     scrape = server.metrics()
-    assert value(scrape, "everystep_workflows_pending") == 0
+    assert value(scrape, "everystep_workflows_pending") == 1
     assert value(scrape, "everystep_workflows_running") == 5
-    assert value(scrape, "everystep_workflows_oldest_pending_age_seconds") == 0
+    assert 30 <= value(scrape, "everystep_workflows_oldest_pending_age_seconds") < 90
 
 
 def serving_pending_runs(db, start, count: int) -> HttpChild:
@@ -567,7 +573,8 @@ def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
         rules = wait_for(rules_as_expected, timeout=30, what=f"the alert rules to reach {expected}")
         assert {r["name"] for r in rules} == {
             "EverystepRunsBlocked", "EverystepPendingTooOld", "EverystepChildCrashLooping", "EverystepNoWorkers",
-            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns", "EverystepRunsUnserved",
+            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns", "EverystepStepRetrying",
+            "EverystepRunsUnserved",
         }
         assert all(r["health"] == "ok" for r in rules), rules
     finally:

@@ -22,10 +22,10 @@ CREATE TABLE everystep_slot (
 -- The slot a limited run was claimed into (NULL for unlimited workflows).
 ALTER TABLE everystep_workflow ADD COLUMN slot integer;
 
--- The claim of a limited workflow's oldest scheduled runs, by name (runs
--- scheduled in one transaction share created_at: the UUIDv7 id orders them).
-CREATE INDEX everystep_workflow_claimable_by_name ON everystep_workflow (name, created_at, id)
-    WHERE status = 'scheduled';
+-- The claim of a limited workflow's earliest due runs, by name (runs
+-- scheduled in one transaction are due at once: the UUIDv7 id orders them).
+CREATE INDEX everystep_workflow_due_by_name ON everystep_workflow (name, due_at, id)
+    WHERE status IN ('scheduled', 'waiting');
 
 -- Routing: the workflows each worker runs, as it said when it took its lock
 -- (LIKE patterns; NULL: every workflow). Rows of workers whose lock nobody

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+import everystep
 from everystep import step, workflow
 
 
@@ -45,3 +46,10 @@ def wait_for_file(path: str) -> str:
 @workflow
 def held_until(path: str) -> str:
     return wait_for_file(path)
+
+
+@workflow
+def sleep_probe(seconds: float) -> float:
+    """Sleeps durably, then records when it went on (this host's clock)."""
+    everystep.sleep(seconds)
+    return started_at()
