@@ -261,6 +261,106 @@ def sleep_until(when: datetime.datetime) -> None:
     scope.run.replay.sleep(scope, None, when)
 
 
+# ---------------------------------------------------------------- messages and events
+
+def _run_id(what: str, run_id: Any) -> uuid.UUID:
+    try:
+        return run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
+    except ValueError:
+        raise EverystepError(f"{what} takes a run id, not {run_id!r}") from None
+
+
+def _name(what: str, kind: str, text: Any) -> str:
+    if not isinstance(text, str) or not 1 <= len(text) <= 255:
+        raise EverystepError(f"{what} takes a {kind} of 1 to 255 characters, not {text!r}")
+    return text
+
+
+def _in_body(what: str) -> Any:
+    scope = current_scope.get()
+    if scope is None:
+        raise EverystepError(f"{what} can only be called in a workflow body (not outside a run, nor inside a step)")
+    return scope
+
+
+def send(run_id: uuid.UUID | str, topic: str, payload: Any = None, idempotency_key: str | None = None,
+         conn: psycopg.Connection | None = None) -> bool:
+    """Send a message to a run, in the caller's transaction (like
+    `schedule()`): the run sees it only if the transaction commits. Its
+    `everystep.wait_for(topic)` returns it; one sent before the wait is
+    reached is kept for it. With an idempotency key, the same key sends once
+    per run. Returns True if this call stored the message, False if the key
+    had sent it already. An unknown or finished run, or a payload that
+    cannot be stored, is an EverystepError with nothing written."""
+    run_id = _run_id("send()", run_id)
+    topic = _name("send()", "topic", topic)
+    if idempotency_key is not None:
+        _name("send()", "idempotency_key", idempotency_key)
+    payload_json = serde.dumps(payload)  # refuse what cannot be stored before any write
+    conn = _transaction_connection("send()", conn)
+    sent = store.send_message(conn, run_id, topic, payload_json, idempotency_key)
+    if sent.status is None:
+        raise EverystepError(f"send(): no run {run_id}")
+    if sent.status in store.TERMINAL:
+        raise EverystepError(f"send(): run {run_id} is {sent.status}; it takes no more messages")
+    return sent.created
+
+
+def wait_for(topic: str, timeout: float | datetime.timedelta | None = None) -> Any:
+    """In a workflow body: the next message sent to this run on `topic`
+    (`everystep.send`), or None once `timeout` seconds have passed since the
+    run first reached this call. Recorded like a step: each message is
+    consumed by exactly one wait, and a replay returns the same messages in
+    the same order. While it waits the run is parked (`waiting`) without a
+    worker slot, and is claimed again when a message arrives or the timeout
+    passes."""
+    topic = _name("wait_for()", "topic", topic)
+    if timeout is not None:
+        timeout = _seconds("wait_for()", timeout)
+    scope = _in_body("wait_for()")
+    return scope.run.replay.wait_for(scope, topic, timeout)
+
+
+def set_event(key: str, value: Any) -> None:
+    """In a workflow body: publish `value` under `key` for the outside to read
+    with `everystep.get_event` (the last value set wins). Recorded like a
+    step: a replay does not write it again."""
+    key = _name("set_event()", "key", key)
+    value_json = serde.dumps(value)
+    scope = _in_body("set_event()")
+    scope.run.replay.set_event(scope, key, value_json)
+
+
+def get_event(run_id: uuid.UUID | str, key: str, timeout: float | datetime.timedelta | None = None,
+              conn: psycopg.Connection | None = None) -> Any:
+    """The value a run published under `key` (`everystep.set_event`),
+    waiting up to `timeout` seconds for it (None: until it is set or the run
+    ends); None if it is not set by then. Reads with `conn` (or the bound
+    connection), outside any transaction it is in being a problem: each look
+    is its own statement. An unknown run is an EverystepError."""
+    run_id = _run_id("get_event()", run_id)
+    key = _name("get_event()", "key", key)
+    limit = None if timeout is None else time.monotonic() + _seconds("get_event()", timeout)
+    conn = conn or _bound.get()
+    if conn is None:
+        raise EverystepError("get_event() needs a connection: pass conn=<psycopg connection> or bind one "
+                             "with `everystep.use(conn)`")
+    pause = 0.02
+    while True:
+        status, found, value = store.get_event(conn, run_id, key)
+        if status is None:
+            raise EverystepError(f"get_event(): no run {run_id}")
+        if found:
+            return serde.from_json(value)
+        if status in store.TERMINAL:
+            return None  # it can never be set now
+        left = None if limit is None else limit - time.monotonic()
+        if left is not None and left <= 0:
+            return None
+        time.sleep(pause if left is None else min(pause, left))
+        pause = min(pause * 2, 0.5)
+
+
 def cancel(run_id: uuid.UUID | str, reason: str | None = None, conn: psycopg.Connection | None = None) -> str:
     """Cancel a run, in the caller's transaction (like `schedule()`). A
     scheduled, waiting or blocked run is `cancelled` at once; a running one

@@ -49,6 +49,9 @@ HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain, Parked)
 
 # The step name of a durable sleep's row.
 SLEEP = "everystep.sleep"
+# The step names of a wait for a message's row, and of a set_event's.
+WAIT = "everystep.wait_for"
+EVENT = "everystep.set_event"
 # A wait no longer than this (seconds) is waited on the run's thread; a longer
 # one parks the run (`waiting`), its slot given back.
 MOMENT = 1.0
@@ -673,6 +676,96 @@ class Replay:
         runs, duration = _step_metrics(self.workflow_name, name, status)
         runs.inc()
         duration.observe(time.perf_counter() - started)
+
+    # -------------------------------------------------------------- messages and events
+
+    def wait_for(self, scope: Scope, topic: str, timeout: float | None) -> Any:
+        """The next message on `topic` for this run, or None once `timeout`
+        seconds (from the first time the run reached this wait) have passed.
+        Recorded like a step: a `started` row with the deadline, then `done`
+        with the message (consumed by this wait in the same statement) or the
+        timeout. While nothing comes the run is parked `waiting`, its slot
+        given back; a send on the topic makes it due at once."""
+        step_id = scope.next_id(None)
+        if self.halt is not None:
+            raise self.halt
+        recorded = self.recorded.get(step_id)
+        if recorded is not None and recorded[0] != WAIT:
+            raise self.stop_with(WorkflowCodeError(
+                f"step {step_id!r} was recorded as {recorded[0]} but the workflow now waits for a message there; "
+                "the workflow code changed in a way that breaks replay"
+            ))
+        if recorded is None:
+            self._boundary(step_id, WAIT)
+            begun = self._fenced(store.begin_wait, (step_id, WAIT, topic, timeout), step_id, "started", "a wait")
+            if begun is None:  # written by this execution's earlier try: its answer was lost
+                self.look_again = True
+                raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
+            recorded = self.recorded[step_id] = [WAIT, "started", begun.result, None, None]
+        if recorded[1] == "failed":
+            exc = serde.decode_exception(recorded[3])
+            if isinstance(exc, Cancelled) and self.cancel_delivered is None:
+                self.cancel_delivered = exc
+            raise exc
+        if recorded[1] == "started":
+            recorded[2] = self._wait_for_message(scope, step_id, topic, recorded[2].get("deadline"))
+            recorded[1] = "done"
+        result = recorded[2]
+        return serde.from_json(result["message"]) if "message" in result else None
+
+    def _wait_for_message(self, scope: Scope, step_id: str, topic: str, deadline: float | None) -> dict:
+        """Until the started wait `step_id` ends: its recorded result."""
+        parks = scope.prefix == "" and threading.get_ident() == self._owner
+        pause = 0.02
+        while True:
+            took = self._fenced(store.take_message, (step_id, topic, deadline), step_id, "done", "a wait")
+            if took is None:
+                self.look_again = True
+                raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
+            if took.result is not None:
+                return took.result
+            remaining = None if deadline is None else deadline - took.now
+            if parks and (remaining is None or remaining > MOMENT):
+                parking = self._fenced(store.park_waiting, (deadline, f"message:{topic}", took.wakes), None,
+                                       "waiting", "parking the run")
+                if parking is None or parking.parked:
+                    raise self.stop_with(Parked())
+                if parking.cancel_requested:
+                    self._cancel_wait(step_id)
+                continue  # a message came meanwhile
+            # A parallel branch, or a moment to go: wait on this thread.
+            time.sleep(pause if remaining is None else max(0.0, min(pause, remaining)))
+            pause = min(pause * 2, 0.5)
+
+    def _cancel_wait(self, step_id: str) -> None:
+        """A cancel request reached a run in a wait: the wait raises `Cancelled`
+        (recorded as its failure, so a replay raises it at the same call)."""
+        self.cancel_requested = True
+        with self.cursor() as cur:
+            cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
+        self.cancel_delivered = cancelled
+        self._record(step_id, WAIT, "[]", "{}", "failed", None, serde.encode_exception(cancelled), True,
+                     (time.perf_counter(), time.time()))
+        metrics.CANCELLATIONS.labels(self.workflow_name).inc()
+        raise cancelled
+
+    def set_event(self, scope: Scope, key: str, value_json: str) -> None:
+        """Publish `key` = value for the outside (`everystep.get_event`),
+        recorded like a step: a replay does not write it again."""
+        step_id = scope.next_id(None)
+        if self.halt is not None:
+            raise self.halt
+        recorded = self.recorded.get(step_id)
+        if recorded is not None:
+            if recorded[0] != EVENT:
+                raise self.stop_with(WorkflowCodeError(
+                    f"step {step_id!r} was recorded as {recorded[0]} but the workflow now sets an event there; "
+                    "the workflow code changed in a way that breaks replay"
+                ))
+            return
+        self._boundary(step_id, EVENT)
+        self._fenced(store.set_event, (step_id, EVENT, key, value_json), step_id, "done", "an event")
+        self.recorded[step_id] = [EVENT, "done", None, None, None]
 
     # -------------------------------------------------------------- patches
 

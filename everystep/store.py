@@ -738,6 +738,155 @@ def park_run(conn: Executor, run: uuid.UUID, runner: str, token: int, due_at: fl
     return False if found is None else Parking(found[0], found[1])
 
 
+# ---------------------------------------------------------------- messages and events
+
+class Sent(NamedTuple):
+    status: str | None  # the run's status; None: no such run
+    created: bool  # this call stored the message (False: terminal run, or the key sent it already)
+
+
+def send_message(conn: Executor, run: uuid.UUID, topic: str, payload: str, key: str | None) -> Sent:
+    """Insert a message for a run into the caller's transaction, unless the
+    run has ended (or the same idempotency key sent one already); count it on
+    the run, and make the run due at once if it is parked waiting for this
+    topic (the notification goes out at commit)."""
+    row = conn.execute(
+        "WITH run AS (SELECT id, status FROM everystep_workflow WHERE id = %(run)s),"
+        " ins AS (INSERT INTO everystep_message (run_id, topic, payload, idempotency_key)"
+        "  SELECT id, %(topic)s, %(payload)s::jsonb, %(key)s FROM run WHERE status NOT IN"
+        f"  ({', '.join(repr(t) for t in TERMINAL)})"
+        "  ON CONFLICT (run_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING 1),"
+        " woke AS (UPDATE everystep_workflow w SET wakes = wakes + 1,"
+        "  due_at = CASE WHEN status = 'waiting' AND waiting_on = %(on)s THEN now() ELSE due_at END"
+        "  WHERE w.id = %(run)s AND EXISTS (SELECT FROM ins)"
+        "  RETURNING status = 'waiting' AND waiting_on = %(on)s AS due)"
+        f" SELECT (SELECT status FROM run), EXISTS (SELECT FROM ins), (SELECT {_NOTIFY} FROM woke WHERE due)",
+        {"run": run, "topic": topic, "payload": payload, "key": key, "on": f"message:{topic}"},
+    ).fetchone()
+    return Sent(row[0], row[1])
+
+
+class Wait(NamedTuple):
+    """The answer of a fenced write about a wait (truthy: the run is held)."""
+    result: Any  # the wait's recorded result (JSON data), None while nothing came
+    wakes: int  # the run's message count as this statement saw it
+    now: float  # the database's time (epoch seconds)
+
+
+# The wait's step row: `started` (result {"topic", "deadline"}) until its
+# outcome, then `done` with {"message": payload} or {"timeout": true}.
+def begin_wait(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id: str, name: str, topic: str,
+               timeout: float | None) -> Wait | bool:
+    """Record the start of a wait: its deadline (`timeout` seconds from now by
+    the database's clock; None: none) in a `started` step row. False if the
+    run is not held by this execution or the row exists."""
+    row = conn.execute(
+        "WITH w AS (SELECT id, claim_token FROM everystep_workflow WHERE " + _HELD + " FOR SHARE),"
+        " r AS (SELECT jsonb_build_object('topic', %(topic)s::text, 'deadline',"
+        "  extract(epoch FROM now()) + %(timeout)s::float8) AS result),"
+        " ins AS (INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, claim_token,"
+        "  started_at) SELECT w.id, %(step_id)s, %(name)s, '[]', '{}', 'started', r.result, w.claim_token, now()"
+        "  FROM w, r ON CONFLICT (workflow_id, step_id) DO NOTHING RETURNING result)"
+        " SELECT (SELECT result FROM ins), extract(epoch FROM now()) FROM ins",
+        {"run": run, "runner": runner, "token": token, "step_id": step_id, "name": name, "topic": topic,
+         "timeout": timeout},
+    ).fetchone()
+    return False if row is None else Wait(row[0], 0, float(row[1]))
+
+
+def take_message(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id: str, topic: str,
+                 deadline: float | None) -> Wait | bool:
+    """End a started wait if it can end: with the oldest message on its topic
+    not consumed yet (marked consumed by this wait), or with a timeout once
+    `deadline` (epoch seconds, database time) has passed; the run's
+    `waiting_on` is cleared. Else nothing changes (result None) and `wakes`
+    says how many messages the run had been sent as of this statement's
+    snapshot, the one it found no message in. False if not held."""
+    row = conn.execute(
+        "WITH w AS (SELECT id, claim_token FROM everystep_workflow WHERE " + _HELD + " FOR SHARE),"
+        " seen AS (SELECT wakes FROM everystep_workflow WHERE id = %(run)s),"  # the snapshot's, unlocked
+        " m AS (SELECT id, payload FROM everystep_message WHERE run_id = %(run)s AND topic = %(topic)s"
+        "  AND consumed_by IS NULL AND EXISTS (SELECT FROM w) ORDER BY id LIMIT 1 FOR UPDATE),"
+        " taken AS (UPDATE everystep_message x SET consumed_by = %(step_id)s, consumed_at = now() FROM m"
+        "  WHERE x.id = m.id RETURNING m.payload),"
+        " outcome AS (SELECT CASE WHEN EXISTS (SELECT FROM taken) THEN"
+        "  jsonb_build_object('message', (SELECT payload FROM taken))"
+        "  WHEN now() >= to_timestamp(%(deadline)s::float8) THEN '{\"timeout\": true}'::jsonb END AS result),"
+        " done AS (UPDATE everystep_step s SET status = 'done', result = outcome.result, finished_at = now(),"
+        "  claim_token = w.claim_token FROM w, outcome WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s"
+        "  AND s.status = 'started' AND outcome.result IS NOT NULL RETURNING s.result),"
+        " cleared AS (UPDATE everystep_workflow SET waiting_on = NULL"
+        "  WHERE id = %(run)s AND waiting_on IS NOT NULL AND EXISTS (SELECT FROM done))"
+        " SELECT (SELECT result FROM done), (SELECT wakes FROM seen), extract(epoch FROM now()) FROM w",
+        {"run": run, "runner": runner, "token": token, "step_id": step_id, "topic": topic, "deadline": deadline},
+    ).fetchone()
+    return False if row is None else Wait(row[0], int(row[1]), float(row[2]))
+
+
+def park_waiting(conn: Executor, run: uuid.UUID, runner: str, token: int, due_at: float | None, waiting_on: str,
+                 wakes: int) -> Parking | bool:
+    """End this execution of a held run and leave it `waiting` for
+    `waiting_on` until `due_at` (None: for ever), claimed by nobody — unless
+    a message came since the run looked (its count is not `wakes` any more)
+    or a cancel is requested: then nothing changes and Parking says which.
+    One statement. False if the run is not held by this execution."""
+    found = conn.execute(
+        "WITH w AS (SELECT id, cancel_requested_at IS NOT NULL AS cancel FROM everystep_workflow"
+        "  WHERE " + _HELD + " FOR UPDATE),"
+        " p AS (UPDATE everystep_workflow r SET status = 'waiting', claimed_by = NULL, waiting_on = %(on)s,"
+        "  due_at = coalesce(to_timestamp(%(due)s::float8), now() + interval '100 years')"
+        "  FROM w WHERE r.id = w.id AND NOT w.cancel AND r.wakes = %(wakes)s RETURNING 1)"
+        f" SELECT EXISTS (SELECT FROM p), w.cancel, {_NOTIFY} FROM w",
+        {"run": run, "runner": runner, "token": token, "due": due_at, "on": waiting_on, "wakes": wakes},
+    ).fetchone()
+    return False if found is None else Parking(found[0], found[1])
+
+
+def set_event(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id: str, name: str, key: str,
+              value: str) -> bool:
+    """Record a set_event call as a step row and write the event's value (the
+    last one wins), in one statement. False if the run is not held by this
+    execution or the step row exists."""
+    row = conn.execute(
+        "WITH w AS (SELECT id, claim_token FROM everystep_workflow WHERE " + _HELD + " FOR SHARE),"
+        " ins AS (INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, claim_token,"
+        "  started_at, finished_at) SELECT w.id, %(step_id)s, %(name)s, jsonb_build_array(%(key)s::text), '{}',"
+        "  'done', 'null', w.claim_token, now(), now() FROM w ON CONFLICT (workflow_id, step_id) DO NOTHING"
+        "  RETURNING workflow_id),"
+        " ev AS (INSERT INTO everystep_event (run_id, key, value) SELECT workflow_id, %(key)s, %(value)s::jsonb"
+        "  FROM ins ON CONFLICT (run_id, key) DO UPDATE SET value = EXCLUDED.value, updated_at = now())"
+        " SELECT EXISTS (SELECT FROM ins)",
+        {"run": run, "runner": runner, "token": token, "step_id": step_id, "name": name, "key": key,
+         "value": value},
+    ).fetchone()
+    return bool(row[0])
+
+
+def get_event(conn: psycopg.Connection, run: uuid.UUID, key: str) -> tuple[str | None, bool, Any]:
+    """(the run's status or None if there is no such run, whether the event
+    is set, its value as JSON data)."""
+    row = conn.execute(
+        "SELECT w.status, e.run_id IS NOT NULL, e.value FROM everystep_workflow w"
+        " LEFT JOIN everystep_event e ON e.run_id = w.id AND e.key = %s WHERE w.id = %s",
+        (key, run),
+    ).fetchone()
+    return (None, False, None) if row is None else (row[0], row[1], row[2])
+
+
+def load_messages(conn: psycopg.Connection, run: uuid.UUID) -> list[dict]:
+    """The messages sent to a run, in delivery order."""
+    return _dicts(conn.execute(
+        "SELECT id, topic, payload, idempotency_key, created_at, consumed_by, consumed_at FROM everystep_message"
+        " WHERE run_id = %s ORDER BY id", (run,),
+    ))
+
+
+def load_events(conn: psycopg.Connection, run: uuid.UUID) -> list[dict]:
+    return _dicts(conn.execute(
+        "SELECT key, value, updated_at FROM everystep_event WHERE run_id = %s ORDER BY key", (run,),
+    ))
+
+
 class CancelOutcome(NamedTuple):
     status: str | None  # the run's status after the call; None: no such run
     changed: bool  # this call cancelled it, or requested its cancel

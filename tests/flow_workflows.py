@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import everystep
 from everystep import workflow
 from tests.workflows import work
 
@@ -24,3 +25,23 @@ def gpu_job(marks: str) -> str:
 @workflow
 def cpu_job(marks: str) -> str:
     return work(marks, "cpu")
+
+
+@workflow
+def mailbox(marks: str, count: int, timeout: float | None = None) -> list:
+    """Wait for `count` messages on "in", with a step after each."""
+    got = []
+    for i in range(count):
+        message = everystep.wait_for("in", timeout=timeout)
+        got.append(message)
+        work(marks, f"got{i}")
+    everystep.set_event("got", got)
+    return got
+
+
+@workflow
+def publisher(marks: str) -> str:
+    everystep.set_event("stage", "first")
+    work(marks, "between")
+    everystep.set_event("stage", "second")
+    return "done"

@@ -35,3 +35,40 @@ CREATE TABLE everystep_route (
     patterns   text[],
     updated_at timestamptz NOT NULL DEFAULT now()
 );
+
+-- Messages into a running workflow (everystep.send / everystep.wait_for).
+-- A message is inserted in the sender's transaction; the wait that takes it
+-- writes its step id in `consumed_by`, in the statement that records the wait's
+-- outcome, so each message is consumed by exactly one wait.
+CREATE TABLE everystep_message (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- the order of delivery
+    run_id          uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    topic           varchar(255) NOT NULL,
+    payload         jsonb NOT NULL,
+    idempotency_key varchar(255),
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    consumed_by     varchar(300),                       -- the step id of the wait that took it
+    consumed_at     timestamptz
+);
+-- What makes send()'s idempotency key safe under concurrency: one message per (run, key).
+CREATE UNIQUE INDEX everystep_message_idempotency ON everystep_message (run_id, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+-- A wait's question: the oldest message on its topic not consumed yet.
+CREATE INDEX everystep_message_waiting ON everystep_message (run_id, topic, id) WHERE consumed_by IS NULL;
+
+-- A run parked in a wait (`waiting`): what it waits for ('message:<topic>'),
+-- so a send on that topic makes it due at once; NULL otherwise.
+ALTER TABLE everystep_workflow ADD COLUMN waiting_on varchar(300);
+-- +1 by every message sent to the run: a wait parks only if no message came
+-- since it looked (the park matches the count it saw), so none is missed.
+ALTER TABLE everystep_workflow ADD COLUMN wakes bigint NOT NULL DEFAULT 0;
+
+-- What a run published (everystep.set_event), read from outside with
+-- everystep.get_event: the last value per key.
+CREATE TABLE everystep_event (
+    run_id     uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    key        varchar(255) NOT NULL,
+    value      jsonb NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, key)
+);
