@@ -219,12 +219,17 @@ _RUN_WITH_STEPS = (
 # newer token on the slot row: the row lock then re-checks the condition on
 # that version, against the run as the snapshot shows it, whose token is
 # older than the slot's (or NULL) — busy. The scalar subquery keeps the check
-# a subplan re-evaluated on that recheck (an anti-join would not be).
+# a subplan re-evaluated on that recheck (an anti-join would not be). A
+# claim locks no more free slots than it may claim runs, and only slots of
+# workflows with claimable runs, so concurrent claims do not lock each other
+# out of slots they could use. {own}: for the successor claim, the slot of
+# the run this statement ends is free too (the snapshot still shows it running).
 _PICK = (
     "free AS (SELECT s.name, s.slot FROM everystep_slot s"
-    " WHERE {gate} (SELECT count(*) FROM everystep_workflow h WHERE h.id = s.run_id"
-    "  AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0"
-    " FOR UPDATE OF s SKIP LOCKED),"
+    " WHERE {gate} ((SELECT count(*) FROM everystep_workflow h WHERE h.id = s.run_id"
+    "  AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0{own})"
+    "  AND EXISTS (SELECT 1 FROM everystep_workflow w WHERE {claimable} AND w.name = s.name AND {routed})"
+    " LIMIT %(limit)s FOR UPDATE OF s SKIP LOCKED),"
     " room AS (SELECT name, count(*) AS n FROM free GROUP BY name),"
     " unlimited AS (SELECT w.id, w.name, w.due_at FROM everystep_workflow w"
     "  WHERE {gate} {claimable} AND {routed}"
@@ -250,7 +255,7 @@ _TAKE_PICKED = (
     " slot = p.slot FROM picked p WHERE w.id = p.id"
 )
 _CLAIM = (
-    "WITH " + _PICK.format(gate="", routed=_ROUTED, claimable=_CLAIMABLE, claim_order=_CLAIM_ORDER)
+    "WITH " + _PICK.format(gate="", own="", routed=_ROUTED, claimable=_CLAIMABLE, claim_order=_CLAIM_ORDER)
     + " " + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}"
 )
 
@@ -596,14 +601,17 @@ _ENDING = (
 # the next run (%(claim)s: 1 or 0) only if the run was ended: one row per run
 # claimed, at least one.
 _END_RUN = (
-    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held} RETURNING id, claim_token, status, slot),"
+    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held} RETURNING id, claim_token, status, name, slot),"
     " {step}"
     + _PICK.format(gate="EXISTS (SELECT 1 FROM ended) AND", routed=_ROUTED, claimable=_CLAIMABLE,
-                   claim_order=_CLAIM_ORDER).replace("{", "{{").replace("}", "}}")
+                   claim_order=_CLAIM_ORDER,
+                   own=" OR EXISTS (SELECT 1 FROM ended WHERE ended.name = s.name AND ended.slot = s.slot)",
+                   ).replace("{", "{{").replace("}", "}}")
     + ", claimed AS (" + _TAKE_PICKED + " RETURNING {run_with_steps})"
-    # A limited run that ended freed a slot: wake the claimers.
+    # A limited run that ended freed a slot its successor did not take: wake the claimers.
     " SELECT ended.status, claimed.*,"
-    f"  (SELECT {_NOTIFY} FROM ended WHERE ended.slot IS NOT NULL)"
+    f"  (SELECT {_NOTIFY} FROM ended WHERE ended.slot IS NOT NULL AND NOT EXISTS (SELECT FROM picked"
+    "   WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))"
     " FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
 )
 _END_RUN_PARAMS = ("run", "runner", "token", "status", "result", "error", "limit", "routes")

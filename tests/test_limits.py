@@ -60,7 +60,7 @@ def test_a_slot_is_free_again_whichever_way_its_run_left_running(db):
         assert store.claim(conn, "w3", 5) == []
 
 
-def test_the_successor_claim_respects_the_limit(db):
+def test_the_successor_claim_takes_the_slot_of_the_run_it_ends(db):
     with db.connect() as conn:
         store.apply_limits(conn, {LIMITED: 1})
     runs = db.schedule_many(limited, [("m", i) for i in range(3)])
@@ -68,12 +68,17 @@ def test_the_successor_claim_respects_the_limit(db):
     with db.connect() as conn:
         first = store.claim(conn, "w1", 1)
     assert [r.id for r in first] == [runs[0].id]
-    # The slot is busy (until this statement commits): the successor is the unlimited run.
-    assert [r.id for r in end(db, first[0], "w1", claim=True)] == [other[0].id]
-    with db.connect() as conn:
-        second = store.claim(conn, "w2", 5)
+    # The end of the limited run hands its slot to the next limited run in line.
+    second = end(db, first[0], "w1", claim=True)
     assert [r.id for r in second] == [runs[1].id]
-    assert end(db, second[0], "w2", claim=True) == []
+    assert running(db, LIMITED) == 1
+    with db.connect() as conn:
+        assert [r.id for r in store.claim(conn, "w2", 5)] == [other[0].id]  # the slot is taken
+    # The end of an unlimited run frees no slot: its successor is not a limited run.
+    with db.connect() as conn:
+        other_claim = store.reclaim_held(conn, "w2")
+    assert end(db, other_claim[0], "w2", claim=True) == []
+    assert [r.id for r in end(db, second[0], "w1", claim=True)] == [runs[2].id]
 
 
 def test_raising_lowering_and_removing_a_limit(db):

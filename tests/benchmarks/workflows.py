@@ -53,3 +53,22 @@ def sleep_probe(seconds: float) -> float:
     """Sleeps durably, then records when it went on (this host's clock)."""
     everystep.sleep(seconds)
     return started_at()
+
+
+@workflow
+def message_probe() -> float:
+    """Parks in a wait for a message; once one comes, the moment the body resumed."""
+    everystep.wait_for("go")
+    return started_at()
+
+
+@workflow(concurrency=16)
+def one_step_limited(i: int) -> int:
+    """one_step under a limit as large as the benchmark fleet's slots: what
+    the limit's bookkeeping costs, not a queue behind it."""
+    return noop(i)
+
+
+@workflow(concurrency=4)
+def one_step_limited_4(i: int) -> int:
+    return noop(i)
