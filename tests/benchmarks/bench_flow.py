@@ -49,14 +49,15 @@ def main() -> None:
                 time.sleep(args.gap)
         harness.wait_drained(db)
         resumed = dict(db.query("SELECT workflow_id, result::text::float8 FROM everystep_step WHERE step_id = '2'"))
-        not_completed = harness.failures(db)
         latencies_ms = [(resumed[run] - at) * 1000 for run, at in sent.items() if run in resumed]
 
         unlimited = drain_rate(db, workflows.one_step, args.runs)
         limited = drain_rate(db, workflows.one_step_limited, args.runs)
         limited_4 = drain_rate(db, workflows.one_step_limited_4, args.runs)
         not_completed = harness.failures(db)  # every run of the schema, the probes included
-        leftover = db.query("SELECT name, status, count(*) FROM everystep_workflow WHERE status <> 'completed' GROUP BY 1, 2")
+        leftover = db.query(
+            "SELECT name, status, count(*) FROM everystep_workflow WHERE status <> 'completed' GROUP BY 1, 2"
+        )
     cuts = harness.percentiles(latencies_ms)
     harness.emit({
         "benchmark": "flow",
