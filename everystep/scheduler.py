@@ -4,9 +4,9 @@ the tick that fires what is due.
 The clock is the database's: `now()` of the server, never the host's. A tick
 holds a transaction-level advisory lock, so exactly one scheduler fires at a
 time across the fleet, and every firing inserts a run as `everystep.schedule()`
-does, with the stored args as they are, and with the idempotency key `schedule:<key>:<fire time in UTC>` in the same transaction
-that advances the schedule: a fire time can never produce two runs, even
-across a failover.
+does, with the stored args as they are, and with the idempotency key
+`schedule:<key>:<fire time in UTC>` in the same transaction that advances
+the schedule: a fire time can never produce two runs, even across a failover.
 
 Which fire times fire. At each tick, the due fire times of a schedule are
 those from its next fire time up to now. One that is at most
