@@ -18,7 +18,7 @@ from everystep.api import (
     wait_for,
     workflow,
 )
-from everystep.context import Outcome, RunContext, current
+from everystep.context import Backoff, Outcome, RunContext, current
 from everystep.errors import (
     Cancelled,
     EffectUncertain,
@@ -28,7 +28,6 @@ from everystep.errors import (
     Terminal,
     WorkflowCodeError,
 )
-from everystep.runner import Backoff
 from everystep.serde import decode_exception, encode_exception
 
 __all__ = [

@@ -15,17 +15,12 @@ from typing import Any, TypeVar, overload
 
 import psycopg
 
-from everystep import serde, store
-from everystep.context import current_scope
+from everystep import registry, serde, store
+from everystep.context import SEGMENT, Backoff, RetryPolicy, current_scope, run_branches
 from everystep.errors import EverystepError, StepFailure
 from everystep.ids import uuid7
-from everystep.runner import PATCH_NAME, REGISTRY, Backoff, RetryPolicy, run_branches
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _qualified_name(fn: Callable) -> str:
-    return f"{fn.__module__}.{fn.__qualname__}"
 
 
 @overload
@@ -43,12 +38,8 @@ def workflow(fn: Callable | None = None, *, concurrency: int | None = None) -> A
         raise EverystepError(f"concurrency must be a whole number >= 1 or None, got {concurrency!r}")
     if fn is None:
         return functools.partial(workflow, concurrency=concurrency)
-    name = _qualified_name(fn)
-    if len(name) > 300:
-        raise EverystepError(f"workflow name {name[:60]}... is longer than 300 characters")
-    fn.__everystep_workflow__ = name  # type: ignore[attr-defined]
     fn.__everystep_concurrency__ = concurrency  # type: ignore[attr-defined]
-    REGISTRY[name] = fn
+    registry.register(fn)
     return fn
 
 
@@ -74,9 +65,9 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     if fn is None:
         return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat, retries=retries, backoff=backoff,
                                  retry_on=retry_on)
-    name = _qualified_name(fn)
-    if len(name) > 300:
-        raise EverystepError(f"step name {name[:60]}... is longer than 300 characters")
+    name = registry.qualified_name(fn)
+    if len(name) > registry.MAX_NAME:
+        raise EverystepError(f"step name {name[:60]}... is longer than {registry.MAX_NAME} characters")
 
     @functools.wraps(fn)
     def call(*args: Any, everystep_id: str | None = None, **kwargs: Any) -> Any:
@@ -134,7 +125,7 @@ def patched(patch: str) -> bool:
     code, False for a run whose recorded history already went the old way;
     the answer is recorded like a step, so every replay gives the same.
     Outside a workflow: True (plain Python runs the new code)."""
-    if not isinstance(patch, str) or not PATCH_NAME.fullmatch(patch):
+    if not isinstance(patch, str) or not SEGMENT.fullmatch(patch):
         raise EverystepError(
             f"bad patch name {patch!r}: use letters, digits, '_', '-' or ':', not only digits, and no dots"
         )
@@ -188,7 +179,7 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     Nothing runs now; workers claim the run once the transaction commits,
     and not before `at` (an aware datetime) or `after` seconds (or a
     timedelta) from now, by the database's clock."""
-    name = getattr(workflow_fn, "__everystep_workflow__", None)
+    name = registry.workflow_name(workflow_fn)
     if name is None:
         raise TypeError(f"schedule() takes an @workflow function, not {workflow_fn!r}")
     if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > 255):

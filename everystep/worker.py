@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import liveness, metrics, store
+from everystep import liveness, metrics, registry, store
 from everystep.errors import Drain, LostClaim
 from everystep.logs import first_line
-from everystep.runner import REGISTRY, Execution, Fence, Runner, Successors
+from everystep.runner import Execution, Fence, Runner, Successors
 
 log = logging.getLogger("everystep")
 
@@ -230,7 +230,7 @@ class Worker(Successors):
     def concurrency_limits(self) -> dict[str, int | None]:
         """The limit of every workflow this process knows (imported, or in
         the overrides): the override, else the decorator's; None: unlimited."""
-        limits = {name: getattr(fn, "__everystep_concurrency__", None) for name, fn in REGISTRY.items()}
+        limits = {name: getattr(fn, "__everystep_concurrency__", None) for name, fn in registry.WORKFLOWS.items()}
         limits.update(self.limits)
         return limits
 

@@ -9,8 +9,7 @@ import collections
 import pytest
 
 import everystep
-from everystep import EverystepError, WorkflowCodeError, step, workflow
-from everystep import runner as runner_module
+from everystep import EverystepError, WorkflowCodeError, registry, step, workflow
 
 calls: collections.Counter = collections.Counter()
 crash_on: set[str] = set()
@@ -67,7 +66,7 @@ def new_checkout(amount):
 
 
 def deploy_new_code(monkeypatch):
-    monkeypatch.setitem(runner_module.REGISTRY, checkout.__everystep_workflow__, new_checkout)
+    monkeypatch.setitem(registry.WORKFLOWS, checkout.__everystep_workflow__, new_checkout)
 
 
 def schedule(db, *args):
@@ -130,7 +129,7 @@ def test_the_old_branch_can_be_removed_once_old_runs_are_done(db, monkeypatch):
         record("b")
         return price
 
-    monkeypatch.setitem(runner_module.REGISTRY, checkout.__everystep_workflow__, cleaned)
+    monkeypatch.setitem(registry.WORKFLOWS, checkout.__everystep_workflow__, cleaned)
     db.resume_held("w1")
     assert db.run(run.id)["result"] == 90
     assert calls["new_price"] == 1
@@ -160,7 +159,7 @@ def test_bad_patch_names_and_collisions_fail_the_run_with_a_clear_error(db, monk
         return everystep.patched("p")
 
     # "patch:p" was recorded by a step, so the patch cannot take that id.
-    monkeypatch.setitem(runner_module.REGISTRY, patch_over_a_step.__everystep_workflow__, patched_over)
+    monkeypatch.setitem(registry.WORKFLOWS, patch_over_a_step.__everystep_workflow__, patched_over)
     with db.connect() as conn:
         conn.execute("UPDATE everystep_workflow SET status = 'scheduled' WHERE id = %s", (clash.id,))
     db.run_pending()
