@@ -1,7 +1,9 @@
 """everystep: durable workflows for Python on PostgreSQL."""
 
 from everystep.api import (
+    ChildHandle,
     ScheduledRun,
+    call,
     cancel,
     get_event,
     parallel,
@@ -12,6 +14,7 @@ from everystep.api import (
     set_event,
     sleep,
     sleep_until,
+    start,
     step,
     transaction,
     use,
@@ -21,6 +24,7 @@ from everystep.api import (
 from everystep.context import Backoff, Outcome, RunContext, current
 from everystep.errors import (
     Cancelled,
+    ChildFailed,
     EffectUncertain,
     EverystepError,
     LostClaim,
@@ -31,6 +35,10 @@ from everystep.errors import (
 from everystep.serde import decode_exception, encode_exception
 
 __all__ = [
+    "ChildFailed",
+    "ChildHandle",
+    "call",
+    "start",
     "Backoff",
     "Cancelled",
     "EffectUncertain",

@@ -352,6 +352,49 @@ def get_event(run_id: uuid.UUID | str, key: str, timeout: float | datetime.timed
         pause = min(pause * 2, 0.5)
 
 
+# ---------------------------------------------------------------- child workflows
+
+class ChildHandle:
+    """What `everystep.start` returns: the child run's id, and `result()`."""
+
+    __slots__ = ("id", "name")
+
+    def __init__(self, id: uuid.UUID, name: str):
+        self.id = id
+        self.name = name
+
+    def result(self, timeout: float | datetime.timedelta | None = None) -> Any:
+        """In the parent's body: wait until the child run ends and return its
+        result, or raise ChildFailed (it failed — `.error` is its error — was
+        stopped, or was cancelled), or TimeoutError after `timeout` seconds.
+        Recorded like a step; meanwhile the parent is parked without a slot
+        and the child's end wakes it."""
+        if timeout is not None:
+            timeout = _seconds("result()", timeout)
+        scope = _in_body("result()")
+        return scope.run.replay.child_result(scope, self.id, timeout)
+
+    def __repr__(self) -> str:
+        return f"<ChildHandle {self.id} {self.name}>"
+
+
+def start(child_workflow: Callable, *args: Any) -> ChildHandle:
+    """In a workflow body: schedule a child run of `child_workflow(*args)`,
+    once (recorded like a step: a replay returns the same handle). Cancelling
+    the parent cancels its unfinished children."""
+    name = registry.workflow_name(child_workflow)
+    if name is None:
+        raise TypeError(f"start() takes an @workflow function, not {child_workflow!r}")
+    args_json = serde.dumps(list(args))
+    scope = _in_body("start()")
+    return ChildHandle(scope.run.replay.start_child(scope, name, args_json), name)
+
+
+def call(child_workflow: Callable, *args: Any) -> Any:
+    """`start(child_workflow, *args).result()`: run a child workflow and wait for its result."""
+    return start(child_workflow, *args).result()
+
+
 def cancel(run_id: uuid.UUID | str, reason: str | None = None, conn: psycopg.Connection | None = None) -> str:
     """Cancel a run, in the caller's transaction (like `schedule()`). A
     scheduled, waiting or blocked run is `cancelled` at once; a running one

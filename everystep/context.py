@@ -77,6 +77,10 @@ class Recorder(Protocol):
 
     def set_event(self, scope: Scope, key: str, value_json: str) -> None: ...
 
+    def start_child(self, scope: Scope, child_name: str, args_json: str) -> uuid.UUID: ...
+
+    def child_result(self, scope: Scope, child: uuid.UUID, timeout: float | None) -> Any: ...
+
 
 class RunContext:
     """What `everystep.current()` returns inside a running workflow."""

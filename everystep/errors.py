@@ -63,6 +63,18 @@ class Cancelled(Exception):
         return self.reason or "cancelled"
 
 
+class ChildFailed(EverystepError):
+    """A child run (everystep.start / call) ended without a result: it failed
+    (`error` is its error, rebuilt), was stopped, or was cancelled."""
+
+    def __init__(self, run_id: Any, status: str, error: BaseException | None):
+        why = f": {type(error).__name__}: {error}" if error is not None else ""
+        super().__init__(f"child run {run_id} {status}{why}")
+        self.run_id = run_id
+        self.status = status
+        self.error = error
+
+
 class Parked(BaseException):
     """Internal: the run is parked `waiting` until its due time (a durable
     sleep, a retry's back-off); this execution is over. A BaseException so

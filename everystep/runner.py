@@ -35,6 +35,7 @@ from everystep.context import (
 )
 from everystep.errors import (
     Cancelled,
+    ChildFailed,
     Drain,
     EffectUncertain,
     EverystepError,
@@ -43,6 +44,7 @@ from everystep.errors import (
     Terminal,
     WorkflowCodeError,
 )
+from everystep.ids import uuid7
 
 log = logging.getLogger("everystep")
 
@@ -51,6 +53,9 @@ SLEEP = "everystep.sleep"
 # The step names of a wait for a message's row, and of a set_event's.
 WAIT = "everystep.wait_for"
 EVENT = "everystep.set_event"
+# The step names of a child's start (result {"child": id}) and of a wait for its end.
+START = "everystep.start"
+RESULT = "everystep.result"
 # A wait no longer than this (seconds) is waited on the run's thread; a longer
 # one parks the run (`waiting`), its slot given back.
 MOMENT = 1.0
@@ -685,17 +690,21 @@ class Replay:
                 self.cancel_delivered = exc
             raise exc
         if recorded[1] == "started":
-            recorded[2] = self._wait_for_message(scope, step_id, topic, recorded[2].get("deadline"))
+            recorded[2] = self._wait_until_done(scope, step_id, store.take_message, topic, f"message:{topic}",
+                                                recorded[2].get("deadline"))
             recorded[1] = "done"
         result = recorded[2]
         return serde.from_json(result["message"]) if "message" in result else None
 
-    def _wait_for_message(self, scope: Scope, step_id: str, topic: str, deadline: float | None) -> dict:
-        """Until the started wait `step_id` ends: its recorded result."""
+    def _wait_until_done(self, scope: Scope, step_id: str, take: Callable, what: Any, waiting_on: str,
+                         deadline: float | None) -> dict:
+        """Until the started wait `step_id` ends (`take`: store.take_message
+        or store.take_child, about `what`): its recorded result. Parks the
+        run on `waiting_on` while nothing came."""
         parks = scope.prefix == "" and threading.get_ident() == self._owner
         pause = 0.02
         while True:
-            took = self._fenced(store.take_message, (step_id, topic, deadline), step_id, "done", "a wait")
+            took = self._fenced(take, (step_id, what, deadline), step_id, "done", "a wait")
             if took is None:
                 self.look_again = True
                 raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
@@ -703,16 +712,79 @@ class Replay:
                 return took.result
             remaining = None if deadline is None else deadline - took.now
             if parks and (remaining is None or remaining > MOMENT):
-                parking = self._fenced(store.park_waiting, (deadline, f"message:{topic}", took.wakes), None,
+                parking = self._fenced(store.park_waiting, (deadline, waiting_on, took.wakes), None,
                                        "waiting", "parking the run")
                 if parking is None or parking.parked:
                     raise self.stop_with(Parked())
                 if parking.cancel_requested:
                     self._cancel_wait(step_id)
-                continue  # a message came meanwhile
+                continue  # a message came, or the child ended, meanwhile
             # A parallel branch, or a moment to go: wait on this thread.
             time.sleep(pause if remaining is None else max(0.0, min(pause, remaining)))
             pause = min(pause * 2, 0.5)
+
+    # -------------------------------------------------------------- child workflows
+
+    def start_child(self, scope: Scope, child_name: str, args_json: str) -> uuid.UUID:
+        """Schedule a child run once, recorded like a step: a replay returns
+        the same child."""
+        step_id = scope.next_id(None)
+        if self.halt is not None:
+            raise self.halt
+        recorded = self.recorded.get(step_id)
+        if recorded is None:
+            self._boundary(step_id, START)
+            result = self._fenced(store.start_child, (step_id, START, uuid7(), child_name, args_json), step_id,
+                                  "done", "starting a child")
+            if result is None:
+                self.look_again = True
+                raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
+            recorded = self.recorded[step_id] = [START, "done", result, None, None]
+        elif recorded[0] != START:
+            raise self.stop_with(WorkflowCodeError(
+                f"step {step_id!r} was recorded as {recorded[0]} but the workflow now starts a child there; "
+                "the workflow code changed in a way that breaks replay"
+            ))
+        if recorded[1] == "failed":
+            raise serde.decode_exception(recorded[3])
+        return uuid.UUID(recorded[2]["child"])
+
+    def child_result(self, scope: Scope, child: uuid.UUID, timeout: float | None) -> Any:
+        """Wait (parked) until the child run ends: its result, or ChildFailed
+        for a child that failed, stopped or was cancelled; TimeoutError after
+        `timeout` seconds. Recorded like a step."""
+        step_id = scope.next_id(None)
+        if self.halt is not None:
+            raise self.halt
+        recorded = self.recorded.get(step_id)
+        if recorded is not None and recorded[0] != RESULT:
+            raise self.stop_with(WorkflowCodeError(
+                f"step {step_id!r} was recorded as {recorded[0]} but the workflow now waits for a child there; "
+                "the workflow code changed in a way that breaks replay"
+            ))
+        if recorded is None:
+            self._boundary(step_id, RESULT)
+            begun = self._fenced(store.begin_wait, (step_id, RESULT, f"child:{child}", timeout), step_id,
+                                 "started", "a wait")
+            if begun is None:
+                self.look_again = True
+                raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
+            recorded = self.recorded[step_id] = [RESULT, "started", begun.result, None, None]
+        if recorded[1] == "failed":
+            exc = serde.decode_exception(recorded[3])
+            if isinstance(exc, Cancelled) and self.cancel_delivered is None:
+                self.cancel_delivered = exc
+            raise exc
+        if recorded[1] == "started":
+            recorded[2] = self._wait_until_done(scope, step_id, store.take_child, child, f"child:{child}",
+                                                recorded[2].get("deadline"))
+            recorded[1] = "done"
+        end = recorded[2]
+        if end.get("timeout"):
+            raise TimeoutError(f"child run {child} did not end within the timeout")
+        if end["status"] == "completed":
+            return serde.from_json(end["result"])
+        raise ChildFailed(child, end["status"], None if end["error"] is None else serde.decode_exception(end["error"]))
 
     def _cancel_wait(self, step_id: str) -> None:
         """A cancel request reached a run in a wait: the wait raises `Cancelled`

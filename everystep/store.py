@@ -601,17 +601,24 @@ _ENDING = (
 # the next run (%(claim)s: 1 or 0) only if the run was ended: one row per run
 # claimed, at least one.
 _END_RUN = (
-    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held} RETURNING id, claim_token, status, name, slot),"
+    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held}"
+    "  RETURNING id, claim_token, status, name, slot, parent_id),"
     " {step}"
+    # A child that ended wakes its parent if the parent is parked on its result.
+    " woke AS (UPDATE everystep_workflow p SET wakes = p.wakes + 1, due_at = CASE"
+    "  WHEN p.status = 'waiting' AND p.waiting_on = 'child:' || ended.id THEN now() ELSE p.due_at END"
+    "  FROM ended WHERE p.id = ended.parent_id"
+    "  RETURNING p.status = 'waiting' AND p.waiting_on = 'child:' || ended.id AS due),"
     + _PICK.format(gate="EXISTS (SELECT 1 FROM ended) AND", routed=_ROUTED, claimable=_CLAIMABLE,
                    claim_order=_CLAIM_ORDER,
                    own=" OR EXISTS (SELECT 1 FROM ended WHERE ended.name = s.name AND ended.slot = s.slot)",
                    ).replace("{", "{{").replace("}", "}}")
     + ", claimed AS (" + _TAKE_PICKED + " RETURNING {run_with_steps})"
-    # A limited run that ended freed a slot its successor did not take: wake the claimers.
+    # A limited run that ended freed a slot its successor did not take, or a
+    # parent became due: wake the claimers.
     " SELECT ended.status, claimed.*,"
-    f"  (SELECT {_NOTIFY} FROM ended WHERE ended.slot IS NOT NULL AND NOT EXISTS (SELECT FROM picked"
-    "   WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))"
+    f"  (SELECT {_NOTIFY} FROM ended WHERE (ended.slot IS NOT NULL AND NOT EXISTS (SELECT FROM picked"
+    "   WHERE picked.slot_name = ended.name AND picked.slot = ended.slot)) OR EXISTS (SELECT FROM woke WHERE due))"
     " FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
 )
 _END_RUN_PARAMS = ("run", "runner", "token", "status", "result", "error", "limit", "routes")
@@ -831,6 +838,63 @@ def take_message(conn: Executor, run: uuid.UUID, runner: str, token: int, step_i
     return False if row is None else Wait(row[0], int(row[1]), float(row[2]))
 
 
+def start_child(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id: str, name: str, child: uuid.UUID,
+                child_name: str, args: str) -> Any:
+    """Record the start of a child run as a step row (result {"child": id})
+    and schedule the child (`parent_id` = this run), in one statement: the
+    child exists only if the row was written here. Returns the recorded
+    result, or False if the run is not held by this execution or the row
+    exists."""
+    row = conn.execute(
+        "WITH w AS (SELECT id, claim_token FROM everystep_workflow WHERE " + _HELD + " FOR SHARE),"
+        " ins AS (INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, claim_token,"
+        "  started_at, finished_at) SELECT w.id, %(step_id)s, %(name)s, jsonb_build_array(%(child_name)s::text),"
+        "  '{}', 'done', jsonb_build_object('child', %(child)s::text), w.claim_token, now(), now() FROM w"
+        "  ON CONFLICT (workflow_id, step_id) DO NOTHING RETURNING workflow_id, result),"
+        " child AS (INSERT INTO everystep_workflow (id, name, args, status, parent_id)"
+        "  SELECT %(child)s, %(child_name)s, %(args)s::jsonb, 'scheduled', workflow_id FROM ins RETURNING id)"
+        f" SELECT ins.result, {_NOTIFY} FROM ins, child",
+        {"run": run, "runner": runner, "token": token, "step_id": step_id, "name": name, "child": child,
+         "child_name": child_name, "args": args},
+    ).fetchone()
+    return False if row is None else row[0]
+
+
+def take_child(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id: str, child: uuid.UUID,
+               deadline: float | None) -> Wait | bool:
+    """End a started wait for a child run if it can end: with the child's end
+    ({"status", "result", "error"}) once the child has ended, or with a
+    timeout once `deadline` has passed; the run's `waiting_on` is cleared.
+    Else nothing changes (result None); `wakes` as for `take_message`.
+    False if not held."""
+    row = conn.execute(
+        "WITH w AS (SELECT id, claim_token FROM everystep_workflow WHERE " + _HELD + " FOR SHARE),"
+        " seen AS (SELECT wakes FROM everystep_workflow WHERE id = %(run)s),"
+        " c AS (SELECT status, result, error FROM everystep_workflow WHERE id = %(child)s),"
+        " outcome AS (SELECT CASE WHEN c.status IN ("
+        f"  {', '.join(repr(t) for t in TERMINAL)}) THEN"
+        "  jsonb_build_object('status', c.status, 'result', c.result, 'error', c.error)"
+        "  WHEN now() >= to_timestamp(%(deadline)s::float8) THEN '{\"timeout\": true}'::jsonb END AS result"
+        "  FROM (SELECT) AS one LEFT JOIN c ON true),"
+        " done AS (UPDATE everystep_step s SET status = 'done', result = outcome.result, finished_at = now(),"
+        "  claim_token = w.claim_token FROM w, outcome WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s"
+        "  AND s.status = 'started' AND outcome.result IS NOT NULL RETURNING s.result),"
+        " cleared AS (UPDATE everystep_workflow SET waiting_on = NULL"
+        "  WHERE id = %(run)s AND waiting_on IS NOT NULL AND EXISTS (SELECT FROM done))"
+        " SELECT (SELECT result FROM done), (SELECT wakes FROM seen), extract(epoch FROM now()) FROM w",
+        {"run": run, "runner": runner, "token": token, "step_id": step_id, "child": child, "deadline": deadline},
+    ).fetchone()
+    return False if row is None else Wait(row[0], int(row[1]), float(row[2]))
+
+
+def children(conn: psycopg.Connection, run: uuid.UUID) -> list[dict]:
+    """The runs a run started, oldest first."""
+    return _dicts(conn.execute(
+        "SELECT id, name, status, created_at, completed_at FROM everystep_workflow WHERE parent_id = %s"
+        " ORDER BY created_at, id", (run,),
+    ))
+
+
 def park_waiting(conn: Executor, run: uuid.UUID, runner: str, token: int, due_at: float | None, waiting_on: str,
                  wakes: int) -> Parking | bool:
     """End this execution of a held run and leave it `waiting` for
@@ -907,16 +971,26 @@ def cancel_run(conn: psycopg.Connection, run: uuid.UUID, reason: str | None) -> 
     boundary (and that the end of the run honours, whatever ends first). A
     finished run, or one with a request already, is left as it is."""
     row = conn.execute(
-        "UPDATE everystep_workflow SET"
-        " status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,"
-        " completed_at = CASE WHEN status = 'running' THEN completed_at ELSE now() END,"
-        " cancel_requested_at = coalesce(cancel_requested_at, now()), cancel_reason = coalesce(%s, cancel_reason)"
-        " WHERE id = %s AND (status IN ('scheduled', 'waiting', 'blocked')"
-        "  OR status = 'running' AND cancel_requested_at IS NULL)"
-        " RETURNING status",
-        (reason, run),
+        "WITH RECURSIVE tree AS (SELECT %(run)s::uuid AS id, 0 AS depth"
+        "  UNION ALL SELECT c.id, tree.depth + 1 FROM everystep_workflow c JOIN tree ON c.parent_id = tree.id),"
+        # The run and its unfinished descendants (a parent's cancel cascades to its children).
+        " hit AS (UPDATE everystep_workflow w SET"
+        "  status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,"
+        "  completed_at = CASE WHEN status = 'running' THEN completed_at ELSE now() END,"
+        "  cancel_requested_at = coalesce(cancel_requested_at, now()),"
+        "  cancel_reason = coalesce(%(reason)s, cancel_reason)"
+        "  FROM tree WHERE w.id = tree.id AND (w.status IN ('scheduled', 'waiting', 'blocked')"
+        "   OR w.status = 'running' AND w.cancel_requested_at IS NULL)"
+        "  RETURNING w.id, w.status, w.parent_id, tree.depth),"
+        # A parent outside the tree parked on a child cancelled here wakes up.
+        " woke AS (UPDATE everystep_workflow p SET wakes = p.wakes + 1, due_at = CASE"
+        "  WHEN p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id THEN now() ELSE p.due_at END"
+        "  FROM hit WHERE p.id = hit.parent_id AND hit.depth = 0 AND hit.status = 'cancelled'"
+        "  RETURNING p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id AS due)"
+        f" SELECT (SELECT status FROM hit WHERE depth = 0), (SELECT {_NOTIFY} FROM woke WHERE due)",
+        {"run": run, "reason": reason},
     ).fetchone()
-    if row is not None:
+    if row[0] is not None:
         return CancelOutcome(row[0], True)
     row = conn.execute("SELECT status FROM everystep_workflow WHERE id = %s", (run,)).fetchone()
     return CancelOutcome(None if row is None else row[0], False)
@@ -1006,7 +1080,7 @@ def _dicts(cur: psycopg.Cursor) -> list[dict]:
 def load_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
     rows = _dicts(conn.execute(
         "SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at,"
-        " due_at, cancel_requested_at, cancel_reason FROM everystep_workflow WHERE id = %s",
+        " due_at, cancel_requested_at, cancel_reason, parent_id FROM everystep_workflow WHERE id = %s",
         (run,),
     ))
     return rows[0] if rows else None

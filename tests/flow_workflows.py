@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import everystep
 from everystep import workflow
-from tests.workflows import work
+from tests.workflows import hold, work
 
 
 @workflow(concurrency=3)
@@ -45,3 +45,48 @@ def publisher(marks: str) -> str:
     work(marks, "between")
     everystep.set_event("stage", "second")
     return "done"
+
+
+@workflow
+def child_double(x: int) -> int:
+    return x * 2
+
+
+@workflow
+def child_fails(message: str) -> None:
+    raise ValueError(message)
+
+
+@workflow
+def child_held(marks: str, release: str) -> str:
+    return hold(marks, "child", release)
+
+
+@workflow
+def parent_calls(x: int) -> list:
+    handle = everystep.start(child_double, x)
+    return [str(handle.id), handle.result(), everystep.call(child_double, x + 1)]
+
+
+@workflow
+def parent_of_failure(message: str) -> list:
+    try:
+        everystep.call(child_fails, message)
+    except everystep.ChildFailed as failed:
+        return [failed.status, type(failed.error).__name__, str(failed.error)]
+    return ["no failure"]
+
+
+@workflow
+def parent_of_held(marks: str, release: str) -> str:
+    return everystep.call(child_held, marks, release)
+
+
+PARENT_BODIES: list[str] = []  # how many times fan_out's body ran, in this process
+
+
+@workflow
+def fan_out(count: int) -> int:
+    PARENT_BODIES.append("run")
+    handles = [everystep.start(child_double, i) for i in range(count)]
+    return sum(handle.result() for handle in handles)

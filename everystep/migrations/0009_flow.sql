@@ -72,3 +72,10 @@ CREATE TABLE everystep_event (
     updated_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (run_id, key)
 );
+
+-- Child workflows (everystep.start / call): the run that started a run, and
+-- its children by parent. A parent parked on a child's result waits on
+-- 'child:<child id>' (waiting_on); the statement that ends the child counts a
+-- wake on the parent and makes it due at once.
+ALTER TABLE everystep_workflow ADD COLUMN parent_id uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL;
+CREATE INDEX everystep_workflow_parent ON everystep_workflow (parent_id) WHERE parent_id IS NOT NULL;
