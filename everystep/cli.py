@@ -1,7 +1,7 @@
 """The `everystep` operations CLI.
 
     everystep migrate
-    everystep runs list [--status S] [--workflow NAME] [--limit N] [--json]
+    everystep runs list [--status S] [--workflow NAME] [--parent RUN] [--limit N] [--json]
     everystep runs show RUN [--json]
     everystep resolve-step RUN STEP (--result JSON | --error MSG | --discard)
     everystep requeue RUN...
@@ -303,7 +303,7 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     # MODULE:FUNC (as `schedule` takes it) names the same workflow as module.FUNC.
     name = args.workflow.replace(":", ".") if args.workflow else None
     with connect(args) as conn:
-        runs = store.list_runs(conn, args.status, name, args.limit + 1)
+        runs = store.list_runs(conn, args.status, name, args.limit + 1, args.parent)
     more, runs = len(runs) > args.limit, runs[: args.limit]
     if args.json:
         _print_json(runs)
@@ -329,8 +329,11 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         with conn.transaction():
             run = _load_run(conn, args.run)
             steps = store.load_steps(conn, args.run)
+            children = store.children(conn, args.run)
+            messages = store.load_messages(conn, args.run)
+            events = store.load_events(conn, args.run)
     if args.json:
-        _print_json({**run, "steps": steps})
+        _print_json({**run, "steps": steps, "children": children, "messages": messages, "events": events})
         return 0
     fields = [
         ("run", str(run["id"])),
@@ -344,6 +347,17 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     ]
     if run["status"] == "waiting":
         fields.append(("due", _utc(run["due_at"])))
+    if run["parent_id"] is not None:
+        fields.append(("parent", str(run["parent_id"])))
+    if children:
+        ended = sum(1 for child in children if child["status"] in store.TERMINAL)
+        fields.append(("children", f"{len(children)} ({ended} ended): `everystep runs list --parent {run['id']}`"
+                       if len(children) > 5 else ", ".join(f"{c['id']} {c['status']}" for c in children)))
+    if messages:
+        waiting = sum(1 for m in messages if m["consumed_by"] is None)
+        fields.append(("messages", f"{len(messages)} received, {waiting} not consumed yet"))
+    for event in events:
+        fields.append((f"event {event['key']}"[:15], _json_text(event["value"])))
     if run["cancel_requested_at"] is not None:
         fields.append(("cancel", f"requested {_utc(run['cancel_requested_at'])}"
                                  + (f": {run['cancel_reason']}" if run["cancel_reason"] else "")))
@@ -558,6 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing = add(runs_commands, "list", cmd_runs_list, "list runs, newest first")
     listing.add_argument("--status", choices=STATUSES, help="only runs in this status")
     listing.add_argument("--workflow", metavar="NAME", help="only runs of this workflow (module.qualname)")
+    listing.add_argument("--parent", type=_run_id, metavar="RUN", help="only the child runs of this run")
     listing.add_argument("--limit", type=_whole_number(1), default=50, metavar="N",
                          help="at most N runs (default 50)")
     listing.add_argument("--json", action="store_true", help="print JSON for scripts")

@@ -1136,10 +1136,13 @@ def resolve_step(
         conn.execute(f"SELECT {_NOTIFY}")
 
 
-def list_runs(conn: psycopg.Connection, status: str | None, name: str | None, limit: int) -> list[dict]:
-    """The newest runs (without their payloads), optionally of one status and
-    one workflow name."""
+def list_runs(conn: psycopg.Connection, status: str | None, name: str | None, limit: int,
+              parent: uuid.UUID | None = None) -> list[dict]:
+    """The newest runs (without their payloads), optionally of one status,
+    one workflow name and one parent run."""
     where = [sql.SQL("true")]
+    if parent is not None:
+        where.append(sql.SQL("parent_id = %(parent)s"))
     if status is not None:
         where.append(sql.SQL("status = %(status)s"))
     if name is not None:
@@ -1148,7 +1151,7 @@ def list_runs(conn: psycopg.Connection, status: str | None, name: str | None, li
         "SELECT id, name, status, idempotency_key, claimed_by, created_at, completed_at FROM everystep_workflow"
         " WHERE {} ORDER BY created_at DESC, id DESC LIMIT %(limit)s"
     ).format(sql.SQL(" AND ").join(where))
-    return _dicts(conn.execute(query, {"status": status, "name": name, "limit": limit}))
+    return _dicts(conn.execute(query, {"status": status, "name": name, "limit": limit, "parent": parent}))
 
 
 def requeue_from_dead_claimers(conn: psycopg.Connection, claims: list[tuple[uuid.UUID, str | None]]) -> list[uuid.UUID]:

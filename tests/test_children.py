@@ -74,3 +74,18 @@ def test_start_and_result_outside_a_workflow_are_clear_errors():
         everystep.start(flow_workflows.child_double, 1)
     with pytest.raises(TypeError, match="@workflow"):
         everystep.start(print, 1)
+
+
+def test_runs_show_links_parent_and_children(db, capsys):
+    from everystep import cli  # noqa: PLC0415
+
+    run = start(db, parent_calls, 1)
+    db.run_pending()
+    child = db.value("SELECT id FROM everystep_workflow WHERE parent_id = %s ORDER BY created_at, id LIMIT 1", (run,))
+    assert cli.main(["--database-url", db.url, "runs", "show", str(run)]) == 0
+    shown = capsys.readouterr().out
+    assert "children" in shown and str(child) in shown
+    assert cli.main(["--database-url", db.url, "runs", "show", str(child)]) == 0
+    assert f"parent          {run}" in capsys.readouterr().out
+    assert cli.main(["--database-url", db.url, "runs", "list", "--parent", str(run), "--json"]) == 0
+    assert '"status": "completed"' in capsys.readouterr().out
