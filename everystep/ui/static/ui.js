@@ -18,11 +18,16 @@ function h(tag, attrs = {}, ...children) {
     else if (k === "class") el.className = v;
     else el.setAttribute(k, v === true ? "" : v);
   }
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c === null || c === undefined || c === false) continue;
     el.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
   return el;
+}
+
+// replaceChildren, skipping null/false and flattening arrays as h() does.
+function fill(el, ...children) {
+  el.replaceChildren(...children.flat(Infinity).filter((c) => c !== null && c !== undefined && c !== false));
 }
 
 async function getJSON(path) {
@@ -178,7 +183,7 @@ function route() {
 
 function refresh(quiet = false) {
   const views = { runs: showRuns, run: showRun, schedules: showSchedules, workers: showWorkers, failures: showFailures, audit: showAudit };
-  views[current.view](quiet).catch((err) => { if (!quiet) main.replaceChildren(h("p", { class: "error" }, err.message)); });
+  views[current.view](quiet).catch((err) => { if (!quiet) fill(main, h("p", { class: "error" }, err.message)); });
 }
 
 window.addEventListener("hashchange", route);
@@ -250,7 +255,7 @@ async function buildRunsPage() {
     h("button", { onclick: () => bulkAct("requeue", "Requeue EVERY run matching the filter whose claimer is dead?", true) }, "Requeue all matching"),
     h("button", { onclick: () => bulkAct("reschedule", "Schedule EVERY run matching the filter again?", true) }, "Schedule all matching again"),
   ) : null;
-  main.replaceChildren(
+  fill(main, 
     h("section", { id: "counts", class: "counts" }),
     h("section", { id: "runners", class: "runners" }),
     form, bulk,
@@ -329,7 +334,7 @@ function renderCounts(snapshot) {
   const runners = document.getElementById("runners");
   if (runners && snapshot.runners) {
     const names = Object.keys(snapshot.runners).sort();
-    runners.replaceChildren(h("b", {}, "in flight: "),
+    fill(runners, h("b", {}, "in flight: "),
       names.length ? names.map((n) => h("span", { class: "runner mono" }, `${n} (${snapshot.runners[n]})`)) : "no runner has work in flight");
   }
 }
@@ -367,7 +372,7 @@ async function showRun(quiet) {
   );
   if (quiet && !document.querySelector("article.run")) return;
   const oldView = graphView;
-  main.replaceChildren(page);
+  fill(main, page);
   drawGraph(graph, run, detail);
   if (quiet && oldView) setView(oldView);
   onSnapshot = (snapshot, changed) => { if (changed && !["completed", "failed", "stopped"].includes(run.status)) refetchSoon(); };
@@ -539,7 +544,7 @@ function placeFork(g, fork, x, y, from, run, detail) {
 }
 
 function showStep(detail, step, state) {
-  detail.replaceChildren(
+  fill(detail, 
     h("h4", {}, h("span", { class: "mono" }, step.step_id), " ", badge(state)),
     h("p", { class: "mono" }, step.name),
     step.started_at ? h("p", {}, `started ${when(step.started_at)}, finished ${when(step.finished_at)}`) : null,
@@ -571,7 +576,7 @@ function timeline(run) {
 async function showSchedules() {
   const { schedules } = await getJSON("/api/schedules");
   const verb = (s, v, q) => h("button", { onclick: () => confirmed(q, "schedule", { key: s.key, verb: v }) }, v);
-  main.replaceChildren(h("h2", {}, "Schedules"), schedules.length ? h("table", { id: "schedules" },
+  fill(main, h("h2", {}, "Schedules"), schedules.length ? h("table", { id: "schedules" },
     h("thead", {}, h("tr", {}, ["key", "workflow", "cron", "state", "next fire", "last fire", "last run", "last error", ""].map((t) => h("th", {}, t)))),
     h("tbody", {}, schedules.map((s) => {
       const state = s.retired_at ? "retired" : s.paused ? "paused" : "active";
@@ -588,7 +593,7 @@ async function showSchedules() {
 
 async function showWorkers() {
   const { workers } = await getJSON("/api/workers");
-  main.replaceChildren(h("h2", {}, "Workers"),
+  fill(main, h("h2", {}, "Workers"),
     h("p", { class: "muted" }, "Every runner holding its lock in this database now: its pool connections, its runs in flight, and since when its control session (which holds the lock) exists."),
     workers.length ? h("table", { id: "workers" }, h("thead", {}, h("tr", {}, ["runner", "client", "pool connections", "in flight", "lock held since"].map((t) => h("th", {}, t)))),
       h("tbody", {}, workers.map((w) => h("tr", {}, h("td", { class: "mono" }, w.name), h("td", {}, w.client || "local socket"),
@@ -600,7 +605,7 @@ async function showWorkers() {
 let failureWindow = "hour";
 async function showFailures() {
   const { groups } = await getJSON(`/api/failures?window=${failureWindow}`);
-  main.replaceChildren(h("h2", {}, "Failures"),
+  fill(main, h("h2", {}, "Failures"),
     h("p", {}, ["hour", "day", "week"].map((w) => h("button", { class: w === failureWindow ? "active" : "", onclick: () => { failureWindow = w; refresh(); } }, `last ${w}`))),
     groups.length ? h("table", { id: "failures" }, h("thead", {}, h("tr", {}, ["workflow", "exception", "runs", "last", "latest run", "latest message"].map((t) => h("th", {}, t)))),
       h("tbody", {}, groups.map((g) => h("tr", {},
@@ -619,7 +624,7 @@ function auditTable(records) {
 
 async function showAudit() {
   const { records } = await getJSON("/api/audit?limit=200");
-  main.replaceChildren(h("h2", {}, "Audit"), records.length ? auditTable(records) : h("p", { class: "muted" }, "no actions recorded"));
+  fill(main, h("h2", {}, "Audit"), records.length ? auditTable(records) : h("p", { class: "muted" }, "no actions recorded"));
 }
 
 route();
