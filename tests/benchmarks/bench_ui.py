@@ -128,7 +128,7 @@ def live_pages(console: Console, pages: int, seconds: float) -> dict:
 
 
 def main() -> None:
-    args = arguments(_parser(), {"runs": 20000, "seconds": 3.0})
+    args = arguments(_parser(), {"runs": 5000, "seconds": 2.0})
     with schema() as db:
         started = time.perf_counter()
         detail = fill(db, args.runs)
