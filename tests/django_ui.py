@@ -54,7 +54,8 @@ def main(url: str) -> None:
     out["bad_filter"] = client.get("/ops/api/runs?status=nope").status_code
     run_id = sys.argv[2]
     body = json.dumps({"run": run_id, "step": "1", "outcome": "discard"})
-    out["post_without_csrf"] = client.post("/ops/api/actions/resolve", body, content_type="application/json").status_code
+    answer = client.post("/ops/api/actions/resolve", body, content_type="application/json")
+    out["post_without_csrf"] = answer.status_code
     token = client.cookies["csrftoken"].value
     answer = client.post("/ops/api/actions/resolve", body, content_type="application/json", HTTP_X_CSRFTOKEN=token)
     out["post_with_csrf"] = answer.status_code

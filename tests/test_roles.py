@@ -66,8 +66,8 @@ def test_producer_schedules_but_cannot_modify_a_run(db, roles):
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("SELECT args FROM everystep_workflow")
         with pytest.raises(psycopg.errors.InsufficientPrivilege):  # a run inserted as already done
-            conn.execute("INSERT INTO everystep_workflow (id, name, args, status) VALUES (%s, 'x.y', '[]', 'completed')",
-                         (uuid.uuid4(),))
+            conn.execute("INSERT INTO everystep_workflow (id, name, args, status)"
+                         " VALUES (%s, 'x.y', '[]', 'completed')", (uuid.uuid4(),))
     assert db.run(existing.id)["status"] == "scheduled"
 
 

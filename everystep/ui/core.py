@@ -189,8 +189,8 @@ def run_filter(query: Mapping[str, str]) -> store.RunFilter:
         moment = _time(at, "before")
         before = (moment, _run_id(last))
     return store.RunFilter(status=status, workflow=query.get("workflow") or None,
-                           since=_time(query.get("since"), "since"), until=_time(query.get("until"), "until"), run_id=run_id, idempotency_key=key,
-                           args_contain=args, before=before)
+                           since=_time(query.get("since"), "since"), until=_time(query.get("until"), "until"),
+                           run_id=run_id, idempotency_key=key, args_contain=args, before=before)
 
 
 def _limit(query: Mapping[str, str]) -> int:
