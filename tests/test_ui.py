@@ -242,3 +242,56 @@ def test_counts_are_exact_when_small_and_estimated_when_large(db):
     assert counts["scheduled"] == {"n": 3, "exact": True}
     assert counts["failed"] == {"n": 0, "exact": True}
     assert counts["completed"]["exact"] is False and 2500 <= counts["completed"]["n"] <= 3500
+
+
+def test_schedules_pause_resume_and_fire_now(db, ui):
+    from everystep import scheduler  # noqa: PLC0415
+
+    with db.connect() as conn:
+        scheduler.apply(conn, {"nightly": scheduler.Schedule(workflow="tests.ui_workflows.slow", cron="0 3 * * *",
+                                                             args=(0.0,))})
+    client = Client(ui())
+    csrf = {"X-CSRF-Token": client.csrf()}
+    [row] = client.get("/api/schedules")[1]["schedules"]
+    assert row["key"] == "nightly" and row["paused"] is False and row["last_run_id"] is None
+
+    assert client.request("POST", "/api/actions/schedule", {"key": "nightly", "verb": "pause"}, headers=csrf)[0] == 200
+    assert db.value("SELECT paused FROM everystep_schedule") is True
+    assert client.request("POST", "/api/actions/schedule", {"key": "nightly", "verb": "resume"}, headers=csrf)[0] == 200
+    assert db.value("SELECT paused FROM everystep_schedule") is False
+    status, answer = client.request("POST", "/api/actions/schedule", {"key": "nightly", "verb": "fire"}, headers=csrf)
+    assert status == 200
+    [row] = client.get("/api/schedules")[1]["schedules"]
+    assert row["last_run_id"] == answer["done"][0] and row["last_run_status"] == "scheduled"
+    assert db.run(uuid.UUID(row["last_run_id"]))["args"] == [0.0]
+    status, answer = client.request("POST", "/api/actions/schedule", {"key": "nope", "verb": "fire"}, headers=csrf)
+    assert status == 409 and "no live schedule 'nope'" in answer["error"]
+    actions = [r[0] for r in db.query("SELECT action || ' ' || target FROM everystep_audit ORDER BY id")]
+    assert actions == ["schedule-pause nightly", "schedule-resume nightly", "schedule-fire nightly"]
+
+
+def test_failures_grouped_and_workers_listed(db, ui, tmp_path):
+    from tests.processes import WorkerProcess, wait_for  # noqa: PLC0415
+
+    for error_type, count in (("app.Timeout", 3), ("app.Refused", 1)):
+        for _ in range(count):
+            db.query("INSERT INTO everystep_workflow (id, name, args, status, error, completed_at)"
+                     " VALUES (gen_random_uuid(), 'app.pay', '[]', 'failed', %s::jsonb, now()) RETURNING 1",
+                     (json.dumps({"type": error_type, "message": "no", "args": []}),))
+    client = Client(ui())
+    groups = client.get("/api/failures?window=day")[1]["groups"]
+    assert [(g["workflow"], g["error_type"], g["runs"]) for g in groups] == [
+        ("app.pay", "app.Timeout", 3), ("app.pay", "app.Refused", 1)]
+    assert client.get("/api/failures?window=year")[0] == 400
+
+    [run] = db.schedule_many(ui_workflows.slow, [(30.0,)])
+    worker = WorkerProcess(db.url, "ui-worker-1", tmp_path / "logs", threads=3, imports=("tests.ui_workflows",))
+    try:
+        wait_for(lambda: db.run(run.id)["status"] == "running", 30, what="the run to be claimed")
+        workers = client.get("/api/workers")[1]["workers"]
+        assert [(w["name"], w["in_flight"]) for w in workers] == [("ui-worker-1", 1)]
+        assert workers[0]["pool_connections"] >= 1 and workers[0]["since"]
+    finally:
+        worker.signal(3)  # fast stop: requeue
+        worker.proc.wait(30)
+    assert client.get("/api/workers")[1]["workers"] == []
