@@ -35,6 +35,7 @@ MAX_PAGE_SIZE = 500
 BULK_LIMIT = 10_000  # runs one bulk action on a filter may touch
 STATEMENT_TIMEOUT_MS = 5000
 FAILURE_WINDOWS = {"hour": 1, "day": 24, "week": 24 * 7}
+ARGS_SEARCH_WINDOWS = (dt.timedelta(hours=1), dt.timedelta(days=1), dt.timedelta(days=7), None)
 
 
 class Problem(Exception):
@@ -259,7 +260,17 @@ class Console:
         limit = _limit(query)
         f = run_filter(query)
         with self._db() as conn:
-            rows = store.ui_runs(conn, f, limit + 1)
+            if f.args_contain is None or f.since is not None:
+                rows = store.ui_runs(conn, f, limit + 1)
+            else:
+                # No index serves args containment: look in the newest hour
+                # first, then wider, so a common match never scans the table.
+                now = store.database_now(conn)
+                for window in ARGS_SEARCH_WINDOWS:
+                    since = None if window is None else now - window
+                    rows = store.ui_runs(conn, f._replace(since=since), limit + 1)
+                    if len(rows) > limit:
+                        break
         more = len(rows) > limit
         rows = rows[:limit]
         after = f"{plain(rows[-1]['created_at'])}|{rows[-1]['id']}" if more else None

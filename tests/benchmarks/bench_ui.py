@@ -37,13 +37,14 @@ TARGET_MS = 100
 
 def fill(db, runs: int) -> str:
     """N runs in one INSERT ... SELECT generate_series, over 30 days, most of
-    them completed; two steps for each of the newest 50,000; a run with 40
-    steps for the detail. Returns that run's id."""
+    them completed (workflow and status independent of each other); two
+    steps for each of the newest 50,000; a run with 40 steps for the detail.
+    Returns that run's id."""
     with db.connect() as conn:
         conn.execute(
             "INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, claimed_by, result, error,"
             " created_at, completed_at)"
-            " SELECT gen_random_uuid(), 'app.workflows.wf' || (i %% %(workflows)s),"
+            " SELECT gen_random_uuid(), 'app.workflows.wf' || ((i / 100) %% %(workflows)s),"
             "  jsonb_build_array(jsonb_build_object('order', i, 'region', 'r' || (i %% 7))),"
             "  CASE WHEN i %% 10 = 0 THEN 'key-' || i END, s.status, 'bench-' || (i %% 8),"
             "  CASE WHEN s.status = 'completed' THEN to_jsonb(i) END,"
