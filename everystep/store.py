@@ -14,6 +14,7 @@ import datetime
 import json
 import uuid
 import weakref
+from collections.abc import Callable
 from importlib import resources
 from typing import Any, NamedTuple
 
@@ -890,17 +891,24 @@ def ui_reschedule(conn: psycopg.Connection, run: uuid.UUID, new_id: uuid.UUID) -
     return row[0] if row else None
 
 
-def set_schedule_paused(conn: psycopg.Connection, key: str, paused: bool) -> None:
-    """Pause or resume a live schedule (until the next `schedules apply`
-    writes the file's value again)."""
+def ui_set_schedule_paused(conn: psycopg.Connection, key: str, paused: bool,
+                           next_fire_at: Callable[[dict], datetime.datetime] | None = None) -> None:
+    """Pause or resume a live schedule from the UI (until the next `schedules
+    apply` writes the file's value again). Resuming sets the next fire time
+    `next_fire_at(row)`, so the time spent paused is not caught up."""
     with conn.transaction():
         lock_scheduler(conn)
-        row = conn.execute(
-            "UPDATE everystep_schedule SET paused = %s, updated_at = now() WHERE key = %s AND retired_at IS NULL"
-            " RETURNING key", (paused, key),
-        ).fetchone()
-    if row is None:
-        raise ScheduleRefused(f"no live schedule {key!r}")
+        rows = _dicts(conn.execute(
+            "SELECT *, now() AS database_now FROM everystep_schedule WHERE key = %s AND retired_at IS NULL FOR UPDATE",
+            (key,),
+        ))
+        if not rows:
+            raise ScheduleRefused(f"no live schedule {key!r}")
+        conn.execute(
+            "UPDATE everystep_schedule SET paused = %s, next_fire_at = coalesce(%s, next_fire_at),"
+            " updated_at = now() WHERE key = %s",
+            (paused, next_fire_at(rows[0]) if next_fire_at and not paused else None, key),
+        )
 
 
 # ---------------------------------------------------------------- audit

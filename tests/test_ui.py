@@ -257,8 +257,10 @@ def test_schedules_pause_resume_and_fire_now(db, ui):
 
     assert client.request("POST", "/api/actions/schedule", {"key": "nightly", "verb": "pause"}, headers=csrf)[0] == 200
     assert db.value("SELECT paused FROM everystep_schedule") is True
+    db.query("UPDATE everystep_schedule SET next_fire_at = now() - interval '3 days' RETURNING 1")  # paused long
     assert client.request("POST", "/api/actions/schedule", {"key": "nightly", "verb": "resume"}, headers=csrf)[0] == 200
     assert db.value("SELECT paused FROM everystep_schedule") is False
+    assert db.value("SELECT next_fire_at > now() FROM everystep_schedule")  # the paused days are not caught up
     status, answer = client.request("POST", "/api/actions/schedule", {"key": "nightly", "verb": "fire"}, headers=csrf)
     assert status == 200
     [row] = client.get("/api/schedules")[1]["schedules"]

@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import api, liveness, serde, store
+from everystep import api, liveness, scheduler, serde, store
 from everystep.errors import EverystepError
 from everystep.ids import uuid7
 from everystep.logs import first_line
@@ -417,7 +417,8 @@ class Console:
                 run = store.fire_schedule_now(conn, key, uuid7())
                 store.audit(conn, who.name, "ui", "schedule-fire", run=run, target=key)
                 return {"message": f"schedule {key} fired: run {run}", "done": [run]}
-            store.set_schedule_paused(conn, key, verb == "pause")
+            store.ui_set_schedule_paused(conn, key, verb == "pause", lambda row: scheduler.next_fire_time(
+                row["cron"], row["timezone"], row["database_now"]))
         except store.ScheduleRefused as refused:
             raise Problem(409, str(refused)) from None
         store.audit(conn, who.name, "ui", f"schedule-{verb}", target=key)

@@ -146,7 +146,9 @@ def main() -> None:
                 "filtered_page_ms": server_ms(lambda: console.runs({"status": "failed",
                                                                     "workflow": "app.workflows.wf3"})),
                 "page_21_ms": server_ms(lambda: console.runs({"before": cursor})),
-                "args_search_ms": server_ms(lambda: console.runs({"q": '{"region": "r3"}'})),
+                "args_search_ms": server_ms(lambda: console.runs({"q": '[{"region": "r3"}]'})),
+                # Nothing matches: no index serves containment, so this one reads the table.
+                "args_search_no_match_ms": server_ms(lambda: console.runs({"q": '[{"region": "nowhere"}]'}), 5),
                 "run_detail_ms": server_ms(lambda: console.run(detail)),
                 "live_poll_ms": server_ms(lambda: console._overview()),
                 "target_ms": TARGET_MS,
