@@ -87,6 +87,7 @@ class Arbiter:
         self._kill_at: float | None = None
         self._replacing: Slot | None = None  # the worker a HUP's roll is replacing
         self._published: tuple | None = None  # the state last published, to publish only changes
+        self._ui_exported = False
 
     # ---------------------------------------------------------------- life
 
@@ -435,7 +436,9 @@ class Arbiter:
         self._published = state
         workers = sum(1 for role, _, _ in live if role == "worker")
         setproctitle(f"everystep: supervisor {self.config.name} [{workers} workers]")
-        for role in ("worker", "http", "maintenance", "ui"):
+        # The ui role is exported once a UI was configured (0 after a HUP removes it).
+        self._ui_exported = self._ui_exported or self.config.ui is not None
+        for role in ("worker", "http", "maintenance") + (("ui",) if self._ui_exported else ()):
             metrics.CHILDREN.labels(role).set(sum(1 for r, _, _ in live if r == role))
         # Ready means every configured worker holds its lock: not yet during
         # the setup, no longer during a drain.

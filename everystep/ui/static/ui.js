@@ -196,7 +196,7 @@ document.getElementById("open-run").addEventListener("submit", (ev) => {
 // ------------------------------------------------------------------ runs
 
 const filters = { status: "", workflow: "", since: "", until: "", q: "" };
-let listState = { runs: [], next: null, selected: new Set() };
+let listState = { runs: [], next: null, selected: new Set(), pages: 1 };
 
 function filterQuery() {
   const p = new URLSearchParams();
@@ -538,7 +538,11 @@ function placeFork(g, fork, x, y, from, run, detail) {
     top += b.h + GAP_Y;
   }
   const joinX = x + fork.w - FORK_W;
-  for (const [px, py] of ends) g.append(svg("line", { x1: px, y1: py, x2: joinX, y2: cy, class: "edge" }));
+  const innerEnd = joinX - GAP_X / 2;  // a shorter branch runs straight on to here, then joins
+  for (const [px, py] of ends) {
+    if (px < innerEnd) g.append(svg("line", { x1: px, y1: py, x2: innerEnd, y2: py, class: "edge" }));
+    g.append(svg("line", { x1: Math.max(px, innerEnd), y1: py, x2: joinX, y2: cy, class: "edge" }));
+  }
   g.append(diamond(joinX + FORK_W / 2));
   return [[x + fork.w, cy]];
 }
