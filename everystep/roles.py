@@ -57,6 +57,7 @@ GRANT INSERT ON {s}.everystep_audit TO {producer};
 -- worker: claim, record steps, end, requeue, count crashes, fire schedules.
 GRANT SELECT, INSERT, UPDATE ON {workflow}, {step}, {s}.everystep_crash TO {worker};
 GRANT SELECT, UPDATE ON {s}.everystep_schedule TO {worker};
+GRANT USAGE ON SEQUENCE {s}.everystep_claim_token TO {worker};  -- every claim takes a new execution token
 
 -- operator: the CLI's and the UI's actions, and reading everything.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash, {s}.everystep_schedule
