@@ -99,6 +99,7 @@ def test_run_detail_has_steps_and_extended_values(db, ui):
     status, run = client.get(f"/api/runs/{nested.id}")
     assert status == 200 and run["status"] == "completed" and run["result"] == 13
     assert sorted(s["step_id"] for s in run["steps"]) == ["1", "2.0.1", "2.1.1", "2.1.2.0.1", "2.1.2.1.1", "3"]
+    assert all(s["started_at"] <= s["finished_at"] for s in run["steps"])  # the timeline's data
     status, run = client.get(f"/api/runs/{typed.id}")
     assert run["result"]["day"] == {"$es": "date", "v": "2026-01-02"}  # tagged: the page renders it readably
     assert client.get(f"/api/runs/{uuid.uuid4()}")[0] == 404

@@ -125,6 +125,7 @@ def test_the_graph_of_nested_parallel(db, browser, ui_url):
     assert box_first["x"] < box_a["x"] and abs(box_a["x"] - box_b["x"]) < 1 and box_a["y"] < box_b["y"]
     page.locator("g.node[data-step='2.1.2.1.1']").click()
     expect(page.locator("#step-result")).to_have_text("4")
+    expect(page.locator("#timeline .lane")).to_have_count(6)  # when each step started and ended
     page.click("button:text('fit')")
     shot(page, "run")
     page.close()
