@@ -63,9 +63,9 @@ def open_page(browser, url: str, token: str, init_script: str | None = None) -> 
     return page
 
 
-def shot(page: Page, name: str) -> None:
+def shot(page: Page, name: str, full_page: bool = False) -> None:
     DOCS.mkdir(exist_ok=True)
-    page.screenshot(path=str(DOCS / f"ui-{name}.png"))
+    page.screenshot(path=str(DOCS / f"ui-{name}.png"), full_page=full_page)
 
 
 def test_the_list_updates_live_when_a_run_completes(db, browser, ui_url):
@@ -127,7 +127,7 @@ def test_the_graph_of_nested_parallel(db, browser, ui_url):
     expect(page.locator("#step-result")).to_have_text("4")
     expect(page.locator("#timeline .lane")).to_have_count(6)  # when each step started and ended
     page.click("button:text('fit')")
-    shot(page, "run")
+    shot(page, "run", full_page=True)
     page.close()
 
 

@@ -70,6 +70,7 @@ async function confirmed(question, action, body) {
 }
 
 const when = (t) => (t ? new Date(t).toISOString().replace("T", " ").replace(/\.\d+Z$/, "Z") : "-");
+const whenMs = (t) => (t ? new Date(t).toISOString().replace("T", " ") : "-");
 const badge = (status) => h("span", { class: `status ${status}` }, status);
 const runLink = (id, text) => h("a", { href: `#run/${id}`, class: "mono" }, text || id);
 
@@ -551,7 +552,7 @@ function showStep(detail, step, state) {
   fill(detail, 
     h("h4", {}, h("span", { class: "mono" }, step.step_id), " ", badge(state)),
     h("p", { class: "mono" }, step.name),
-    step.started_at ? h("p", {}, `started ${when(step.started_at)}, finished ${when(step.finished_at)}`) : null,
+    step.started_at ? h("p", {}, `started ${whenMs(step.started_at)}, finished ${whenMs(step.finished_at)}`) : null,
     h("h5", {}, "args"), h("pre", { class: "value" }, readable(step.args)),
     step.kwargs && Object.keys(step.kwargs).length ? [h("h5", {}, "kwargs"), h("pre", { class: "value" }, readable(step.kwargs))] : null,
     step.status === "done" ? [h("h5", {}, "result"), h("pre", { class: "value", id: "step-result" }, readable(step.result))] : null,
@@ -571,7 +572,7 @@ function timeline(run) {
       h("span", { class: "mono label" }, s.step_id),
       h("span", { class: "track" }, h("span", { class: `bar ${s.status}`, title: `${s.step_id}: ${b - a} ms`,
         style: `left:${(100 * (a - t0)) / span}%;width:${Math.max((100 * (b - a)) / span, 0.5)}%` })),
-      h("span", { class: "ms" }, s.finished_at ? `${b - a} ms` : "…"));
+      h("span", { class: "ms" }, s.finished_at ? (b - a >= 1 ? `${b - a} ms` : "<1 ms") : "…"));
   }), h("p", { class: "muted" }, `${span} ms from the first step's start to the last step's end`));
 }
 
