@@ -64,8 +64,12 @@ def open_page(browser, url: str, token: str, init_script: str | None = None) -> 
 
 
 def shot(page: Page, name: str, full_page: bool = False) -> None:
-    DOCS.mkdir(exist_ok=True)
-    page.screenshot(path=str(DOCS / f"ui-{name}.png"), full_page=full_page)
+    """The docs' screenshots, made again only on request (EVERYSTEP_SCREENSHOTS=1),
+    so a test run leaves the tree as it was."""
+    png = page.screenshot(full_page=full_page)
+    assert png.startswith(b"\x89PNG")
+    if os.environ.get("EVERYSTEP_SCREENSHOTS") == "1":
+        (DOCS / f"ui-{name}.png").write_bytes(png)
 
 
 def test_the_list_updates_live_when_a_run_completes(db, browser, ui_url):
