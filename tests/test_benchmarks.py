@@ -24,6 +24,11 @@ FIGURES = {
     "sleep": {"delayed_start_late_p50_ms", "delayed_start_late_p99_ms", "sleep_wake_late_p50_ms",
               "sleep_wake_late_p99_ms", "target_p99_ms", "sleeping_runs", "fleet_cpu_s_per_s_idle",
               "fleet_cpu_s_per_s_sleeping", "db_commits_per_s_idle", "db_commits_per_s_sleeping", "not_completed"},
+    "ui": {"runs", "first_page_ms", "filtered_page_ms", "page_21_ms", "args_search_ms", "run_detail_ms",
+           "live_poll_ms", "target_ms", "db_queries_per_s", "events_received"},
+    "flow": {"messages", "send_to_resume_p50_ms", "send_to_resume_p95_ms", "send_to_resume_p99_ms", "runs",
+             "unlimited_runs_per_s", "limited_16_runs_per_s", "limited_16_vs_unlimited", "limited_4_runs_per_s",
+             "not_completed", "leftover"},
 }
 
 

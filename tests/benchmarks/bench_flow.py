@@ -15,7 +15,7 @@ import time
 import everystep
 from tests.benchmarks import harness, workflows
 
-QUICK = {"messages": 20, "runs": 300}
+QUICK = {"messages": 10, "runs": 150}
 
 
 def drain_rate(db, workflow, runs: int) -> float:
