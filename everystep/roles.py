@@ -48,9 +48,9 @@ DO $$ BEGIN
 END $$;
 GRANT USAGE ON SCHEMA {s} TO {producer}, {worker}, {operator};
 
--- producer: schedule() only. It inserts runs (only as scheduled, see the
+-- producer: schedule() only. It inserts runs (only as scheduled or waiting, see the
 -- policy below) and reads back the columns an idempotency key needs.
-GRANT INSERT (id, name, args, idempotency_key, status) ON {workflow} TO {producer};
+GRANT INSERT (id, name, args, idempotency_key, status, due_at) ON {workflow} TO {producer};
 GRANT SELECT (id, name, idempotency_key) ON {workflow} TO {producer};
 GRANT INSERT ON {s}.everystep_audit TO {producer};
 -- send(): a message, counted on its run (which a wait parked on it wakes
@@ -82,10 +82,10 @@ GRANT pg_read_all_stats TO {operator};
 
 -- Rows: a worker changes only runs that are scheduled or running (never a
 -- blocked or finished one: resolving is the operator's), and step rows only
--- of a running run; a producer inserts only scheduled runs.
+-- of a running run; a producer inserts only scheduled (or delayed, waiting) runs.
 ALTER TABLE {workflow} ENABLE ROW LEVEL SECURITY;
 ALTER TABLE {step} ENABLE ROW LEVEL SECURITY;
-{policy(f"{producer}_insert", workflow, "INSERT", producer, None, "status = 'scheduled'")}
+{policy(f"{producer}_insert", workflow, "INSERT", producer, None, "status IN ('scheduled', 'waiting')")}
 {policy(f"{producer}_select", workflow, "SELECT", producer, "true", None)}
 {policy(f"{worker}_select", workflow, "SELECT", worker, "true", None)}
 {policy(f"{worker}_insert", workflow, "INSERT", worker, None, "status = 'scheduled'")}
