@@ -20,10 +20,10 @@ import yaml
 from psycopg import conninfo
 
 from everystep import store
-from tests import workflows
-from tests.processes import ROOT, console_script, wait_for
-from tests.supervisor_process import children_of, config, cpu_seconds, running
-from tests.workflows import marks_of
+from tests.apps import workflows
+from tests.apps.workflows import marks_of
+from tests.support.processes import ROOT, console_script, wait_for
+from tests.support.supervisor_process import children_of, config, cpu_seconds, running
 
 
 def count(db, status):
@@ -403,6 +403,6 @@ def test_workflow_modules_are_found_in_the_current_directory(db, supervisors, tm
 
 
 def test_a_term_sent_right_after_the_fork_is_not_lost(db):
-    result = subprocess.run([sys.executable, "-m", "tests.fork_race", db.url], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "tests.apps.fork_race", db.url], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.stdout.strip() == "was killed by signal 15 (SIGTERM)", result.stdout + result.stderr
