@@ -11,10 +11,10 @@ import everystep
 from everystep import (
     EverystepError,
     StepFailure,
+    registry,
     step,
     workflow,
 )
-from everystep import runner as runner_module
 from tests.apps.engine_flows import (
     Crash,
     calls,
@@ -127,7 +127,7 @@ def test_removing_the_unsafe_mark_lets_a_started_step_run_again(db, monkeypatch)
     with pytest.raises(Crash):
         db.run_pending(runner="w1")
     safe_send = step(send_money.__wrapped__)  # the same function, no longer marked unsafe
-    monkeypatch.setitem(runner_module.REGISTRY, pays.__everystep_workflow__,
+    monkeypatch.setitem(registry.WORKFLOWS, pays.__everystep_workflow__,
                         lambda url, marker: safe_send(url, "ok"))
     db.resume_held("w1")
     row = db.run(run.id)
