@@ -48,7 +48,8 @@ def test_sigkill_of_a_worker_child_brings_the_same_name_back(db, supervisors, ma
 def test_a_lost_pod_is_recovered_by_another_supervisor(db, supervisors, marks):
     first = supervisors(config(db.url, "pod-a"))
     first.wait_workers({"pod-a-0", "pod-a-1"})
-    db.schedule_many(workflows.timed_steps, [(marks, 3, 1.0)] * 6)
+    # Ten seconds a run: still in flight once pod-b is up, even when a loaded machine starts it slowly.
+    db.schedule_many(workflows.timed_steps, [(marks, 10, 1.0)] * 6)
     wait_for(lambda: count(db, "running") == 6, what="six runs in flight")
     second = supervisors(config(db.url, "pod-b"))
     second.wait_workers({"pod-b-0", "pod-b-1"})
