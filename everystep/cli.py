@@ -44,7 +44,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from everystep import api, registry, scheduler, serde, store
+from everystep import api, liveness, registry, scheduler, serde, store
 from everystep.errors import EverystepError
 from everystep.logs import first_line
 
@@ -409,12 +409,8 @@ def cmd_requeue(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         runs = [_load_run(conn, run_id) for run_id in run_ids]
         refusals = [why for run in runs if (why := _why_not_requeued(run))]
-        # A claimer holds its advisory lock for as long as it lives: a lock we
-        # can take is a dead claimer's, and holding it keeps that name from
-        # coming back while we requeue.
         claimers = {run["claimed_by"] for run in runs if run["status"] == "running"}
-        dead = [claimer for claimer in claimers if claimer is None or store.try_lock(conn, claimer)]
-        try:
+        with liveness.dead_claimers_locked(conn, claimers) as dead:
             refusals += [
                 f"run {run['id']} is running on {run['claimed_by']}, which holds its lock: the claimer is alive"
                 for run in runs if run["status"] == "running" and run["claimed_by"] not in dead
@@ -429,10 +425,6 @@ def cmd_requeue(args: argparse.Namespace) -> int:
                     raise CliError(f"run {changed} changed while being requeued; nothing was requeued", EXIT_REFUSED)
                 for run in runs:
                     _audit(conn, "requeue", run["id"], details={"claimer": run["claimed_by"]})
-        finally:
-            for claimer in dead:
-                if claimer is not None:
-                    store.unlock(conn, claimer)
     for run in runs:
         why = f"its claimer {run['claimed_by']} is dead" if run["claimed_by"] is not None else "it had no claimer"
         print(f"requeued run {run['id']} ({why})")

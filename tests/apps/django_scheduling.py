@@ -11,7 +11,7 @@ from django.conf import settings
 from psycopg import conninfo
 
 import everystep
-from tests.workflows import quick
+from tests.apps.workflows import quick
 
 
 def main(url: str) -> None:
