@@ -283,8 +283,8 @@ def test_a_child_that_cannot_boot_after_a_hup_is_retried_not_fatal(db, superviso
         sup.write_config(config(db.url, "port", http={"port": port}))
         sup.signal(signal.SIGHUP)
         sup.wait_logged("could not boot (see its log above); trying again", count=2, timeout=60)
-        assert sup.proc.poll() is None  # the workers go on
-        assert set(sup.workers()) == {"port-0", "port-1"}
+        assert sup.proc.poll() is None  # the workers go on (the HUP rolls them one at a time meanwhile)
+        sup.wait_workers({"port-0", "port-1"})
     # The port is free now: the next attempt (after a back-off) serves on it.
     wait_for(lambda: sup.port == port, timeout=60, what=f"the HTTP child on port {port} (was {first_port})")
     assert sup.proc.poll() is None
