@@ -50,6 +50,11 @@ POISONED = Counter(
     "everystep_poisoned_runs", "Runs failed because their worker kept dying on them (max_crashes)."
 )
 
+# Recurring schedules (the maintenance child's tick).
+SCHEDULES_AUTO_PAUSED = Counter(
+    "everystep_schedule_auto_pauses", "Schedules that paused themselves because their runs kept failing."
+)
+
 # The supervisor (written by the parent process, which holds no database connection).
 CHILD_RESTARTS = Counter(
     "everystep_supervisor_child_restarts", "Children restarted after an unexpected exit, by child name.", ["child"]

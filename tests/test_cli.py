@@ -106,7 +106,7 @@ def test_migrate_applies_to_a_new_schema_and_then_has_nothing_to_apply(db, serve
         try:
             url = conninfo.make_conninfo(server_url, options=f"-c search_path={schema}")
             applied = ok(everystep_cli("--database-url", url, "migrate"))
-            assert applied == "applied 0001_initial, 0002_schedules\n"
+            assert applied == "applied 0001_initial, 0002_schedules, 0004_schedule_sources\n"
         finally:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
