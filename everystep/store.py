@@ -694,9 +694,10 @@ def put_schedule(conn: psycopg.Connection, key: str, definition: dict, next_fire
     or reviving a retired one. Every write is a new version."""
     conn.execute(
         "INSERT INTO everystep_schedule (key, workflow, args, cron, timezone, catchup, max_catchup, overlap,"
-        " max_lateness_seconds, paused, auto_pause_after, source, next_fire_at)"
+        " max_lateness_seconds, paused, auto_pause_after, source, next_fire_at, created_at, updated_at)"
         " VALUES (%(key)s, %(workflow)s, %(args)s::jsonb, %(cron)s, %(timezone)s, %(catchup)s, %(max_catchup)s,"
-        " %(overlap)s, %(max_lateness_seconds)s, %(paused)s, %(auto_pause_after)s, %(source)s, %(next_fire_at)s)"
+        " %(overlap)s, %(max_lateness_seconds)s, %(paused)s, %(auto_pause_after)s, %(source)s, %(next_fire_at)s,"
+        " now(), now())"
         " ON CONFLICT (key) DO UPDATE SET workflow = EXCLUDED.workflow, args = EXCLUDED.args, cron = EXCLUDED.cron,"
         "  timezone = EXCLUDED.timezone, catchup = EXCLUDED.catchup, max_catchup = EXCLUDED.max_catchup,"
         "  overlap = EXCLUDED.overlap, max_lateness_seconds = EXCLUDED.max_lateness_seconds,"
@@ -740,7 +741,7 @@ def set_schedule_paused(conn: psycopg.Connection, key: str, paused: bool, next_f
 def record_schedule_run(conn: psycopg.Connection, key: str, fire_at: datetime.datetime, run_id: uuid.UUID) -> None:
     """Remember the run a schedule made for a fire time."""
     conn.execute(
-        "INSERT INTO everystep_schedule_run (schedule_key, fire_at, run_id) VALUES (%s, %s, %s)"
+        "INSERT INTO everystep_schedule_run (schedule_key, fire_at, run_id, fired_at) VALUES (%s, %s, %s, now())"
         " ON CONFLICT DO NOTHING",
         (key, fire_at, run_id),
     )
