@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import psycopg
 import pytest
@@ -14,6 +16,7 @@ import everystep
 from everystep import scheduler, schedules, store, workflow
 from everystep.errors import EverystepError
 from everystep.scheduler import Manifest, Schedule
+from tests.processes import ROOT
 from tests.test_schedules import Clock, at, cli, write_manifest
 
 FAILING = {"on": True}  # what `flaky` does, set by the tests
@@ -405,3 +408,12 @@ def test_a_database_of_the_previous_version_migrates_in_place(db):
         assert [e.action for e in plan.entries] == ["unchanged"]
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute("UPDATE everystep_schedule SET auto_pause_after = 0")
+
+
+def test_the_api_joins_the_django_transaction(db):
+    result = subprocess.run([sys.executable, "-m", "tests.django_schedules", db.url], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"put": ["active", 1, ["/tmp"]], "paused": ["paused", 2],
+                                         "get": ["paused", "api", 2, ["/tmp"]], "rolled_back": True}
+    assert versions(db) == {"customer-1": 2}
