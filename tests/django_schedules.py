@@ -6,22 +6,13 @@ from __future__ import annotations
 import json
 import sys
 
-import django
-from django.conf import settings
-from psycopg import conninfo
-
 import everystep
+from tests.django_scheduling import configure_django
 from tests.workflows import quick
 
 
 def main(url: str) -> None:
-    params = conninfo.conninfo_to_dict(url)
-    settings.configure(DATABASES={"default": {
-        "ENGINE": "django.db.backends.postgresql", "NAME": params["dbname"], "USER": params.get("user", ""),
-        "HOST": params.get("host", ""), "PORT": params.get("port", ""),
-        "OPTIONS": {"options": params.get("options", "")},
-    }})
-    django.setup()
+    configure_django(url)
     from django.db import transaction  # noqa: PLC0415
 
     with transaction.atomic():
