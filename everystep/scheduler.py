@@ -243,7 +243,8 @@ def _resolve(name: str) -> Callable:
 
 def _auto_pause(conn: psycopg.Connection, row: dict) -> None:
     """Pause a schedule whose runs keep failing, and say so once."""
-    reason = f"auto-paused: its last {row['auto_pause_after']} runs failed (latest: run {row['last_run_id']})"
+    runs = "run" if row["auto_pause_after"] == 1 else f"{row['auto_pause_after']} runs"
+    reason = f"auto-paused: its last {runs} failed (latest: run {row['last_run_id']})"
     store.set_schedule_paused(conn, row["key"], True, None, reason)
     SCHEDULES_AUTO_PAUSED.inc()
     log.error("schedule %s %s; resume it with everystep.schedules.resume(%r) or an apply that un-pauses it",

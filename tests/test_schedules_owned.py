@@ -159,6 +159,11 @@ def test_two_sources_coexist_and_never_touch_each_others_keys(db, tmp_path):
     document = json.loads(forced.stdout)
     assert (document["key"], document["source"], document["forced"]) == ("a1", "team-a", True)
     assert db.query("SELECT key FROM everystep_schedule WHERE retired_at IS NULL") == [("b1",)]
+    listing = cli("schedules", "list", "--all", "--source", "team-a", "-c", team_a, db=db).stdout.splitlines()
+    assert [line.split()[:3] for line in listing[1:]] == [["a1", "retired", "team-a"], ["a2", "retired", "team-a"]]
+    bad = cli("schedules", "retire", "b1", "--source", "no such", "-c", team_b, db=db)
+    assert (bad.returncode, bad.stderr) == (2, "everystep: --source: must be 1 to 100 letters, digits, '.', '_' or "
+                                               "'-', starting with a letter or digit, got 'no such'\n")
 
 
 def test_a_manifest_without_a_source_belongs_to_deployment(db, tmp_path):
@@ -325,6 +330,34 @@ def test_a_schedule_pauses_itself_after_n_failed_runs_in_a_row(db, clock, caplog
     clock.set(f"2026-01-10 00:{minute:02d}:05")
     assert clock.tick() == []
     assert schedules.get("flaky", conn=db.connect()).state == "auto-paused"
+
+
+def test_a_manifest_schedule_auto_paused_is_resumed_by_a_reviewed_apply(db, clock, tmp_path):
+    FAILING["on"] = True
+    clock.set("2026-01-10 00:00:30")
+    manifest = write_manifest(tmp_path / "everystep.yaml", """
+        flaky:
+          workflow: tests.test_schedules_owned.flaky
+          args: [f]
+          cron: "* * * * *"
+          auto_pause_after: 1
+    """)
+    url = ["--database-url", clock.url]
+    assert cli(*url, "schedules", "apply", "-c", manifest, db=db).returncode == 0
+    clock.set("2026-01-10 00:01:05")
+    [fired] = clock.tick()
+    assert db.run_pending() == {fired.run_id: "failed"}
+    clock.set("2026-01-10 00:02:05")
+    assert clock.tick() == []
+    plan = cli(*url, "schedules", "plan", "-c", manifest, db=db).stdout.splitlines()
+    assert plan[0] == (f"~ flaky: change paused true -> false [it auto-paused: its last run failed (latest: run "
+                       f"{fired.run_id})] (next fire 2026-01-10T00:03:00+00:00)")
+    digest = plan[-1].removeprefix("digest: ")
+    assert cli(*url, "schedules", "apply", "-c", manifest, "--plan-digest", digest, db=db).returncode == 0
+    info = schedules.get("flaky", conn=db.connect())
+    assert (info.state, info.paused_reason, info.version) == ("active", None, 3)
+    clock.set("2026-01-10 00:03:05")
+    assert len(clock.tick()) == 1  # fires again; the failure before the apply no longer counts
 
 
 def test_auto_pause_is_off_by_default_and_set_in_the_manifest(db, clock, tmp_path):
