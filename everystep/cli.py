@@ -31,6 +31,7 @@ import contextlib
 import datetime as dt
 import inspect
 import json
+import logging
 import math
 import os
 import sys
@@ -43,6 +44,8 @@ import psycopg
 from everystep import api, modules, scheduler, serde, store
 from everystep.errors import EverystepError
 from everystep.logs import first_line
+
+log = logging.getLogger("everystep")
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
@@ -72,15 +75,10 @@ def database_url(args: argparse.Namespace) -> str:
     if os.environ.get("EVERYSTEP_DATABASE_URL"):
         return os.environ["EVERYSTEP_DATABASE_URL"]
     if getattr(args, "config", None):
-        from supervisor.config import ConfigError, load  # noqa: PLC0415  (only with -c)
-
-        try:
-            url = load(args.config).database.url
-        except ConfigError as exc:
-            raise CliError(str(exc)) from None
+        url = load_config(args.config).database.url
         if url:
             return url
-        from supervisor import embedded  # noqa: PLC0415
+        from everystep import embedded  # noqa: PLC0415
 
         url = embedded.running_url()
         if url:
@@ -90,6 +88,16 @@ def database_url(args: argparse.Namespace) -> str:
             "(everystep-supervisor starts one under ./.everystep/)"
         )
     raise CliError("no database: pass --database-url, set EVERYSTEP_DATABASE_URL, or pass -c everystep.yaml")
+
+
+def load_config(path: str) -> Any:
+    """The config file given with -c, validated (a mistake is one line, exit 2)."""
+    from everystep.config import ConfigError, load  # noqa: PLC0415  (only with -c)
+
+    try:
+        return load(path)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
 
 
 def connect(args: argparse.Namespace) -> psycopg.Connection:
@@ -224,30 +232,60 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    """Run one worker in this process until TERM/INT (drain) or QUIT (fast stop)."""
-    import signal  # noqa: PLC0415
-
-    from everystep import logs  # noqa: PLC0415
-    from everystep.worker import Worker  # noqa: PLC0415
-
-    logs.configure(args.log_level)
-    url = database_url(args)
-    for module in args.imports:
+def _import_modules(names: Sequence[str]) -> None:
+    for module in names:
         try:
             modules.import_module(module)
         except Exception as exc:
             raise CliError(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run one worker in this process until TERM/INT (drain) or QUIT (fast stop)."""
+    from everystep import logs  # noqa: PLC0415
+    from everystep.signals import stop_on_signals  # noqa: PLC0415
+    from everystep.worker import Worker  # noqa: PLC0415
+
+    logs.configure(args.log_level)
+    url = database_url(args)
+    _import_modules(args.imports)
     worker = Worker(url, args.name, threads=args.threads, poll=args.poll, drain=args.drain, grace=args.grace,
                     max_crashes=args.max_crashes)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
-    signal.signal(signal.SIGQUIT, lambda *_: worker.stop(fast=True))
+    stop_on_signals(worker)
     worker.run()
     sys.stdout.flush()
     # Steps still running past the drain deadline were requeued; do not wait for their threads.
     os._exit(0)
 
+
+
+def cmd_maintenance(args: argparse.Namespace) -> int:
+    """Run the dead-claimer sweep and the recurring schedules in this process
+    until TERM, INT or QUIT. Options given win over -c FILE's recovery.*."""
+    from everystep import logs  # noqa: PLC0415
+    from everystep.config import RecoveryConfig  # noqa: PLC0415
+    from everystep.maintenance import Maintenance  # noqa: PLC0415
+    from everystep.signals import stop_on_signals  # noqa: PLC0415
+
+    recovery, imports = RecoveryConfig(), list(args.imports)
+    if getattr(args, "config", None):
+        config = load_config(args.config)
+        recovery, imports = config.recovery, [*config.imports, *args.imports]
+    logs.configure(args.log_level)
+    url = database_url(args)
+    _import_modules(imports)
+    maintenance = Maintenance(
+        url,
+        interval=recovery.interval if args.interval is None else args.interval,
+        grace=recovery.grace if args.grace is None else args.grace,
+        max_crashes=recovery.max_crashes if args.max_crashes is None else args.max_crashes,
+    )
+    stop_on_signals(maintenance)
+    log.info(
+        "maintenance: the dead-claimer sweep every %g s (grace %g s), the recurring schedules every second",
+        maintenance.interval, maintenance.sweep.grace)
+    maintenance.run()
+    return 0
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
     # MODULE:FUNC (as `schedule` takes it) names the same workflow as module.FUNC.
@@ -466,7 +504,9 @@ def _database_options(parser: argparse.ArgumentParser, default: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="everystep", description="Operate everystep runs on PostgreSQL.")
+    parser = _Parser(prog="everystep", description="Operate everystep runs on PostgreSQL.",
+                     epilog="The commands: docs/operations.md. The keys of -c FILE: docs/running.md, "
+                            "section Configuration.")
     _database_options(parser, None)
     # The same options after the command; SUPPRESS keeps them from resetting
     # what was given before it.
@@ -536,6 +576,20 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-crashes", type=_whole_number(1), default=3,
                         help="claims that die without progress before a run fails (default 3)")
     worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    maintenance = add(commands, "maintenance", cmd_maintenance,
+                      "recover the runs of dead workers and fire the recurring schedules, in this process")
+    maintenance.add_argument("--interval", type=_seconds(zero=False), metavar="SECONDS",
+                             help="seconds between dead-claimer sweeps (default: recovery.interval of -c FILE, else 5)")
+    maintenance.add_argument("--grace", type=_seconds(zero=True), metavar="SECONDS",
+                             help="seconds a claimer's lock must stay free before it is dead "
+                                  "(default: recovery.grace of -c FILE, else 10)")
+    maintenance.add_argument("--max-crashes", type=_whole_number(1), metavar="N",
+                             help="claims that die without progress before a run fails "
+                                  "(default: recovery.max_crashes of -c FILE, else 3)")
+    maintenance.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                             help="module defining workflows (repeatable; -c FILE's imports too)")
+    maintenance.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     add_schedules_commands(commands, add)
     return parser
@@ -656,7 +710,7 @@ def _schedule_document(row: dict) -> dict:
 
 
 def _source_option(text: str) -> str:
-    from supervisor.config import ConfigError, read_source  # noqa: PLC0415
+    from everystep.config import ConfigError, read_source  # noqa: PLC0415
 
     try:
         return read_source("--source", text)
@@ -675,12 +729,7 @@ def _schedules_manifest(args: argparse.Namespace) -> scheduler.Manifest:
     """The schedules of -c FILE, validated before anything is read or written."""
     if not args.config:
         raise CliError(f"schedules {args.schedules_command} needs the manifest: -c everystep.yaml")
-    from supervisor.config import ConfigError, load  # noqa: PLC0415  (only with -c)
-
-    try:
-        return load(args.config).schedules
-    except ConfigError as exc:
-        raise CliError(str(exc)) from None
+    return load_config(args.config).schedules
 
 
 @contextlib.contextmanager

@@ -55,15 +55,6 @@ SCHEDULES_AUTO_PAUSED = Counter(
     "everystep_schedule_auto_pauses", "Schedules that paused themselves because their runs kept failing."
 )
 
-# The supervisor (written by the parent process, which holds no database connection).
-CHILD_RESTARTS = Counter(
-    "everystep_supervisor_child_restarts", "Children restarted after an unexpected exit, by child name.", ["child"]
-)
-CHILDREN = Gauge(
-    "everystep_supervisor_children", "Children alive, by role (worker, http, maintenance).", ["role"],
-    multiprocess_mode="livesum",
-)
-
 
 def declare_runner(runner: str) -> None:
     """Export the runner's counters at 0 before anything happens: Prometheus's

@@ -134,7 +134,7 @@ def _workflow_name(workflow: Callable | str) -> Any:
 
 def _validate(key: str, raw: dict, source: str) -> Schedule:
     """The manifest's validation, with its one-line messages."""
-    from supervisor.config import ConfigError, read_schedule  # noqa: PLC0415  (the manifest's rules)
+    from everystep.config import ConfigError, read_schedule  # noqa: PLC0415  (the manifest's rules)
 
     _validate_source(source)
     try:
@@ -144,7 +144,7 @@ def _validate(key: str, raw: dict, source: str) -> Schedule:
 
 
 def _validate_source(source: str) -> None:
-    from supervisor.config import ConfigError, read_source  # noqa: PLC0415
+    from everystep.config import ConfigError, read_source  # noqa: PLC0415
 
     try:
         read_source("everystep.schedules: source", source)

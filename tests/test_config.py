@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import (
+from everystep.config import (
     Config,
     ConfigError,
     DatabaseConfig,
@@ -441,15 +441,16 @@ def test_cli_reports_a_bad_config_file_in_one_line(tmp_path):
     assert done.stderr == f"everystep: {config}: workers.threads: must be an integer >= 1, got 'eight'\n"
 
 
-def test_the_readme_manifest_example_is_valid(config_dir):
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Recurring schedules"):]
+def test_the_documented_manifest_example_is_valid(config_dir):
+    section = (ROOT / "docs" / "schedules.md").read_text()
     example = section[section.index("```yaml\n") + len("```yaml\n"):section.index("```\n")]
     schedules = load_text(example).schedules
     assert schedules["nightly-cleanup"] == ScheduleConfig(
         workflow="myapp.maintenance.cleanup", args=({"older_than_days": 30},), cron="30 2 * * *",
         timezone="Europe/Paris", catchup="fire_once", overlap="forbid", max_lateness_seconds=3600.0,
+        auto_pause_after=3,
     )
+    assert schedules.source == "ops"
     assert schedules["hourly-report"] == ScheduleConfig(
         workflow="myapp.reports.hourly", args=("sales",), cron="@hourly", paused=True
     )
