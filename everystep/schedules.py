@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from everystep import scheduler, serde, store
+from everystep import registry, scheduler, serde, store
 from everystep.api import transaction_connection
 from everystep.errors import EverystepError
 from everystep.scheduler import API_SOURCE, Schedule
@@ -125,7 +125,7 @@ def get(key: str, *, conn: Any = None) -> ScheduleInfo | None:
 
 def _workflow_name(workflow: Callable | str) -> Any:
     if callable(workflow):
-        name = getattr(workflow, "__everystep_workflow__", None)
+        name = registry.workflow_name(workflow)
         if name is None:
             raise ScheduleError(f"everystep.schedules.put(): {workflow!r} is not an @workflow function")
         return name
