@@ -20,6 +20,7 @@ import psycopg
 import pytest
 import yaml
 
+import everystep
 from everystep import store
 from supervisor import http_server, metrics_dir, state_file
 from tests.support.processes import ROOT, wait_for
@@ -266,6 +267,7 @@ def test_queue_gauges_match_the_tables(db, folders, start):
     assert value(scrape, "everystep_workflows_running") == 2
     assert value(scrape, "everystep_workflows_blocked") == 1
     assert 90 <= value(scrape, "everystep_workflows_oldest_pending_age_seconds") < 150
+    assert value(scrape, "everystep_schedules_auto_paused") == 0
 
     with db.connect() as conn:
         conn.execute("UPDATE everystep_workflow SET status = 'running', claimed_by = 'web-0-1'"
@@ -274,6 +276,12 @@ def test_queue_gauges_match_the_tables(db, folders, start):
     assert value(scrape, "everystep_workflows_pending") == 0
     assert value(scrape, "everystep_workflows_running") == 5
     assert value(scrape, "everystep_workflows_oldest_pending_age_seconds") == 0
+
+    with db.connect() as conn, everystep.transaction(conn):
+        everystep.schedules.put("sick", "tests.workflows.quick", ["/tmp"], cron="@daily")
+        everystep.schedules.put("resting", "tests.workflows.quick", ["/tmp"], cron="@daily", paused=True)
+        store.set_schedule_paused(conn, "sick", True, None, "auto-paused: its last 3 runs failed")
+    assert value(server.metrics(), "everystep_schedules_auto_paused") == 1  # not the one paused by hand
 
 
 def serving_pending_runs(db, start, count: int) -> HttpChild:
@@ -557,7 +565,8 @@ def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
         # The rules run on what was scraped: the blocked run is noticed (the
         # alert waits out its `for`), the worker's slots keep "no workers" quiet.
         expected = {"EverystepRunsBlocked": "pending", "EverystepNoWorkers": "inactive",
-                    "EverystepDatabaseDown": "inactive", "EverystepPendingTooOld": "inactive"}
+                    "EverystepDatabaseDown": "inactive", "EverystepPendingTooOld": "inactive",
+                    "EverystepScheduleAutoPaused": "inactive"}
 
         def rules_as_expected() -> list | None:
             rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
@@ -567,7 +576,7 @@ def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
         rules = wait_for(rules_as_expected, timeout=30, what=f"the alert rules to reach {expected}")
         assert {r["name"] for r in rules} == {
             "EverystepRunsBlocked", "EverystepPendingTooOld", "EverystepChildCrashLooping", "EverystepNoWorkers",
-            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns",
+            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns", "EverystepScheduleAutoPaused",
         }
         assert all(r["health"] == "ok" for r in rules), rules
     finally:
