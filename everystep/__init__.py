@@ -1,5 +1,6 @@
 """everystep: durable workflows for Python on PostgreSQL."""
 
+from everystep import schedules  # the schedules API: everystep.schedules.put(...)
 from everystep.api import (
     ChildHandle,
     ScheduledRun,
@@ -61,6 +62,7 @@ __all__ = [
     "patched",
     "resolve_step",
     "schedule",
+    "schedules",
     "send",
     "set_event",
     "step",

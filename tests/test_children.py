@@ -6,11 +6,11 @@ import pytest
 
 import everystep
 from everystep import EverystepError, store
-from tests import flow_workflows
-from tests.flow_workflows import fan_out, parent_calls, parent_of_failure, parent_of_held
-from tests.processes import wait_for
+from tests.apps import flow_workflows
+from tests.apps.flow_workflows import fan_out, parent_calls, parent_of_failure, parent_of_held
+from tests.support.processes import wait_for
 
-IMPORTS = ("tests.workflows", "tests.flow_workflows")
+IMPORTS = ("tests.apps.workflows", "tests.apps.flow_workflows")
 
 
 def start(db, fn, *args):

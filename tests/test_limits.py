@@ -10,9 +10,9 @@ import pytest
 
 import everystep
 from everystep import EverystepError, store
-from tests.flow_workflows import limited, unlimited
-from tests.processes import wait_for
-from tests.workflows import marks_of
+from tests.apps.flow_workflows import limited, unlimited
+from tests.apps.workflows import marks_of
+from tests.support.processes import wait_for
 
 LIMITED = limited.__everystep_workflow__
 UNLIMITED = unlimited.__everystep_workflow__
@@ -151,7 +151,7 @@ def test_eight_worker_processes_keep_the_limit(db, marks, start_worker):
     limited_runs = db.schedule_many(limited, [(marks, 0.05) for _ in range(40)])
     db.schedule_many(unlimited, [(marks, 0.05) for _ in range(40)])
     for i in range(8):
-        start_worker(f"w{i}", threads=4, imports=("tests.workflows", "tests.flow_workflows"))
+        start_worker(f"w{i}", threads=4, imports=("tests.apps.workflows", "tests.apps.flow_workflows"))
     wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 80, 120,
              what="every run completed")
     ids = {str(r.id) for r in limited_runs}

@@ -9,11 +9,11 @@ import pytest
 
 import everystep
 from everystep import EverystepError, store
-from tests.flow_workflows import mailbox, publisher
-from tests.processes import wait_for
-from tests.workflows import marks_of
+from tests.apps.flow_workflows import mailbox, publisher
+from tests.apps.workflows import marks_of
+from tests.support.processes import wait_for
 
-IMPORTS = ("tests.workflows", "tests.flow_workflows")
+IMPORTS = ("tests.apps.workflows", "tests.apps.flow_workflows")
 
 
 def start(db, fn, *args):
@@ -108,7 +108,7 @@ def test_events_last_value_wins_and_a_replay_does_not_write_again(db, marks):
         assert everystep.get_event(run, "missing", None, conn=conn) is None  # the run ended: never set
         assert [e["key"] for e in store.load_events(conn, run)] == ["stage"]
     names = [s["name"] for s in db.steps(run)]
-    assert names == ["everystep.set_event", "tests.workflows.work", "everystep.set_event"]
+    assert names == ["everystep.set_event", "tests.apps.workflows.work", "everystep.set_event"]
 
 
 def test_a_parked_wait_is_woken_by_send_and_a_timeout_by_its_deadline(db, marks, start_worker):

@@ -8,11 +8,11 @@ import pytest
 from everystep import config, store
 from everystep.config import ConfigError
 from supervisor.http_server import Database, QueueCollector
-from tests.flow_workflows import cpu_job, gpu_job, unlimited
-from tests.processes import wait_for
-from tests.workflows import marks_of
+from tests.apps.flow_workflows import cpu_job, gpu_job, unlimited
+from tests.apps.workflows import marks_of
+from tests.support.processes import wait_for
 
-IMPORTS = ("tests.workflows", "tests.flow_workflows")
+IMPORTS = ("tests.apps.workflows", "tests.apps.flow_workflows")
 
 
 def unserved_gauge(db) -> dict[str, float]:
@@ -27,8 +27,8 @@ def test_workers_claim_only_the_workflows_they_serve(db, marks, start_worker):
     assert unserved_gauge(db) == {n: c for n, c in (
         (gpu_job.__everystep_workflow__, 4), (cpu_job.__everystep_workflow__, 4),
         (unlimited.__everystep_workflow__, 1))}  # no live worker at all
-    gpu_worker = start_worker("gpu-1", imports=IMPORTS, workflows=("tests.flow_workflows.gpu_*",))
-    cpu_worker = start_worker("cpu-1", imports=IMPORTS, workflows=("tests.flow_workflows.cpu?job", "other.*"))
+    gpu_worker = start_worker("gpu-1", imports=IMPORTS, workflows=("tests.apps.flow_workflows.gpu_*",))
+    cpu_worker = start_worker("cpu-1", imports=IMPORTS, workflows=("tests.apps.flow_workflows.cpu?job", "other.*"))
     done = [r.id for r in gpu + cpu]
     wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE id = ANY(%s) AND status = 'completed'",
                               (done,)) == 8, 60, what="the routed runs completed")
@@ -52,8 +52,8 @@ def test_routes_are_like_patterns_with_their_wildcards_escaped(db):
     db.schedule_many(cpu_job, [("m",)])
     with db.connect() as conn:
         # "_" in a pattern is no wildcard; "?" is.
-        assert store.claim(conn, "w", 10, store.routes_of(["tests.flow_workflows.gpu?job_"])) == []
-        claimed = store.claim(conn, "w", 10, store.routes_of(["tests.flow_workflows.gpu_job", "nothing.*"]))
+        assert store.claim(conn, "w", 10, store.routes_of(["tests.apps.flow_workflows.gpu?job_"])) == []
+        claimed = store.claim(conn, "w", 10, store.routes_of(["tests.apps.flow_workflows.gpu_job", "nothing.*"]))
     assert [r.name for r in claimed] == [gpu_job.__everystep_workflow__]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import everystep
 from everystep import workflow
-from tests.workflows import hold, work
+from tests.apps.workflows import hold, work
 
 
 @workflow(concurrency=3)
