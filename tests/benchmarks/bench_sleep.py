@@ -26,7 +26,7 @@ import everystep
 from everystep import store
 from tests.benchmarks import harness, workflows
 from tests.conftest import Database, _find_server
-from tests.supervisor_process import children_of, cpu_seconds
+from tests.support.supervisor_process import children_of, cpu_seconds
 
 QUICK = {"probes": 10, "sleeping": 300, "window": 3.0}
 
