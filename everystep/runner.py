@@ -464,7 +464,7 @@ class Replay:
             # `started` of a step no longer unsafe (run it again), or `retrying`: the row is updated in place.
             rerun_started = True
 
-        self._boundary(step_id, name)
+        self._boundary(step_id, name, rerun_started)
         if attempts:  # retrying: the back-off recorded with the last failed attempt comes first
             self._wait(scope, attempts[-1]["retry_at"], self.claim.claimed_at)
         args_json = serde.dumps(list(args))
@@ -494,32 +494,38 @@ class Replay:
                 attempts.append(attempt)
                 rerun_started = True
                 self._wait(scope, attempt["retry_at"], attempt["at"])
+                self._deliver_cancel(step_id, name, update=True)  # a cancel request learnt meanwhile
                 continue
             self._record(step_id, name, args_json, kwargs_json, "failed", None, error, rerun_started, started)
             if isinstance(failure, Terminal):
                 raise self.stop_with(failure)
             raise failure
 
-    def _boundary(self, step_id: str, name: str) -> None:
+    def _boundary(self, step_id: str, name: str, update: bool = False) -> None:
         """Before a new step (or sleep) starts: stop here for a drain or a
         lost claim, write the previous step's outcome (its answer tells of a
-        cancel request), and deliver a known cancel request as `Cancelled`,
-        recorded as this step's failure so that a replay raises it at the
-        same call."""
+        cancel request), and deliver a known cancel request. `update`: the
+        step has a row already (`retrying`, or `started` by a step no longer
+        unsafe)."""
         try:
             self.runner.fence.check(self.claim)
         except (Drain, LostClaim) as exc:
             raise self.stop_with(exc) from None
         self._write_unwritten()  # the previous step's outcome is written before this step starts
-        if self.cancel_requested and self.cancel_delivered is None:
-            with self.cursor() as cur:
-                cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
-            self.cancel_delivered = cancelled
-            now = time.time()
-            self._record(step_id, name, "[]", "{}", "failed", None, serde.encode_exception(cancelled), False,
-                         (time.perf_counter(), now))
-            metrics.CANCELLATIONS.labels(self.workflow_name).inc()
-            raise cancelled
+        self._deliver_cancel(step_id, name, update)
+
+    def _deliver_cancel(self, step_id: str, name: str, update: bool) -> None:
+        """Raise a known cancel request as `Cancelled` (once), recorded as
+        this step's failure so that a replay raises it at the same call."""
+        if not self.cancel_requested or self.cancel_delivered is not None:
+            return
+        with self.cursor() as cur:
+            cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
+        self.cancel_delivered = cancelled
+        self._record(step_id, name, "[]", "{}", "failed", None, serde.encode_exception(cancelled), update,
+                     (time.perf_counter(), time.time()))
+        metrics.CANCELLATIONS.labels(self.workflow_name).inc()
+        raise cancelled
 
     def _record_attempt(self, step_id: str, name: str, args: str, kwargs: str, error: dict, attempt: int,
                         wait: float, started: tuple[float, float]) -> dict:
