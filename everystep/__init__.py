@@ -23,7 +23,7 @@ from everystep.errors import (
     Terminal,
     WorkflowCodeError,
 )
-from everystep.runner import Backoff
+from everystep.retries import Backoff
 from everystep.serde import decode_exception, encode_exception
 
 __all__ = [

@@ -67,3 +67,8 @@ class Parked(BaseException):
     """Internal: the run is parked `waiting` until its due time (a durable
     sleep, a retry's back-off); this execution is over. A BaseException so
     `except Exception` in a workflow body does not swallow it."""
+
+
+# Ends of a run that are decided by the run itself, whatever the body does
+# with them: once raised, every later step call raises the same again.
+HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain, Parked)
