@@ -323,7 +323,7 @@ class Replay:
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
             raise exc  # KeyboardInterrupt, SystemExit: not ours to record
-        if self.cancel_delivered and not isinstance(exc, EffectUncertain):
+        if self.cancel_delivered is not None:
             # Cancelled at a step call: the run ends `cancelled`, with what the
             # body returned, or with what it raised (the Cancelled itself when
             # it let it through), or with the Cancelled when it returned.
