@@ -28,8 +28,7 @@ from tests.benchmarks import harness, workflows
 from tests.conftest import Database, _find_server
 from tests.supervisor_process import children_of, cpu_seconds
 
-QUICK = {"probes": 10, "sleeping": 300, "window": 3.0}
-QUIET = 11.0  # seconds between the parking and the window
+QUICK = {"probes": 10, "sleeping": 300, "window": 3.0, "quiet": 1.0}
 
 
 @contextlib.contextmanager
@@ -102,10 +101,12 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=100, help="delayed starts and sleeps each")
     parser.add_argument("--sleeping", type=int, default=10_000, help="runs sleeping while the cost is measured")
     parser.add_argument("--window", type=float, default=20.0, help="seconds the cost is measured over")
+    parser.add_argument("--quiet", type=float, default=11.0,
+                        help="seconds of rest before each window (a session's statistics come up to 10 s late)")
     args = harness.arguments(parser, quick=QUICK)
 
     with own_database() as db, harness.scratch() as folder, harness.supervisor(db, "sleep", folder) as sup:
-        time.sleep(QUIET)  # at rest: connections made, pools filled, their statistics reported
+        time.sleep(args.quiet)  # at rest: connections made, pools filled, their statistics reported
         idle_cpu, idle_xacts = window(db, sup.pid, args.window)
         late_start, late_wake = latencies(db, args.probes)
 
@@ -123,7 +124,7 @@ def main() -> None:
             conn.execute("VACUUM ANALYZE everystep_workflow, everystep_step")
         # A session's statistics reach pg_stat_database up to 10 s after its
         # last transaction (PGSTAT_IDLE_INTERVAL): let the parking's arrive first.
-        time.sleep(QUIET)
+        time.sleep(args.quiet)
         sleeping_cpu, sleeping_xacts = window(db, sup.pid, args.window)
         not_completed = db.value("SELECT count(*) FROM everystep_workflow WHERE status NOT IN ('completed', 'waiting')")
     start_cuts, wake_cuts = harness.percentiles(late_start), harness.percentiles(late_wake)
