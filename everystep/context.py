@@ -28,7 +28,7 @@ _NAME = re.compile(r"(?!\d+$)[A-Za-z0-9_\-:]+")
 
 @dataclass(frozen=True)
 class Outcome:
-    """A recorded step: `status` is done, failed or started."""
+    """A recorded step: `status` is done, failed, started or retrying."""
 
     name: str
     status: str
