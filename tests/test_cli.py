@@ -241,12 +241,14 @@ def test_runs_show_json(db):
     assert isinstance(step_row_id, int)
     started_at, finished_at = shown["steps"][0].pop("started_at"), shown["steps"][0].pop("finished_at")
     assert datetime.datetime.fromisoformat(started_at) <= datetime.datetime.fromisoformat(finished_at)
+    assert datetime.datetime.fromisoformat(shown.pop("due_at"))  # when it became claimable
     assert shown == {
         "id": str(run.id), "name": "tests.cli_workflows.greet", "args": ["ada"], "idempotency_key": None,
         "status": "completed", "claimed_by": "test-runner", "result": "hello ADA", "error": None,
         "created_at": "2026-01-02T03:04:05+00:00", "completed_at": "2026-01-02T03:04:06+00:00",
+        "cancel_requested_at": None, "cancel_reason": None,
         "steps": [{"step_id": "1", "name": "tests.cli_workflows.shout", "args": ["ada"], "kwargs": {},
-                   "status": "done", "result": "ADA", "error": None}],
+                   "status": "done", "result": "ADA", "error": None, "attempts": None}],
     }
 
 

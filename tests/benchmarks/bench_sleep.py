@@ -30,7 +30,7 @@ from tests.benchmarks import harness, workflows
 from tests.conftest import Database, _find_server
 from tests.supervisor_process import children_of, cpu_seconds
 
-QUICK = {"probes": 10, "sleeping": 300, "window": 3.0, "quiet": 1.0}
+QUICK = {"probes": 5, "sleeping": 200, "window": 1.0, "quiet": 0.5}
 
 
 @contextlib.contextmanager
