@@ -21,6 +21,8 @@ FIGURES = {
     "scrape": {"restarts", "scrape_ms_p50", "scrape_ms_p50_without_archive"},
     "supervisor_scrape": {"restarts", "scrape_ms_p50_before", "scrape_ms_p50", "files_before", "files",
                           "restarts_counted"},
+    "ui": {"runs", "first_page_ms", "filtered_page_ms", "page_21_ms", "args_search_ms", "run_detail_ms",
+           "live_poll_ms", "target_ms", "db_queries_per_s", "events_received"},
     "sleep": {"delayed_start_late_p50_ms", "delayed_start_late_p99_ms", "sleep_wake_late_p50_ms",
               "sleep_wake_late_p99_ms", "target_p99_ms", "sleeping_runs", "fleet_cpu_s_per_s_idle",
               "fleet_cpu_s_per_s_sleeping", "db_commits_per_s_idle", "db_commits_per_s_sleeping", "not_completed"},

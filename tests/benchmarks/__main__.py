@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ("limit", "w1", "w3", "latency", "recovery", "memory", "scrape", "supervisor_scrape", "sleep")
+BENCHMARKS = ("limit", "w1", "w3", "latency", "recovery", "memory", "scrape", "supervisor_scrape", "ui",
+              "sleep")
 
 
 def main() -> int:
