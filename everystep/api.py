@@ -12,7 +12,7 @@ from typing import Any, TypeVar, overload
 
 import psycopg
 
-from everystep import serde, store
+from everystep import serde, store, tracing
 from everystep.context import current_scope
 from everystep.errors import EverystepError, StepFailure
 from everystep.ids import uuid7
@@ -133,7 +133,8 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
                 "schedule() needs an open transaction: this connection is in autocommit mode outside "
                 "a transaction block; use `with everystep.transaction(conn):` or `with conn.transaction():`"
             )
-    run_id, created = store.insert_run(conn, uuid7(), name, args_json, idempotency_key)
+    run_id, created = tracing.traced_schedule(
+        name, lambda trace_context: store.insert_run(conn, uuid7(), name, args_json, idempotency_key, trace_context))
     return ScheduledRun(run_id, name, created)
 
 

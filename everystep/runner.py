@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, serde, store
+from everystep import metrics, observe, serde, store
 from everystep.context import Outcome, RunContext, Scope, current_run, current_scope
 from everystep.errors import (
     Drain,
@@ -146,6 +146,7 @@ class Runner:
         replay = Replay(self, run)
         _late_outcomes.add(replay)
         try:
+            replay.trace = observe.run_started(replay)
             outcome = replay.run()
         except LostClaim as exc:
             extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
@@ -155,6 +156,7 @@ class Runner:
         except Exception as exc:  # the engine itself failed on this run
             extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
             log.exception("engine error on run; marking it failed", extra=extra)
+            observe.run_ending(replay, "failed", exc)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
                 ended = replay.write(store.finish_run, run.id, self.name, "failed", None, error)
@@ -165,6 +167,7 @@ class Runner:
         finally:
             _late_outcomes.discard(replay)
             replay.release()
+        observe.run_ended(replay, outcome)
         runs, duration = _run_metrics(run.name, outcome)
         runs.inc()
         duration.observe(time.perf_counter() - started)
@@ -194,6 +197,7 @@ class Replay:
         self._unwritten: tuple[tuple, float, float] | None = None
         self._outcome_lock = threading.Lock()
         self._late_failure_logged = False
+        self.trace: Any = None  # the tracing and error-report hooks' state (everystep.observe)
 
     # -------------------------------------------------------------- writes
 
@@ -307,6 +311,7 @@ class Replay:
                     extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
                     exc_info=exc,
                 )
+        observe.run_ending(self, status, exc)
         # The last step's row, the run's end and the claim of the next run for
         # this slot: one statement, one commit.
         row = None if unwritten is None else unwritten[0]
@@ -363,6 +368,7 @@ class Replay:
                 return serde.from_json(result)
             if status == "failed":
                 exc = serde.decode_exception(error)
+                observe.step_ended(self, None, name, "failed", exc)  # no span: served; the report's step tag
                 if isinstance(exc, Terminal):
                     raise self.stop_with(exc)
                 raise exc
@@ -386,9 +392,11 @@ class Replay:
             rerun_started = True
 
         scope_token = current_scope.set(None)  # a step called inside a step is a plain call
+        traced = observe.step_started(self, step_id, name)
         try:
             value = fn(*args, **kwargs)
         except Exception as exc:
+            observe.step_ended(self, traced, name, "failed", exc)
             error = serde.encode_exception(exc)
             self._record(step_id, name, args_json, kwargs_json, "failed", None, error, rerun_started, started)
             if isinstance(exc, Terminal):
@@ -396,6 +404,7 @@ class Replay:
             raise
         finally:
             current_scope.reset(scope_token)
+        observe.step_ended(self, traced, name, "done")
         result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
         self._record(step_id, name, args_json, kwargs_json, "done", result, None, rerun_started, started)
         return value

@@ -77,19 +77,21 @@ def migrate(conn: psycopg.Connection) -> list[str]:
 # ---------------------------------------------------------------- scheduling
 
 def insert_run(
-    conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None
+    conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
+    trace_context: str | None = None,
 ) -> tuple[uuid.UUID, bool]:
     """Insert a scheduled run into the caller's transaction and notify workers
     (Postgres delivers the notification at commit). With an idempotency key, an
-    existing run of the same (name, key) is returned instead: (id, created)."""
+    existing run of the same (name, key) is returned instead: (id, created).
+    `trace_context`: the scheduling span's context as JSON, when tracing is on."""
     row = conn.execute(
         "WITH ins AS ("
-        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)"
-        " VALUES (%s, %s, %s::jsonb, %s, 'scheduled')"
+        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context)"
+        " VALUES (%s, %s, %s::jsonb, %s, 'scheduled', %s::jsonb)"
         " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
         " RETURNING id)"
         f" SELECT id, {_NOTIFY} FROM ins",
-        (run_id, name, args_json, idempotency_key),
+        (run_id, name, args_json, idempotency_key, trace_context),
     ).fetchone()
     if row is not None:
         return row[0], True
@@ -428,6 +430,21 @@ def finish_run(
     if done.get_value(0, 0) != b"t":
         return None
     return _claimed_runs(conn, done, first_column=1)
+
+
+def start_traced_execution(conn: Executor, run: uuid.UUID, runner: str) -> tuple[Any, int] | None:
+    """Count one more traced execution of a held run and return (its stored
+    trace context, the number of this execution), or None if the run is not
+    held. Only called with tracing on; the commit does not wait for its WAL
+    flush (a count lost to a server crash only numbers an execution again)."""
+    row = conn.execute(
+        "UPDATE everystep_workflow SET trace_context = jsonb_set(coalesce(trace_context, '{}'), '{executions}',"
+        "  to_jsonb(coalesce((trace_context->>'executions')::integer, 0) + 1))"
+        " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"
+        f" WHERE {_HELD} RETURNING trace_context",
+        {"run": run, "runner": runner},
+    ).fetchone()
+    return None if row is None else (row[0], row[0]["executions"])
 
 
 def run_ended_as(conn: Executor, run: uuid.UUID, runner: str, status: str) -> bool:
