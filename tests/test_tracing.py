@@ -5,13 +5,10 @@ supervisor, and the Sentry envelopes of failed and blocked runs."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -35,7 +32,6 @@ _extra("sentry_sdk", "sentry", "EVERYSTEP_REQUIRE_SENTRY")
 
 import sentry_sdk  # noqa: E402
 from opentelemetry import trace  # noqa: E402
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
@@ -46,6 +42,7 @@ from sentry_sdk.transport import Transport  # noqa: E402
 import everystep  # noqa: E402
 from everystep import observe, tracing  # noqa: E402
 from tests import tracing_workflows as flows  # noqa: E402
+from tests.otlp_receiver import Receiver  # noqa: E402
 from tests.supervisor_process import config  # noqa: E402
 
 CHILD = "tracing-child"
@@ -248,41 +245,6 @@ def test_a_run_scheduled_with_tracing_off_gets_a_trace_of_its_own(db, spans):
 
 
 # ---------------------------------------------------------------- over the wire
-
-class Receiver:
-    """An OTLP/HTTP traces endpoint on a free port that decodes each request
-    (opentelemetry-proto) and keeps its spans: {name: [span, ...]}."""
-
-    def __init__(self):
-        self.spans: list = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                for resource_spans in request.resource_spans:
-                    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-                    for scope_spans in resource_spans.scope_spans:
-                        receiver.spans += [(service, span) for span in scope_spans.spans]
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
 
 def test_the_supervisor_exports_spans_with_otlp_over_http(db, spans, supervisors, monkeypatch):
     receiver = Receiver()
