@@ -122,14 +122,15 @@ def render(finished) -> str:
     for span in finished:
         parent = span.parent.span_id if span.parent is not None and span.parent.span_id in ids else None
         children.setdefault(parent, []).append(span)
-    shown = ("everystep.step_id", "everystep.attempt", "everystep.outcome")
+    shown = ("everystep.step_id", "everystep.attempt", "everystep.outcome")  # attempt: run spans only
     lines = []
 
     def walk(parent, depth: int) -> None:
         for span in sorted(children.get(parent, []), key=lambda s: s.start_time):
-            attributes = " ".join(f"{k.removeprefix('everystep.')}={span.attributes[k]}"
-                                  for k in shown if k in span.attributes)
-            status = "" if span.status.status_code == StatusCode.UNSET else f" [{span.status.status_code.name}]"
+            attributes = " ".join(f"{k.removeprefix('everystep.')}={span.attributes[k]}" for k in shown
+                                  if k in span.attributes and not (k.endswith("attempt") and span.name[:5] == "step "))
+            code, description = span.status.status_code, span.status.description
+            status = "" if code == StatusCode.UNSET else f" [{code.name}: {description}]"
             lines.append(f"{'  ' * depth}{span.name} {attributes}{status}".rstrip())
             walk(span.context.span_id, depth + 1)
 
@@ -193,6 +194,7 @@ def test_a_replay_after_a_sigkill_continues_the_trace_without_spans_for_recorded
 def test_a_failed_run_records_the_exception_on_its_step_and_run_spans(db, spans):
     run_id = schedule(db, flows.fails, "no stock")
     assert db.run_pending() == {run_id: "failed"}
+    print(render(spans.get_finished_spans()))
     named = by_name(spans.get_finished_spans())
     (run,) = named["run tests.tracing_workflows.fails"]
     (refused,) = named["step tests.tracing_workflows.refuse"]
