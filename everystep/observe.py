@@ -86,7 +86,7 @@ def step_started(replay: Any, step_id: str, name: str) -> Any:
     execution = replay.trace
     if execution is None or execution.span is None:
         return None
-    return _never_fails(tracing.step_started)(execution.span, step_id, name)
+    return _step_span_started(execution.span, step_id, name)
 
 
 def step_ended(replay: Any, step: Any, name: str, status: str, exc: BaseException | None = None) -> None:
@@ -97,7 +97,11 @@ def step_ended(replay: Any, step: Any, name: str, status: str, exc: BaseExceptio
     if exc is not None:
         execution.failed_steps.append((exc, name))
     if step is not None:
-        _never_fails(tracing.step_ended)(execution.span, step, status, exc)
+        _step_span_ended(execution.span, step, status, exc)
+
+
+_step_span_started = _never_fails(tracing.step_started)
+_step_span_ended = _never_fails(tracing.step_ended)
 
 
 def _caused(exc: BaseException, failed: BaseException) -> bool:

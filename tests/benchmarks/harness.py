@@ -117,10 +117,10 @@ def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[Su
     receiver = None
     if TRACING:
         # Spans of every run and step, exported with OTLP/HTTP to a receiver
-        # in this process that decodes and counts them.
+        # in this process that acknowledges them.
         from tests.otlp_receiver import Receiver  # noqa: PLC0415  (needs the otel extra)
 
-        receiver = Receiver(keep=False)
+        receiver = Receiver(decode=False)
         os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_SERVICE_NAME="everystep-bench")
         sections = {**sections, "tracing": {"enabled": True}}
     document = config(db.url, name, imports=["tests.benchmarks.workflows"],
