@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 
+from everystep import tracing
 from everystep.context import current
 
 FIELDS = ("runner", "run", "workflow", "step")
@@ -35,11 +36,14 @@ class JsonFormatter(logging.Formatter):
     "runner": "web-0-1", "run": "0190...", "workflow": "...", "message": "..."}`
 
     The fields of LineFormatter, absent ones left out; `exception` holds the
-    traceback text when the record has one."""
+    traceback text when the record has one; with tracing on, `trace_id` and
+    `span_id` of the current span."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": _stamp(record), "level": record.levelname, "logger": record.name}
         entry.update((key, str(value)) for key, value in _fields(record).items())
+        if ids := tracing.current_ids():  # the step's or run's span: logs and traces join on it
+            entry["trace_id"], entry["span_id"] = ids
         entry["message"] = record.getMessage()
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)

@@ -58,6 +58,18 @@ def enabled() -> bool:
     return _trace_api() is not None
 
 
+def current_ids() -> tuple[str, str] | None:
+    """The (trace id, span id) of the span current on this thread, in hex,
+    for log lines; None when tracing is off or no span is current."""
+    trace = _trace_api()
+    if trace is None:
+        return None
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    return f"{context.trace_id:032x}", f"{context.span_id:016x}"
+
+
 # ---------------------------------------------------------------- schedule()
 
 def traced_schedule(workflow: str, insert: Callable[[str | None], tuple]) -> tuple:

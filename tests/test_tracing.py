@@ -6,6 +6,7 @@ supervisor, and the Sentry envelopes of failed and blocked runs."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from opentelemetry.util._once import Once  # noqa: E402
 from sentry_sdk.transport import Transport  # noqa: E402
 
 import everystep  # noqa: E402
-from everystep import observe, tracing  # noqa: E402
+from everystep import logs, observe, tracing  # noqa: E402
 from tests import tracing_workflows as flows  # noqa: E402
 from tests.otlp_receiver import Receiver  # noqa: E402
 from tests.supervisor_process import config  # noqa: E402
@@ -244,6 +245,23 @@ def test_a_run_scheduled_with_tracing_off_gets_a_trace_of_its_own(db, spans):
     assert db.run_pending() == {run_id: "completed"}
     (run,) = by_name(spans.get_finished_spans())["run tests.tracing_workflows.fan_out"]
     assert run.parent is None and run.attributes["everystep.attempt"] == 1
+
+
+def test_json_log_lines_carry_the_ids_of_the_current_span(db, spans):
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.setFormatter(logs.JsonFormatter())
+    handler.emit = lambda record: lines.append(handler.format(record))
+    logging.getLogger("shop").addHandler(handler)
+    try:
+        run_id = schedule(db, flows.talks, "paid")
+        assert db.run_pending() == {run_id: "completed"}
+    finally:
+        logging.getLogger("shop").removeHandler(handler)
+    (said,) = by_name(spans.get_finished_spans())["step tests.tracing_workflows.say"]
+    (entry,) = [json.loads(line) for line in lines]
+    assert entry["message"] == "paid" and entry["run"] == str(run_id)
+    assert entry["trace_id"] == f"{said.context.trace_id:032x}" and entry["span_id"] == f"{said.context.span_id:016x}"
 
 
 # ---------------------------------------------------------------- over the wire

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from pathlib import Path
@@ -80,3 +81,13 @@ def blocks(marks: str) -> str:
 @workflow
 def stops(reason: str) -> None:
     stop_here(reason)
+
+
+@step
+def say(message: str) -> None:
+    logging.getLogger("shop").warning(message)
+
+
+@workflow
+def talks(message: str) -> None:
+    say(message)
