@@ -432,19 +432,26 @@ def finish_run(
     return _claimed_runs(conn, done, first_column=1)
 
 
-def start_traced_execution(conn: Executor, run: uuid.UUID, runner: str) -> tuple[Any, int] | None:
+# Counting one more traced execution of a held run, and reading the trace
+# context it continues; only with tracing on. The commit does not wait for its
+# WAL flush: a count lost to a server crash only numbers an execution again.
+_START_TRACED_EXECUTION = _hot("start_traced_execution", (
+    "UPDATE everystep_workflow SET trace_context = jsonb_set(coalesce(trace_context, '{}'), '{executions}',"
+    "  to_jsonb(coalesce((trace_context->>'executions')::integer, 0) + 1))"
+    " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"
+    f" WHERE {_HELD} RETURNING trace_context::text"
+), ("run", "runner"))
+
+
+def start_traced_execution(conn: Executor, run: uuid.UUID, runner: str) -> tuple[dict, int] | None:
     """Count one more traced execution of a held run and return (its stored
     trace context, the number of this execution), or None if the run is not
-    held. Only called with tracing on; the commit does not wait for its WAL
-    flush (a count lost to a server crash only numbers an execution again)."""
-    row = conn.execute(
-        "UPDATE everystep_workflow SET trace_context = jsonb_set(coalesce(trace_context, '{}'), '{executions}',"
-        "  to_jsonb(coalesce((trace_context->>'executions')::integer, 0) + 1))"
-        " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"
-        f" WHERE {_HELD} RETURNING trace_context",
-        {"run": run, "runner": runner},
-    ).fetchone()
-    return None if row is None else (row[0], row[0]["executions"])
+    held. On the hot path's libpq calls: it comes with every traced execution."""
+    result = _run_hot(conn, _START_TRACED_EXECUTION, {"run": run, "runner": runner})
+    if result.ntuples == 0:
+        return None
+    stored = json.loads(result.get_value(0, 0).decode())
+    return stored, stored["executions"]
 
 
 def run_ended_as(conn: Executor, run: uuid.UUID, runner: str, status: str) -> bool:
