@@ -29,6 +29,7 @@ import contextlib
 import datetime as dt
 import inspect
 import json
+import logging
 import math
 import os
 import sys
@@ -38,9 +39,11 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from everystep import api, modules, scheduler, serde, store
+from everystep import api, registry, scheduler, serde, store
 from everystep.errors import EverystepError
 from everystep.logs import first_line
+
+log = logging.getLogger("everystep")
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
@@ -69,15 +72,10 @@ def database_url(args: argparse.Namespace) -> str:
     if os.environ.get("EVERYSTEP_DATABASE_URL"):
         return os.environ["EVERYSTEP_DATABASE_URL"]
     if getattr(args, "config", None):
-        from supervisor.config import ConfigError, load  # noqa: PLC0415  (only with -c)
-
-        try:
-            url = load(args.config).database.url
-        except ConfigError as exc:
-            raise CliError(str(exc)) from None
+        url = load_config(args.config).database.url
         if url:
             return url
-        from supervisor import embedded  # noqa: PLC0415
+        from everystep import embedded  # noqa: PLC0415
 
         url = embedded.running_url()
         if url:
@@ -87,6 +85,16 @@ def database_url(args: argparse.Namespace) -> str:
             "(everystep-supervisor starts one under ./.everystep/)"
         )
     raise CliError("no database: pass --database-url, set EVERYSTEP_DATABASE_URL, or pass -c everystep.yaml")
+
+
+def load_config(path: str) -> Any:
+    """The config file given with -c, validated (a mistake is one line, exit 2)."""
+    from everystep.config import ConfigError, load  # noqa: PLC0415  (only with -c)
+
+    try:
+        return load(path)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
 
 
 def connect(args: argparse.Namespace) -> psycopg.Connection:
@@ -221,30 +229,60 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_modules(names: Sequence[str]) -> None:
+    for module in names:
+        try:
+            registry.import_module(module)
+        except Exception as exc:
+            raise CliError(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker in this process until TERM/INT (drain) or QUIT (fast stop)."""
-    import signal  # noqa: PLC0415
-
     from everystep import logs  # noqa: PLC0415
+    from everystep.signals import stop_on_signals  # noqa: PLC0415
     from everystep.worker import Worker  # noqa: PLC0415
 
     logs.configure(args.log_level)
     url = database_url(args)
-    for module in args.imports:
-        try:
-            modules.import_module(module)
-        except Exception as exc:
-            raise CliError(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
+    _import_modules(args.imports)
     worker = Worker(url, args.name, threads=args.threads, poll=args.poll, drain=args.drain, grace=args.grace,
                     max_crashes=args.max_crashes)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
-    signal.signal(signal.SIGQUIT, lambda *_: worker.stop(fast=True))
+    stop_on_signals(worker)
     worker.run()
     sys.stdout.flush()
     # Steps still running past the drain deadline were requeued; do not wait for their threads.
     os._exit(0)
 
+
+
+def cmd_maintenance(args: argparse.Namespace) -> int:
+    """Run the dead-claimer sweep and the recurring schedules in this process
+    until TERM, INT or QUIT. Options given win over -c FILE's recovery.*."""
+    from everystep import logs  # noqa: PLC0415
+    from everystep.config import RecoveryConfig  # noqa: PLC0415
+    from everystep.maintenance import Maintenance  # noqa: PLC0415
+    from everystep.signals import stop_on_signals  # noqa: PLC0415
+
+    recovery, imports = RecoveryConfig(), list(args.imports)
+    if getattr(args, "config", None):
+        config = load_config(args.config)
+        recovery, imports = config.recovery, [*config.imports, *args.imports]
+    logs.configure(args.log_level)
+    url = database_url(args)
+    _import_modules(imports)
+    maintenance = Maintenance(
+        url,
+        interval=recovery.interval if args.interval is None else args.interval,
+        grace=recovery.grace if args.grace is None else args.grace,
+        max_crashes=recovery.max_crashes if args.max_crashes is None else args.max_crashes,
+    )
+    stop_on_signals(maintenance)
+    log.info(
+        "maintenance: the dead-claimer sweep every %g s (grace %g s), the recurring schedules every second",
+        maintenance.interval, maintenance.sweep.grace)
+    maintenance.run()
+    return 0
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
     # MODULE:FUNC (as `schedule` takes it) names the same workflow as module.FUNC.
@@ -424,21 +462,10 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _import_workflow(target: str) -> Callable:
-    module_name, _, qualname = target.partition(":")
-    if not module_name or not qualname:
-        raise CliError(f"expected MODULE:FUNC (e.g. myapp.workflows:provision_vm), not {target!r}")
     try:
-        found: Any = modules.import_module(module_name)
-    except Exception as exc:  # whatever the module raises while importing
-        raise CliError(f"cannot import {module_name}: {type(exc).__name__}: {first_line(exc)}") from None
-    try:
-        for attr in qualname.split("."):
-            found = getattr(found, attr)
-    except AttributeError:
-        raise CliError(f"module {module_name} has no {qualname!r}") from None
-    if getattr(found, "__everystep_workflow__", None) is None:
-        raise CliError(f"{target} is not an @workflow")
-    return found
+        return registry.import_target(target)
+    except registry.TargetError as exc:
+        raise CliError(str(exc)) from None
 
 
 # ---------------------------------------------------------------- the parser
@@ -457,7 +484,9 @@ def _database_options(parser: argparse.ArgumentParser, default: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="everystep", description="Operate everystep runs on PostgreSQL.")
+    parser = _Parser(prog="everystep", description="Operate everystep runs on PostgreSQL.",
+                     epilog="The commands: docs/operations.md. The keys of -c FILE: docs/running.md, "
+                            "section Configuration.")
     _database_options(parser, None)
     # The same options after the command; SUPPRESS keeps them from resetting
     # what was given before it.
@@ -527,6 +556,20 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-crashes", type=_whole_number(1), default=3,
                         help="claims that die without progress before a run fails (default 3)")
     worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    maintenance = add(commands, "maintenance", cmd_maintenance,
+                      "recover the runs of dead workers and fire the recurring schedules, in this process")
+    maintenance.add_argument("--interval", type=_seconds(zero=False), metavar="SECONDS",
+                             help="seconds between dead-claimer sweeps (default: recovery.interval of -c FILE, else 5)")
+    maintenance.add_argument("--grace", type=_seconds(zero=True), metavar="SECONDS",
+                             help="seconds a claimer's lock must stay free before it is dead "
+                                  "(default: recovery.grace of -c FILE, else 10)")
+    maintenance.add_argument("--max-crashes", type=_whole_number(1), metavar="N",
+                             help="claims that die without progress before a run fails "
+                                  "(default: recovery.max_crashes of -c FILE, else 3)")
+    maintenance.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                             help="module defining workflows (repeatable; -c FILE's imports too)")
+    maintenance.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     add_schedules_commands(commands, add)
     return parser
@@ -606,12 +649,7 @@ def _schedules_manifest(args: argparse.Namespace) -> dict:
     """The schedules of -c FILE, validated before anything is read or written."""
     if not args.config:
         raise CliError(f"schedules {args.schedules_command} needs the manifest: -c everystep.yaml")
-    from supervisor.config import ConfigError, load  # noqa: PLC0415  (only with -c)
-
-    try:
-        return load(args.config).schedules
-    except ConfigError as exc:
-        raise CliError(str(exc)) from None
+    return load_config(args.config).schedules
 
 
 @contextlib.contextmanager

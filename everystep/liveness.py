@@ -43,10 +43,11 @@ def connection_kwargs(application_name: str) -> dict:
 
 
 def fail_poison_runs(
-    conn: psycopg.Connection, claimer: str, run_ids: list[uuid.UUID], max_crashes: int
+    conn: psycopg.Connection, claimer: str, claims: list[store.Claim], max_crashes: int
 ) -> set[uuid.UUID]:
-    """Count a crash for runs whose claimer died holding them; fail those that
-    died `max_crashes` claims in a row with no new step. Returns the failed."""
+    """Count a crash for runs whose claimer died holding them (each still held
+    by the same execution); fail those that died `max_crashes` claims in a row
+    with no new step. Returns the failed."""
     error = serde.dumps({
         "type": "everystep.errors.EverystepError",
         "message": f"the worker died during {max_crashes} claims of this run in a row with no new step recorded "
@@ -54,7 +55,7 @@ def fail_poison_runs(
         "the fleet",
         "args": [],
     })
-    poisoned = set(store.count_crashes(conn, claimer, run_ids, max_crashes, error))
+    poisoned = set(store.count_crashes(conn, claimer, claims, max_crashes, error))
     for run_id in poisoned:
         log.error("poison run failed after %d crashes of its worker", max_crashes, extra={"run": str(run_id)})
     metrics.POISONED.inc(len(poisoned))
@@ -98,9 +99,9 @@ class DeadClaimerSweep:
         return max(0.0, min(interval, due))
 
     def _recover(self, conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
-        held = store.held_run_ids(conn, claimer)
-        fail_poison_runs(conn, claimer, held, self.max_crashes)
-        requeued = store.requeue_claimer(conn, claimer)
+        held = store.held_claims(conn, claimer)
+        poisoned = fail_poison_runs(conn, claimer, held, self.max_crashes)
+        requeued = store.requeue_held(conn, claimer, [claim for claim in held if claim.id not in poisoned])
         if requeued:
             log.warning("claimer %s is dead: requeued %d runs", claimer, len(requeued), extra={"runner": claimer})
             metrics.RECOVERED.inc(len(requeued))

@@ -50,15 +50,6 @@ POISONED = Counter(
     "everystep_poisoned_runs", "Runs failed because their worker kept dying on them (max_crashes)."
 )
 
-# The supervisor (written by the parent process, which holds no database connection).
-CHILD_RESTARTS = Counter(
-    "everystep_supervisor_child_restarts", "Children restarted after an unexpected exit, by child name.", ["child"]
-)
-CHILDREN = Gauge(
-    "everystep_supervisor_children", "Children alive, by role (worker, http, maintenance).", ["role"],
-    multiprocess_mode="livesum",
-)
-
 
 def declare_runner(runner: str) -> None:
     """Export the runner's counters at 0 before anything happens: Prometheus's

@@ -10,7 +10,6 @@ run, or OUTCOME_DELAY after the step returned, whichever comes first.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import logging
 import os
@@ -18,13 +17,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, observe, serde, store
-from everystep.context import Outcome, RunContext, Scope, current_run, current_scope
+from everystep import metrics, observe, registry, serde, store
+from everystep.context import Outcome, RunContext, Scope, current_run, current_scope, run_branches
 from everystep.errors import (
     Drain,
     EffectUncertain,
@@ -35,13 +34,6 @@ from everystep.errors import (
 )
 
 log = logging.getLogger("everystep")
-
-# Workflows by name, filled by @workflow at import time.
-REGISTRY: dict[str, Callable] = {}
-
-# Ends of a run that are decided by the run itself, whatever the body does
-# with them: once raised, every later step call raises the same again.
-HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain)
 
 
 @functools.cache
@@ -56,35 +48,45 @@ def _run_metrics(workflow: str, outcome: str) -> tuple:
     return metrics.WORKFLOW_RUNS.labels(workflow, outcome), metrics.WORKFLOW_DURATION.labels(workflow, outcome)
 
 
-class Lease:
-    """How a runner's runs stay claimed. A worker supplies one tied to its
-    liveness lock; this default never interrupts and retries a write that
-    failed on a connection error a few times with back-off."""
+class Fence:
+    """How an execution's writes stay fenced by its claim, beyond the
+    database's own check of the execution token. A worker supplies one tied
+    to its liveness lock; this default never interrupts and retries a write
+    that failed on a connection error a few times with back-off."""
 
-    def check(self, run_id: uuid.UUID) -> None:
+    def check(self, run: store.ClaimedRun) -> None:
         """Before a step starts: raise `Drain` to stop at this step boundary,
         block while the claim is uncertain, raise `LostClaim` once it is gone."""
 
-    def before_write(self, run_id: uuid.UUID) -> None:
+    def before_write(self, run: store.ClaimedRun) -> None:
         """Before every write about the run: block while the claim is
         uncertain, raise `LostClaim` once it is gone."""
 
-    def wait_after_error(self, run_id: uuid.UUID, attempt: int, error: Exception) -> None:
+    def wait_after_error(self, run: store.ClaimedRun, attempt: int, error: Exception) -> None:
         """After a write failed on a connection error: wait before the retry,
         or raise to give up."""
         if attempt >= 8:
             raise error
         time.sleep(min(0.1 * 2**attempt, 5.0))
 
-    def claim_next(self) -> bool:
-        """When a run is about to end: whether the statement that ends it may
-        claim the next run, for the slot it frees. True obliges one call of
-        `claimed_next` after that statement."""
+
+class Successors:
+    """Whether the statement that ends a run may also claim the next run for
+    the slot it frees. This default never claims."""
+
+    def reserve(self, run: store.ClaimedRun) -> bool:
+        """Asked once, as this execution of the run is about to end. True
+        obliges the caller of `Runner.execute` to take the execution's
+        `successor` (or its absence) into account once it returns or raises."""
         return False
 
-    def claimed_next(self, runs: list[store.ClaimedRun]) -> None:
-        """The runs that statement claimed (none if it failed): the lease
-        holder starts them."""
+
+class Execution(NamedTuple):
+    """What one execution of a run came to, as `Runner.execute` returns it."""
+    outcome: str  # completed, failed, stopped, blocked, requeued (drain) or abandoned (claim lost)
+    successor: store.ClaimedRun | None  # claimed for this slot by the statement that ended the run
+    look_again: bool  # the runner may hold runs it does not know of: an answer was lost, or another
+    # execution's row was found
 
 
 # A step's outcome, on the run's own thread, waits for the next step or the
@@ -134,57 +136,76 @@ os.register_at_fork(after_in_child=_late_outcomes.reset)
 class Runner:
     """Executes claimed runs under one runner name, writing through a pool."""
 
-    def __init__(self, pool: ConnectionPool, name: str, lease: Lease | None = None):
+    def __init__(self, pool: ConnectionPool, name: str, fence: Fence | None = None,
+                 successors: Successors | None = None):
         self.pool = pool
         self.name = name
-        self.lease = lease or Lease()
+        self.fence = fence or Fence()
+        self.successors = successors or Successors()
 
-    def execute(self, run: store.ClaimedRun) -> str:
-        """Replay one held run to an end; returns how it ended: completed,
-        failed, stopped, blocked, requeued (drain) or abandoned (claim lost)."""
+    def execute(self, run: store.ClaimedRun) -> Execution:
+        """Replay one held run to an end and say what happened: how it ended,
+        and the run its end claimed for this slot, if any."""
         started = time.perf_counter()
         replay = Replay(self, run)
         _late_outcomes.add(replay)
+        extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
         try:
             replay.trace = observe.run_started(replay)
             outcome = replay.run()
         except LostClaim as exc:
-            extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
             log.warning("claim lost, run abandoned: %s", exc, extra=extra)
             metrics.CLAIMS_LOST.labels(self.name).inc()
             outcome = "abandoned"
-        except Exception as exc:  # the engine itself failed on this run
-            extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # SystemExit or the like out of user code: not ours to record
+                _late_outcomes.discard(replay)
+                replay.release()
+                raise
+            # The engine itself failed on this run.
             log.exception("engine error on run; marking it failed", extra=extra)
             observe.run_ending(replay, "failed", exc)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
-                ended = replay.write(store.finish_run, run.id, self.name, "failed", None, error)
-                outcome = "failed" if ended is not None else "abandoned"  # None: no longer held
+                replay.end("failed", None, error, None)
+                outcome = "failed"
+            except LostClaim:
+                outcome = "abandoned"
             except Exception:
                 log.exception("could not mark the run failed; it stays claimed", extra=extra)
+                replay.look_again = True  # still held here, executed by nobody: replay it
                 outcome = "abandoned"
-        finally:
-            _late_outcomes.discard(replay)
-            replay.release()
+        return self._ended(run, replay, outcome, started)
+
+    @staticmethod
+    def _ended(run: store.ClaimedRun, replay: Replay, outcome: str, started: float) -> Execution:
+        _late_outcomes.discard(replay)
+        replay.release()
         observe.run_ended(replay, outcome)
         runs, duration = _run_metrics(run.name, outcome)
         runs.inc()
         duration.observe(time.perf_counter() - started)
-        return outcome
+        return Execution(outcome, replay.successor, replay.look_again)
+
 
 class Replay:
     """One execution of one run: serves recorded steps and records new ones."""
 
     def __init__(self, runner: Runner, run: store.ClaimedRun):
         self.runner = runner
+        self.claim = run
         self.run_id: uuid.UUID = run.id
+        self.token: int = run.token
         self.workflow_name: str = run.name
         self.args = run.args
         self.recorded: dict[str, list] = {row[0]: row[1:] for row in run.steps}
         self.halt: BaseException | None = None
         self._halt_lock = threading.Lock()
         self.context = RunContext(run.id, run.name, runner.name, self)
+        # What the end of the execution hands back (see Execution).
+        self.successor: store.ClaimedRun | None = None
+        self.claim_successor: bool | None = None  # asked once, at the end
+        self.look_again = False
         # The run's own connection, for the writes of the thread executing it;
         # parallel branches borrow from the pool for each write.
         self._owner = threading.get_ident()
@@ -192,9 +213,9 @@ class Replay:
         self._cursor: psycopg.Cursor | None = None
         # The outcome of the owner thread's last step, not written yet: it is
         # written before the next step starts, or with the run's end.
-        # (row, started, finished), guarded by _outcome_lock, which is held
+        # (row, started, written by) guarded by _outcome_lock, which is held
         # while it is written.
-        self._unwritten: tuple[tuple, float, float] | None = None
+        self._unwritten: tuple[store.StepRow, float, float] | None = None
         self._outcome_lock = threading.Lock()
         self._late_failure_logged = False
         self.trace: Any = None  # the tracing and error-report hooks' state (everystep.observe)
@@ -224,49 +245,43 @@ class Replay:
             self.runner.pool.putconn(self._conn)
             self._conn = self._cursor = None
 
-    def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one store write about this run, retrying connection errors
-        as the lease allows."""
-        attempt = 0
-        while True:
-            self.runner.lease.before_write(self.run_id)
-            try:
-                with self.cursor() as cur:
-                    return fn(cur, *args)
-            except store.CONNECTION_ERRORS as exc:
-                self.runner.lease.wait_after_error(self.run_id, attempt, exc)
-                attempt += 1
-
-    def _fenced(self, write: Callable[..., Any], args: tuple, written_before: Callable[[psycopg.Cursor], bool],
-                what: str) -> Any:
-        """Run a fenced store write about this run and return what it returned,
-        retrying connection errors as the lease allows; raise `LostClaim` when
-        it matched nothing (returned False or None). A retried write that
-        matches nothing may have been committed by its earlier attempt, whose
-        answer was lost: `written_before` tells, and then this returns None."""
+    def _fenced(self, write: Callable[..., Any], args: tuple, step_id: str | None, status: str, what: str) -> Any:
+        """Run a fenced store write about this execution and return what it
+        returned, retrying connection errors as the fence allows. A write that
+        matches nothing is explained (store.why_not_written): this execution's
+        own earlier attempt wrote it (its answer was lost): None is returned;
+        the run is no longer held by this execution, or another execution
+        wrote the row: `LostClaim`."""
         attempt = 0
         while True:
             try:
-                self.runner.lease.before_write(self.run_id)
+                self.runner.fence.before_write(self.claim)
                 with self.cursor() as cur:
-                    done = write(cur, self.run_id, self.runner.name, *args)
+                    done = write(cur, self.run_id, self.runner.name, self.token, *args)
                     if done is not None and done is not False:
                         return done
-                    if attempt and written_before(cur):
-                        return None
-                raise LostClaim(f"run {self.run_id} is no longer running under {self.runner.name} ({what})")
+                    why = store.why_not_written(cur, self.run_id, self.runner.name, self.token, step_id, status)
+                if why == store.WRITTEN:
+                    return None
+                if why == store.OTHER:
+                    # Held here, but not by this execution's writes: the worker
+                    # looks again at what it holds and replays the run afresh.
+                    self.look_again = True
+                    raise LostClaim(f"run {self.run_id}: another execution wrote {what}; this one stops")
+                raise LostClaim(f"run {self.run_id} is no longer held by this execution under "
+                                f"{self.runner.name} ({what})")
             except store.CONNECTION_ERRORS as exc:
-                self.runner.lease.wait_after_error(self.run_id, attempt, exc)
+                self.look_again = True  # the answer may be lost: a claim made by it included
+                self.runner.fence.wait_after_error(self.claim, attempt, exc)
                 attempt += 1
 
     # -------------------------------------------------------------- the run
 
     def run(self) -> str:
-        fn = REGISTRY.get(self.workflow_name)
-        if fn is None:
-            fn = serde.import_path(self.workflow_name)
-            if getattr(fn, "__everystep_workflow__", None) != self.workflow_name:
-                raise EverystepError(f"{self.workflow_name} is not an @workflow")
+        try:
+            fn = registry.resolve(self.workflow_name)
+        except TypeError as exc:
+            raise EverystepError(str(exc)) from None
         args = serde.from_json(self.args)
         scope_token = current_scope.set(Scope(self.context))
         run_token = current_run.set(self.context)
@@ -289,8 +304,8 @@ class Replay:
         if isinstance(exc, Drain):
             if unwritten is not None:
                 self._write_step(unwritten[0], unwritten[1], update=False)  # recorded before the requeue
-            if not self.write(store.requeue_held, [self.run_id], self.runner.name):
-                raise LostClaim(f"run {self.run_id} is no longer running under {self.runner.name} (requeue)")
+            self._fenced(lambda cur, run, runner, token: store.requeue_held(cur, runner, [store.Claim(run, token)]),
+                         (), None, "scheduled", "requeueing the run")
             metrics.REQUEUED.labels(self.runner.name).inc()
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
@@ -312,24 +327,35 @@ class Replay:
                     exc_info=exc,
                 )
         observe.run_ending(self, status, exc)
-        # The last step's row, the run's end and the claim of the next run for
-        # this slot: one statement, one commit.
-        row = None if unwritten is None else unwritten[0]
-        lease = self.runner.lease
-        claim = lease.claim_next()
-        claimed = None
-        try:
-            claimed = self._fenced(store.finish_run, (status, result, error, row, claim),
-                                   lambda cur: store.run_ended_as(cur, self.run_id, self.runner.name, status),
-                                   "ending the run")
-        finally:
-            if claim:
-                # An earlier attempt's claims, if its answer was lost, are
-                # found by the worker's reconciliation (see wait_after_error).
-                lease.claimed_next(claimed or [])
-        if unwritten is not None:
-            self._count(row[1], row[4], unwritten[1])
+        self.end(status, result, error, unwritten)
         return status
+
+    def end(self, status: str, result: str | None, error: str | None,
+            unwritten: tuple[store.StepRow, float, float] | None) -> None:
+        """The last step's row, the run's end and the claim of the next run for
+        this slot: one statement, one commit. The successor, if any, is left in
+        `self.successor`."""
+        row = None if unwritten is None else unwritten[0]
+        if self.claim_successor is None:
+            self.claim_successor = self.runner.successors.reserve(self.claim)
+        try:
+            claimed = self._fenced(store.finish_run, (status, result, error, row, self.claim_successor), None,
+                                   status, "ending the run")
+        except psycopg.errors.UniqueViolation:
+            # The last step's row is there already: written by this execution's
+            # earlier attempt (then end without it), or by another execution.
+            with self.cursor() as cur:
+                why = store.why_not_written(cur, self.run_id, self.runner.name, self.token, row.step_id, row.status)
+            if why != store.WRITTEN:
+                self.look_again = self.look_again or why == store.OTHER
+                raise LostClaim(f"run {self.run_id}: step {row.step_id!r} was written by another execution") from None
+            claimed = self._fenced(store.finish_run, (status, result, error, None, self.claim_successor), None,
+                                   status, "ending the run")
+        # None: an earlier attempt ended it, and its claim, if any, is found
+        # by the worker looking again (look_again is set by the retry).
+        self.successor = claimed[0] if claimed else None
+        if unwritten is not None:
+            self._count(row.name, row.status, unwritten[1])
 
     def stop_with(self, exc: BaseException) -> BaseException:
         """Set the run's halt (the first one wins) and return it to raise."""
@@ -380,13 +406,13 @@ class Replay:
             rerun_started = True  # the unsafe mark was removed from the code: run it again
 
         try:
-            self.runner.lease.check(self.run_id)
+            self.runner.fence.check(self.claim)
         except (Drain, LostClaim) as exc:
             raise self.stop_with(exc) from None
         self._write_unwritten()  # the previous step's outcome is written before this step starts
         args_json = serde.dumps(list(args))
         kwargs_json = serde.dumps(kwargs)
-        started = time.perf_counter()
+        started = (time.perf_counter(), time.time())
         if unsafe and not rerun_started:
             self._record(step_id, name, args_json, kwargs_json, "started", None, None, False, started)
             rerun_started = True
@@ -410,7 +436,7 @@ class Replay:
         return value
 
     def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,
-                result: Any, error: dict | None, update: bool, started: float) -> None:
+                result: Any, error: dict | None, update: bool, started: tuple[float, float]) -> None:
         """Record a step's row; `result` and `error` are plain JSON data.
 
         The outcome of a step of the run's own thread is written a little
@@ -418,16 +444,18 @@ class Replay:
         run, which saves a commit per run — or by the late-outcome thread
         after OUTCOME_DELAY. Steps are at-least-once, so an outcome lost with
         the worker in between only means the step runs again. The `started`
-        mark of an unsafe step, and its outcome, are written at once."""
-        row = (step_id, name, args, kwargs, status,
-               None if status != "done" else serde.dump_data(result),
-               None if error is None else serde.dump_data(error))
+        mark of an unsafe step, and its outcome, are written at once.
+        `started`: (perf_counter, time) when the step started."""
+        row = store.StepRow(step_id, name, args, kwargs, status,
+                            None if status != "done" else serde.dump_data(result),
+                            None if error is None else serde.dump_data(error),
+                            started[1], None if status == "started" else time.time())
         self.recorded[step_id] = [name, status, result, error]
         if status != "started" and not update and threading.get_ident() == self._owner:
             with self._outcome_lock:
-                self._unwritten = (row, started, time.perf_counter())
+                self._unwritten = (row, started[0], time.perf_counter())
         else:
-            self._write_step(row, started, update)
+            self._write_step(row, started[0], update)
 
     def _write_unwritten(self) -> None:
         """Write the outcome waiting to be written, if any (or wait for the
@@ -458,22 +486,14 @@ class Replay:
         finally:
             self._outcome_lock.release()
 
-    def _write_step(self, row: tuple, started: float, update: bool) -> None:
-        step_id, name, status = row[0], row[1], row[4]
-
-        def written_before(cur: psycopg.Cursor) -> bool:
-            if not store.is_held(cur, self.run_id, self.runner.name):
-                return False
-            found = store.step_row(cur, self.run_id, step_id)
-            return found is not None and found[1] == status
-
+    def _write_step(self, row: store.StepRow, started: float, update: bool) -> None:
         try:
-            self._fenced(store.complete_started_step if update else store.record_step, row, written_before,
-                         f"recording step {step_id!r}")
+            self._fenced(store.complete_started_step if update else store.record_step, (row,), row.step_id,
+                         row.status, f"step {row.step_id!r}")
         except LostClaim as lost:
             raise self.stop_with(lost) from None
-        if status != "started":
-            self._count(name, status, started)
+        if row.status != "started":
+            self._count(row.name, row.status, started)
 
     def _count(self, name: str, status: str, started: float) -> None:
         runs, duration = _step_metrics(self.workflow_name, name, status)
@@ -492,49 +512,3 @@ class Replay:
         if self.halt is not None:
             raise self.halt
         return results
-
-
-def run_branches(branches: tuple, scopes: list[Scope] | None) -> tuple:
-    """Run each branch on its own thread (the last on this one), wait for all,
-    and return their results in order; raise one failure as is, several as an
-    ExceptionGroup. With `scopes`, each branch records into its scope."""
-    results: list[Any] = [None] * len(branches)
-    errors: list[BaseException | None] = [None] * len(branches)
-
-    def run_one(i: int) -> None:
-        if scopes is not None:
-            current_scope.set(scopes[i])
-        try:
-            branch = branches[i]
-            if isinstance(branch, (list, tuple)):
-                results[i] = tuple(call() for call in branch)
-            else:
-                results[i] = branch()
-        except BaseException as exc:  # noqa: BLE001  (re-raised by the caller)
-            errors[i] = exc
-
-    for branch in branches:
-        calls = branch if isinstance(branch, (list, tuple)) else [branch]
-        for call in calls:
-            if not callable(call):
-                raise TypeError(f"parallel() takes zero-argument callables or lists of them, not {call!r}")
-    threads = [
-        threading.Thread(target=contextvars.copy_context().run, args=(run_one, i), daemon=True)
-        for i in range(len(branches) - 1)
-    ]
-    for thread in threads:
-        thread.start()
-    if branches:
-        contextvars.copy_context().run(run_one, len(branches) - 1)
-    for thread in threads:
-        thread.join()
-
-    failures = [exc for exc in errors if exc is not None]
-    for exc in failures:
-        if isinstance(exc, HALTS) or not isinstance(exc, Exception):
-            raise exc
-    if len(failures) == 1:
-        raise failures[0]
-    if failures:
-        raise ExceptionGroup(f"{len(failures)} of {len(branches)} parallel branches failed", failures)
-    return tuple(results)

@@ -1,11 +1,17 @@
 """Every SQL statement everystep runs, as named functions. Nobody else writes SQL.
 
-Fencing: every write about a held run is conditional on the run still being
-`running` and claimed by the writer (`_HELD`). Step rows are written under a
-`FOR SHARE` lock of the run row, so a concurrent requeue either waits for the
-step's commit or makes the insert match nothing — a worker that lost its claim
-cannot slip a write in. A write about a held run that matches nothing (its
-function returns False, None or an empty list) means the claim was lost.
+Fencing: every claim of a run gives it a new execution token (a sequence
+value on its row), and every write about a held run is conditional on the run
+still being `running`, claimed by the writer and carrying the writer's token
+(`_HELD`). Step rows are written under a `FOR SHARE` lock of the run row, so a
+concurrent requeue either waits for the step's commit or makes the insert match
+nothing — an execution that lost its claim cannot slip a write in, not even one
+of the same worker. A write about a held run that matches nothing (its function
+returns False, None or an empty list) is explained by `why_not_written`.
+
+Durability: every connection the engine writes runs and steps on commits
+synchronously (`prepare_session`), whatever the server, role or URL says: a
+claim, a step row and a run's end are on disk before anyone acts on them.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ TERMINAL = ("completed", "failed", "stopped")
 # The 64-bit advisory-lock key of a runner name, scoped to the schema so two
 # deployments sharing a database (or two test schemas) never collide.
 _LOCK_KEY = "hashtextextended('everystep:' || current_schema() || ':' || %s, 0)"
-_HELD = "id = %(run)s AND status = 'running' AND claimed_by = %(runner)s"
+_HELD = "id = %(run)s AND status = 'running' AND claimed_by = %(runner)s AND claim_token = %(token)s::bigint"
+# A new execution token, for every claim.
+_NEW_TOKEN = "nextval('everystep_claim_token')"
 
 # What the writes about a held run execute on: a connection, or a cursor of
 # one (the runner reuses one cursor for all the writes of an execution).
@@ -45,6 +53,13 @@ class ClaimedRun(NamedTuple):
     name: str
     args: Any  # stored JSON, not yet decoded
     steps: list  # [[step_id, name, status, result, error], ...] as stored
+    token: int  # the execution token of this claim
+
+
+class Claim(NamedTuple):
+    """A run held by a claimer, as its row says: which run, which execution."""
+    id: uuid.UUID
+    token: int | None  # None: claimed before execution tokens existed
 
 
 # ---------------------------------------------------------------- migrations
@@ -119,24 +134,30 @@ def unlock(conn: psycopg.Connection, runner: str) -> None:
     conn.execute(f"SELECT pg_advisory_unlock({_LOCK_KEY})", (runner,))
 
 
+def prepare_session(conn: psycopg.Connection) -> None:
+    """Make this session's commits wait for their WAL flush when the server,
+    the role, the database or the URL turned that off: the engine's claims,
+    step rows and run ends must be on disk before anyone acts on them (a
+    claim lost to a server crash would let a second worker run the same step
+    at the same time). Stronger settings (remote_apply, ...) are kept."""
+    conn.execute(
+        "SELECT set_config('synchronous_commit', 'on', false) WHERE current_setting('synchronous_commit') = 'off'"
+    )
+
+
 def prepare_control_session(conn: psycopg.Connection, idle: int, interval: int, count: int) -> None:
     """Set up a worker's control connection (lock, LISTEN, claims, requeues).
 
     Server-side TCP keepalives make the server drop the session of a vanished
     host, and so free its lock, in seconds (no effect over a Unix socket).
-
-    Its commits do not wait for the WAL flush: a claim or requeue lost to a
-    server crash is put right by the worker's catchup after it re-takes its
-    lock, or by the dead-claimer sweep, and every step write is fenced on the
-    claim and flushed synchronously, so nothing durable can depend on a lost
-    claim. This saves a flush on the latency path of every claim."""
+    Its commits are synchronous like every engine session's (`prepare_session`)."""
     user_timeout_ms = (idle + interval * count) * 1000
     conn.execute(
         "SELECT set_config('tcp_keepalives_idle', %s, false), set_config('tcp_keepalives_interval', %s, false),"
-        " set_config('tcp_keepalives_count', %s, false), set_config('tcp_user_timeout', %s, false),"
-        " set_config('synchronous_commit', 'off', false)",
+        " set_config('tcp_keepalives_count', %s, false), set_config('tcp_user_timeout', %s, false)",
         (str(idle), str(interval), str(count), str(user_timeout_ms)),
     )
+    prepare_session(conn)
 
 
 def listen(conn: psycopg.Connection) -> str:
@@ -167,14 +188,14 @@ def running_claimers(conn: psycopg.Connection) -> list[str]:
 # most claimed runs have no steps.
 _RUN_WITH_STEPS = (
     "w.id, w.name, w.args, to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error)"
-    " FROM everystep_step s WHERE s.workflow_id = w.id))"
+    " FROM everystep_step s WHERE s.workflow_id = w.id)), w.claim_token"
 )
 
 
 def claim(conn: psycopg.Connection, runner: str, limit: int) -> list[ClaimedRun]:
     """Claim up to `limit` scheduled runs, oldest first, with their recorded steps."""
     rows = conn.execute(
-        "UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s"
+        f"UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s, claim_token = {_NEW_TOKEN}"
         " WHERE w.id IN (SELECT id FROM everystep_workflow WHERE status = 'scheduled'"
         "  ORDER BY created_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
         f" RETURNING {_RUN_WITH_STEPS}",
@@ -186,42 +207,52 @@ def claim(conn: psycopg.Connection, runner: str, limit: int) -> list[ClaimedRun]
     return runs
 
 
-def held_runs(conn: psycopg.Connection, runner: str) -> list[ClaimedRun]:
-    """Runs `running` under this runner's name: left by its previous incarnation."""
+def reclaim_held(conn: psycopg.Connection, runner: str, executing: list[int] = ()) -> list[ClaimedRun]:
+    """Claim again, with new tokens, the runs `running` under this runner's
+    name that none of its live executions (`executing`: their tokens) holds:
+    left by its previous incarnation, or claimed by a write whose answer was
+    lost. Oldest first."""
     rows = conn.execute(
-        f"SELECT {_RUN_WITH_STEPS} FROM everystep_workflow w"
-        " WHERE w.status = 'running' AND w.claimed_by = %s ORDER BY w.created_at",
-        (runner,),
+        f"UPDATE everystep_workflow w SET claim_token = {_NEW_TOKEN}"
+        " WHERE w.status = 'running' AND w.claimed_by = %s"
+        "  AND (w.claim_token IS NULL OR w.claim_token <> ALL(%s::bigint[]))"
+        f" RETURNING {_RUN_WITH_STEPS}",
+        (runner, list(executing)),
     ).fetchall()
-    return [ClaimedRun(*row) for row in rows]
+    runs = [ClaimedRun(*row) for row in rows]
+    runs.sort(key=lambda r: r.id)
+    return runs
 
 
-def held_run_ids(conn: psycopg.Connection, runner: str) -> list[uuid.UUID]:
-    return [row[0] for row in conn.execute(
-        "SELECT id FROM everystep_workflow WHERE status = 'running' AND claimed_by = %s", (runner,)
+def held_claims(conn: psycopg.Connection, runner: str) -> list[Claim]:
+    """The runs `running` under this runner's name, with their tokens."""
+    return [Claim(*row) for row in conn.execute(
+        "SELECT id, claim_token FROM everystep_workflow WHERE status = 'running' AND claimed_by = %s", (runner,)
     )]
 
 
 def count_crashes(
-    conn: psycopg.Connection, claimer: str, run_ids: list[uuid.UUID], max_crashes: int, poison_error: str
+    conn: psycopg.Connection, claimer: str, claims: list[Claim], max_crashes: int, poison_error: str
 ) -> list[uuid.UUID]:
     """Count one crash (a claim that ended with its worker dead) for each of
-    these runs still `running` under `claimer`. The count restarts when the run
-    recorded new steps since its last crash. Runs that reach `max_crashes` are
-    failed with `poison_error`; returns them."""
-    if not run_ids:
+    these runs still held under `claimer` with the same token. The count
+    restarts when the run recorded new steps since its last crash. Runs that
+    reach `max_crashes` are failed with `poison_error`; returns them."""
+    if not claims:
         return []
+    ids, tokens = [c.id for c in claims], [c.token for c in claims]
     with conn.transaction():
         rows = conn.execute(
             "INSERT INTO everystep_crash (workflow_id, crashes, steps_seen)"
             " SELECT w.id, 1, (SELECT count(*) FROM everystep_step s WHERE s.workflow_id = w.id)"
-            " FROM everystep_workflow w WHERE w.id = ANY(%s) AND w.status = 'running' AND w.claimed_by = %s"
+            " FROM everystep_workflow w JOIN unnest(%s::uuid[], %s::bigint[]) AS c(id, token) ON w.id = c.id"
+            " WHERE w.status = 'running' AND w.claimed_by = %s AND w.claim_token IS NOT DISTINCT FROM c.token"
             " ON CONFLICT (workflow_id) DO UPDATE SET"
             "  crashes = CASE WHEN everystep_crash.steps_seen = EXCLUDED.steps_seen"
             "            THEN everystep_crash.crashes + 1 ELSE 1 END,"
             "  steps_seen = EXCLUDED.steps_seen"
             " RETURNING workflow_id, crashes",
-            (run_ids, claimer),
+            (ids, tokens, claimer),
         ).fetchall()
         poisoned = [run_id for run_id, crashes in rows if crashes >= max_crashes]
         if not poisoned:
@@ -281,7 +312,10 @@ def _run_hot(on: Executor, statement: _Hot, values: dict[str, Any]) -> pq.abc.PG
 def _check(conn: psycopg.Connection, result: pq.abc.PGresult) -> pq.abc.PGresult:
     if result.status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
         return result
-    if conn.pgconn.status == pq.ConnStatus.BAD:  # the connection is lost: the write is retried on another
+    # The connection is lost (the server crashed or restarted under it): the
+    # write is retried on another. libpq reports that without an SQLSTATE,
+    # sometimes before it marks the connection bad.
+    if conn.pgconn.status == pq.ConnStatus.BAD or result.error_field(pq.DiagnosticField.SQLSTATE) is None:
         raise errors.OperationalError(conn.pgconn.get_error_message(conn.info.encoding))
     raise errors.error_from_result(result, encoding=conn.info.encoding)
 
@@ -292,69 +326,62 @@ def _claimed_runs(on: Executor, result: pq.abc.PGresult, first_column: int) -> l
     encoding = (on.connection if isinstance(on, psycopg.Cursor) else on).info.encoding
     runs = []
     for row in range(result.ntuples):
-        run_id, name, args, steps = (result.get_value(row, first_column + i) for i in range(4))
+        run_id, name, args, steps, token = (result.get_value(row, first_column + i) for i in range(5))
         if run_id is not None:
-            runs.append(ClaimedRun(uuid.UUID(run_id.decode()), name.decode(encoding),
-                                   json.loads(args.decode(encoding)), json.loads(steps.decode(encoding))))
+            runs.append(ClaimedRun(uuid.UUID(run_id.decode()), name.decode(encoding), json.loads(args.decode(encoding)),
+                                   json.loads(steps.decode(encoding)), int(token)))
     return runs
 
 
 # ---------------------------------------------------------------- writes about a held run (fenced)
 
-def record_step(
-    conn: Executor,
-    run: uuid.UUID,
-    runner: str,
-    step_id: str,
-    name: str,
-    args: str,
-    kwargs: str,
-    status: str,
-    result: str | None,
-    error: str | None,
-) -> bool:
+class StepRow(NamedTuple):
+    """A step row as the runner writes it: JSON as text, times as epoch seconds."""
+    step_id: str
+    name: str
+    args: str
+    kwargs: str
+    status: str  # done, failed, or started (an unsafe step's mark)
+    result: str | None
+    error: str | None
+    started_at: float
+    finished_at: float | None  # None while `started`
+
+
+def record_step(conn: Executor, run: uuid.UUID, runner: str, token: int, row: StepRow) -> bool:
     """Record a step's outcome (`done`/`failed`), or the `started` mark of an
-    unsafe-to-repeat step. The unique (workflow, step_id) makes this insert the
-    claim on the step: False if the run is not held or the row exists."""
-    done = _run_hot(conn, _RECORD_STEP, {
-        "run": run, "runner": runner, "step_id": step_id, "name": name, "args": args, "kwargs": kwargs,
-        "status": status, "result": result, "error": error,
-    })
+    unsafe-to-repeat step, with the token of the execution that wrote it. The
+    unique (workflow, step_id) makes this insert the claim on the step: False
+    if the run is not held by this execution or the row exists."""
+    done = _run_hot(conn, _RECORD_STEP, {"run": run, "runner": runner, "token": token, **row._asdict()})
     return done.command_tuples == 1
 
 
-_STEP_ROW = ("step_id", "name", "args", "kwargs", "status", "result", "error")
+# The step columns of the hot statements, from parameters named after StepRow's fields.
+_STEP_COLUMNS = "step_id, name, args, kwargs, status, result, error, claim_token, started_at, finished_at"
+_STEP_VALUES = (
+    "%(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(status)s, %(result)s::jsonb, %(error)s::jsonb,"
+    " claim_token, to_timestamp(%(started_at)s::float8), to_timestamp(%(finished_at)s::float8)"
+)
 _RECORD_STEP = _hot(
     "record_step",
-    "INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
-    " SELECT id, %(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(status)s,"
-    " %(result)s::jsonb, %(error)s::jsonb"
-    f" FROM everystep_workflow WHERE {_HELD} FOR SHARE"
+    f"INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
+    f" SELECT id, {_STEP_VALUES} FROM everystep_workflow WHERE {_HELD} FOR SHARE"
     " ON CONFLICT (workflow_id, step_id) DO NOTHING",
-    ("run", "runner", *_STEP_ROW),
+    ("run", "runner", "token", *StepRow._fields),
 )
 
 
-def complete_started_step(
-    conn: Executor,
-    run: uuid.UUID,
-    runner: str,
-    step_id: str,
-    name: str,
-    args: str,
-    kwargs: str,
-    status: str,
-    result: str | None,
-    error: str | None,
-) -> bool:
-    """Update a `started` step row in place with its outcome."""
+def complete_started_step(conn: Executor, run: uuid.UUID, runner: str, token: int, row: StepRow) -> bool:
+    """Update a `started` step row in place with its outcome (the row may be
+    an earlier execution's, when the unsafe mark was removed from the code)."""
     cur = conn.execute(
         "UPDATE everystep_step s SET name = %(name)s, args = %(args)s::jsonb, kwargs = %(kwargs)s::jsonb,"
-        " status = %(status)s, result = %(result)s::jsonb, error = %(error)s::jsonb"
-        " FROM (SELECT id FROM everystep_workflow WHERE " + _HELD + " FOR SHARE) w"
+        " status = %(status)s, result = %(result)s::jsonb, error = %(error)s::jsonb, claim_token = w.claim_token,"
+        " started_at = to_timestamp(%(started_at)s::float8), finished_at = to_timestamp(%(finished_at)s::float8)"
+        " FROM (SELECT id, claim_token FROM everystep_workflow WHERE " + _HELD + " FOR SHARE) w"
         " WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s AND s.status = 'started'",
-        {"run": run, "runner": runner, "step_id": step_id, "name": name, "args": args, "kwargs": kwargs,
-         "status": status, "result": result, "error": error},
+        {"run": run, "runner": runner, "token": token, **row._asdict()},
         prepare=True,
     )
     return cur.rowcount == 1
@@ -367,9 +394,33 @@ def step_row(conn: Executor, run: uuid.UUID, step_id: str) -> tuple | None:
     ).fetchone()
 
 
-def is_held(conn: Executor, run: uuid.UUID, runner: str) -> bool:
-    row = conn.execute(f"SELECT 1 FROM everystep_workflow WHERE {_HELD}", {"run": run, "runner": runner}).fetchone()
-    return row is not None
+# Why a fenced write matched nothing (see why_not_written).
+WRITTEN = "written"  # this execution's own earlier attempt wrote it (its answer was lost)
+LOST = "lost"  # the run is not held by this execution any more
+OTHER = "other"  # the run is held, but the row was written by another execution
+
+
+def why_not_written(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id: str | None,
+                    status: str) -> str:
+    """Explain a fenced write that matched nothing: WRITTEN, LOST or OTHER.
+    For a step (`step_id`): whether its row with `status` is this execution's
+    own; for the end of the run (`step_id` None): whether this execution ended
+    it with `status`."""
+    if step_id is None:
+        row = conn.execute(
+            "SELECT status = %s, status = 'running' FROM everystep_workflow"
+            " WHERE id = %s AND claimed_by = %s AND claim_token = %s",
+            (status, run, runner, token),
+        ).fetchone()
+        return WRITTEN if row and row[0] else OTHER if row and row[1] else LOST
+    row = conn.execute(
+        f"SELECT EXISTS (SELECT 1 FROM everystep_workflow WHERE {_HELD}),"
+        " (SELECT claim_token = %(token)s AND status = %(status)s FROM everystep_step"
+        "  WHERE workflow_id = %(run)s AND step_id = %(step_id)s)",
+        {"run": run, "runner": runner, "token": token, "step_id": step_id, "status": status},
+    ).fetchone()
+    held, mine = row
+    return WRITTEN if mine else OTHER if held else LOST
 
 
 # The SET clause that ends a run.
@@ -381,102 +432,88 @@ _ENDING = (
 # the next run (%(claim)s: 1 or 0) only if the run was ended: one row per run
 # claimed, at least one.
 _END_RUN = (
-    "WITH ended AS (UPDATE everystep_workflow SET {ending}{async_commit} WHERE {held} RETURNING id),"
+    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held} RETURNING id, claim_token),"
     " {step}"
-    " claimed AS (UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s"
+    " claimed AS (UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s,"
+    "  claim_token = {new_token}"
     "  WHERE w.id = (SELECT id FROM everystep_workflow WHERE status = 'scheduled' AND EXISTS (SELECT 1 FROM ended)"
     "   ORDER BY created_at LIMIT %(claim)s FOR UPDATE SKIP LOCKED)"
     "  RETURNING {run_with_steps})"
     " SELECT ended.id IS NOT NULL, claimed.* FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
 )
-_END_RUN_PARAMS = ("run", "runner", "status", "result", "error", "claim")
-_LAST_STEP = tuple(f"step_{column}" for column in _STEP_ROW)
-# The step row is inserted only if the run was ended here; a row already
-# there is a unique violation that undoes the whole statement.
+_END_RUN_PARAMS = ("run", "runner", "token", "status", "result", "error", "claim")
+# The last step's row is inserted only if the run was ended here; a row
+# already there is a unique violation that undoes the whole statement.
 _END_RUN_WITH_STEP = _hot("end_run_with_step", _END_RUN.format(
-    ending=_ENDING, async_commit="", held=_HELD, run_with_steps=_RUN_WITH_STEPS,
-    step="step AS (INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error)"
-    " SELECT id, %(step_step_id)s, %(step_name)s, %(step_args)s::jsonb, %(step_kwargs)s::jsonb, %(step_status)s,"
-    " %(step_result)s::jsonb, %(step_error)s::jsonb FROM ended),",
-), _END_RUN_PARAMS + _LAST_STEP)
+    ending=_ENDING, held=_HELD, new_token=_NEW_TOKEN, run_with_steps=_RUN_WITH_STEPS,
+    step=f"step AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
+    f" SELECT id, {_STEP_VALUES.replace('%(', '%(step_')} FROM ended),",
+), _END_RUN_PARAMS + tuple(f"step_{field}" for field in StepRow._fields))
 _END_RUN_ALONE = _hot("end_run", _END_RUN.format(
-    ending=_ENDING, async_commit=" FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit",
-    held=_HELD, run_with_steps=_RUN_WITH_STEPS, step="",
+    ending=_ENDING, held=_HELD, new_token=_NEW_TOKEN, run_with_steps=_RUN_WITH_STEPS, step="",
 ), _END_RUN_PARAMS)
 
 
 def finish_run(
-    conn: Executor, run: uuid.UUID, runner: str, status: str, result: str | None, error: str | None,
-    last_step: tuple | None = None, claim: bool = False,
+    conn: Executor, run: uuid.UUID, runner: str, token: int, status: str, result: str | None, error: str | None,
+    last_step: StepRow | None = None, claim: bool = False,
 ) -> list[ClaimedRun] | None:
     """Move a held run to its end (completed/failed/stopped/blocked), in one
-    statement with the row of its last step when that is not written yet
-    (`last_step`: the arguments of `record_step` after the runner), and, with
-    `claim`, with the claim of the next scheduled run for the slot it frees.
-    Returns the runs claimed, or None if the run was not held (nothing was
-    written).
-
-    Without a step row, this commit does not wait for its WAL flush: the end
-    of a run is derived by replay from its recorded steps, which are flushed,
-    so a final status lost to a server crash leaves the run `running` under
-    this worker, whose catchup replays it to the same end. Any later flushed
-    commit, of anyone, makes it durable too; so is a claim lost with it (see
-    `prepare_control_session`). With a step row it is flushed."""
-    values = {"run": run, "runner": runner, "status": status, "result": result, "error": error, "claim": int(claim)}
+    statement with the row of its last step when that is not written yet,
+    and, with `claim`, with the claim of the next scheduled run for the slot
+    it frees. Returns the runs claimed, or None if the run was not held by
+    this execution (nothing was written). Raises UniqueViolation (nothing
+    written) if the last step's row exists already."""
+    values = {"run": run, "runner": runner, "token": token, "status": status, "result": result, "error": error,
+              "claim": int(claim)}
     if last_step is None:
         done = _run_hot(conn, _END_RUN_ALONE, values)
     else:
-        done = _run_hot(conn, _END_RUN_WITH_STEP, {**values, **dict(zip(_LAST_STEP, last_step))})
+        step = {f"step_{field}": value for field, value in last_step._asdict().items()}
+        done = _run_hot(conn, _END_RUN_WITH_STEP, {**values, **step})
     if done.get_value(0, 0) != b"t":
         return None
     return _claimed_runs(conn, done, first_column=1)
 
 
 # Counting one more traced execution of a held run, and reading the trace
-# context it continues; only with tracing on. The commit does not wait for its
-# WAL flush: a count lost to a server crash only numbers an execution again.
+# context it continues: only with tracing on.
 _START_TRACED_EXECUTION = _hot("start_traced_execution", (
     "UPDATE everystep_workflow SET trace_context = jsonb_set(coalesce(trace_context, '{}'), '{executions}',"
     "  to_jsonb(coalesce((trace_context->>'executions')::integer, 0) + 1))"
-    " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"
     f" WHERE {_HELD} RETURNING trace_context::text"
-), ("run", "runner"))
+), ("run", "runner", "token"))
 
 
-def start_traced_execution(conn: Executor, run: uuid.UUID, runner: str) -> tuple[dict, int] | None:
+def start_traced_execution(conn: Executor, run: uuid.UUID, runner: str, token: int) -> tuple[dict, int] | None:
     """Count one more traced execution of a held run and return (its stored
     trace context, the number of this execution), or None if the run is not
-    held. On the hot path's libpq calls: it comes with every traced execution."""
-    result = _run_hot(conn, _START_TRACED_EXECUTION, {"run": run, "runner": runner})
+    held by this execution. On the hot path's libpq calls: it comes with every
+    traced execution."""
+    result = _run_hot(conn, _START_TRACED_EXECUTION, {"run": run, "runner": runner, "token": token})
     if result.ntuples == 0:
         return None
     stored = json.loads(result.get_value(0, 0).decode())
     return stored, stored["executions"]
 
 
-def run_ended_as(conn: Executor, run: uuid.UUID, runner: str, status: str) -> bool:
-    """Whether the run was ended with `status` by `runner`."""
-    row = conn.execute(
-        "SELECT 1 FROM everystep_workflow WHERE id = %s AND claimed_by = %s AND status = %s", (run, runner, status)
-    ).fetchone()
-    return row is not None
-
-
-def requeue_held(conn: Executor, runs: list[uuid.UUID], runner: str) -> list[uuid.UUID]:
-    """Put held runs back to `scheduled` (drain); returns those that matched."""
+def requeue_held(conn: Executor, runner: str, claims: list[Claim]) -> list[uuid.UUID]:
+    """Put runs held by these executions of `runner` back to `scheduled`
+    (drain, a dead claimer's runs); returns those that matched."""
     rows = conn.execute(
-        "WITH q AS (UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL"
-        " WHERE id = ANY(%(runs)s) AND status = 'running' AND claimed_by = %(runner)s RETURNING id)"
+        "WITH q AS (UPDATE everystep_workflow w SET status = 'scheduled', claimed_by = NULL"
+        " FROM unnest(%s::uuid[], %s::bigint[]) AS c(id, token)"
+        " WHERE w.id = c.id AND w.status = 'running' AND w.claimed_by = %s"
+        "  AND w.claim_token IS NOT DISTINCT FROM c.token RETURNING w.id)"
         f" SELECT id, {_NOTIFY} FROM q",
-        {"runs": runs, "runner": runner},
+        ([c.id for c in claims], [c.token for c in claims], runner),
     ).fetchall()
     return [row[0] for row in rows]
 
 
-# ---------------------------------------------------------------- recovery of dead claimers
-
 def requeue_claimer(conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
-    """Requeue every running run of a claimer (whose lock the caller holds)."""
+    """Requeue every running run of a claimer whose lock the caller holds and
+    none of whose executions can write any more (a worker's own shutdown)."""
     rows = conn.execute(
         "WITH q AS (UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL"
         " WHERE status = 'running' AND claimed_by = %s RETURNING id)"
@@ -551,7 +588,7 @@ def load_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
 
 def load_steps(conn: psycopg.Connection, run: uuid.UUID) -> list[dict]:
     return _dicts(conn.execute(
-        "SELECT id, step_id, name, args, kwargs, status, result, error FROM everystep_step"
+        "SELECT id, step_id, name, args, kwargs, status, result, error, started_at, finished_at FROM everystep_step"
         " WHERE workflow_id = %s ORDER BY id",
         (run,),
     ))

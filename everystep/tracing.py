@@ -113,7 +113,9 @@ def run_started(replay: Any) -> RunSpan | None:
         return None
     from opentelemetry import context, propagate  # noqa: PLC0415  (loaded already: the API is)
 
-    started = replay.write(store.start_traced_execution, replay.run_id, replay.runner.name)
+    # Not retried: on a connection error this execution goes untraced (logged).
+    with replay.cursor() as cur:
+        started = store.start_traced_execution(cur, replay.run_id, replay.runner.name, replay.token)
     if started is None:
         return None  # not held: the run's own first write reports the lost claim
     stored, execution = started

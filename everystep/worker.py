@@ -31,7 +31,7 @@ from psycopg_pool import ConnectionPool
 from everystep import liveness, metrics, store
 from everystep.errors import Drain, LostClaim
 from everystep.logs import first_line
-from everystep.runner import Lease, Runner
+from everystep.runner import Execution, Fence, Runner, Successors
 
 log = logging.getLogger("everystep")
 
@@ -49,47 +49,38 @@ def control_connection(database_url: str, name: str) -> psycopg.Connection:
     return conn
 
 
-class WorkerLease(Lease):
-    """Ties the runs' writes to the worker's liveness lock: while the lock is
-    not held, steps wait at their boundaries and writes wait; runs abandoned
-    after the grace get `LostClaim`; a draining worker stops runs at the next
-    step boundary."""
+class WorkerFence(Fence):
+    """Ties the executions' writes to the worker's liveness lock: while the
+    lock is not held, steps wait at their boundaries and writes wait;
+    executions abandoned (after the grace, or found taken away on relock)
+    get `LostClaim`; a draining worker stops runs at the next step boundary.
+    Executions are known by their token."""
 
-    def __init__(self, claim_next: Callable[[], bool], claimed_next: Callable[[list], None]) -> None:
+    def __init__(self) -> None:
         self.held = threading.Event()
         self.draining = False
-        self.abandoned: set[uuid.UUID] = set()
-        self.write_failed = False  # a write's answer was lost: it may have claimed runs we do not know of
-        self._claim_next = claim_next
-        self._claimed_next = claimed_next
+        self.abandoned: set[int] = set()  # tokens of executions that must not write any more
 
-    def check(self, run_id: uuid.UUID) -> None:
+    def check(self, run: store.ClaimedRun) -> None:
         if self.draining:
             raise Drain()
-        self.before_write(run_id)
+        self.before_write(run)
 
-    def before_write(self, run_id: uuid.UUID) -> None:
-        while not self.held.is_set() and run_id not in self.abandoned:
+    def before_write(self, run: store.ClaimedRun) -> None:
+        while not self.held.is_set() and run.token not in self.abandoned:
             self.held.wait(0.5)
-        if run_id in self.abandoned:
-            raise LostClaim(f"run {run_id} was abandoned: the worker lost its lock for longer than the grace")
+        if run.token in self.abandoned:
+            raise LostClaim(f"run {run.id} was abandoned: the worker lost its lock, or the run was taken away")
 
-    def wait_after_error(self, run_id: uuid.UUID, attempt: int, error: Exception) -> None:
-        # Retried until it goes through or the run is abandoned; meanwhile
+    def wait_after_error(self, run: store.ClaimedRun, attempt: int, error: Exception) -> None:
+        # Retried until it goes through or the execution is abandoned; meanwhile
         # the control loop notices an outage and `before_write` waits for it.
         if attempt == 0:
-            log.warning("database write failed (%s); retrying", first_line(error), extra={"run": str(run_id)})
-        self.write_failed = True
+            log.warning("database write failed (%s); retrying", first_line(error), extra={"run": str(run.id)})
         time.sleep(min(0.05 * 2**attempt, 2.0))
 
-    def claim_next(self) -> bool:
-        return self._claim_next()
 
-    def claimed_next(self, runs: list[store.ClaimedRun]) -> None:
-        self._claimed_next(runs)
-
-
-class Worker:
+class Worker(Successors):
     """Claims and executes runs under one name, with `threads` run slots."""
 
     def __init__(
@@ -118,20 +109,21 @@ class Worker:
         self.on_load = on_load  # called with (runs in flight, threads) when it changes
         self.on_lock = on_lock  # called with True once the name's lock is held, False when it is not any more
 
-        self.lease = WorkerLease(self._claim_next, self._claimed_next)
+        self.fence = WorkerFence()
         self._stopping = False
         self._fast = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._inflight: set[uuid.UUID] = set()
-        self._inflight_lock = threading.Lock()
-        self._claiming = 0  # ending runs whose statement may claim their successor, in flight
-        self._claims_landed = threading.Condition(self._inflight_lock)
-        self._successor = threading.local()  # .run: what a run's thread goes on with, claimed at the run's end
+        # The live executions, by token (-> run id); what the slots are doing.
+        # Guarded by _lock, like the backlog, _escaped, _claiming and _reconcile.
+        self._executing: dict[int, uuid.UUID] = {}
+        self._lock = threading.Lock()
+        self._claiming: set[int] = set()  # tokens of ending runs whose statement may claim a successor
+        self._claims_landed = threading.Condition(self._lock)
         self._published_load: int | None = None
-        self._backlog: list[store.ClaimedRun] = []  # held by us, not started yet
-        self._escaped: set[uuid.UUID] = set()  # runs whose execution escaped with a BaseException
-        self._reconcile = False  # look for runs held under our name that we are not running
+        self._backlog: list[store.ClaimedRun] = []  # held by us (claimed, with their tokens), not started yet
+        self._escaped: set[store.Claim] = set()  # executions that escaped with a BaseException
+        self._reconcile = False  # look for runs held under our name that no execution of ours holds
         self._conn: psycopg.Connection | None = None
         self._extra = {"runner": name}
 
@@ -142,7 +134,7 @@ class Worker:
         return from `run()`. Safe from signal handlers and other threads."""
         self._stopping = True
         self._fast = self._fast or fast
-        self.lease.draining = True
+        self.fence.draining = True
         self._wake()
 
     def _wake(self) -> None:
@@ -165,9 +157,10 @@ class Worker:
             self.database_url, min_size=1, max_size=2 * self.threads + 2,
             kwargs=liveness.connection_kwargs(f"everystep {self.name}"),
             timeout=2, reconnect_timeout=2, name=f"everystep-{self.name}", open=False,
+            configure=store.prepare_session,  # step rows and run ends commit synchronously
         )
         self.pool.open(wait=False)
-        self.runner = Runner(self.pool, self.name, self.lease)
+        self.runner = Runner(self.pool, self.name, self.fence, successors=self)
         self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix=f"everystep-{self.name}")
         metrics.POOL_SIZE.labels(self.name).set(self.threads)
         metrics.STARTED_AT.labels(self.name).set(time.time())
@@ -196,7 +189,7 @@ class Worker:
                             log.warning("lock of %s is held by another live process; waiting", self.name,
                                         extra=self._extra)
                             waiting_logged = True
-                        if self._stopping and not self._inflight:
+                        if self._stopping and not self._executing:
                             conn.close()
                             return False
                         self._abandon_after_grace(lost_at)
@@ -210,14 +203,14 @@ class Worker:
                 except BaseException:
                     conn.close()
                     raise
-                self.lease.held.set()
+                self.fence.held.set()
                 self._lock_changed(True)
                 log.info("holding the lock of %s", self.name, extra=self._extra)
                 return True
             except store.CONNECTION_ERRORS as exc:
                 log.warning("database unreachable (%s); retrying in %.1f s", first_line(exc), delay,
                             extra=self._extra)
-            if self._stopping and not self._inflight:
+            if self._stopping and not self._executing:
                 return False
             self._abandon_after_grace(lost_at)
             self._sleep(delay)
@@ -228,33 +221,35 @@ class Worker:
         writing about its runs: whoever recovers them owns them now."""
         if time.monotonic() - lost_at < self.grace:
             return
-        with self._inflight_lock:
-            fresh = self._inflight - self.lease.abandoned
-            self.lease.abandoned |= fresh
+        with self._lock:
+            fresh = set(self._executing) - self.fence.abandoned
+            self.fence.abandoned |= fresh
+            self._backlog.clear()
         if fresh:
             log.warning("lock not regained within %.0f s: abandoning %d runs", self.grace, len(fresh),
                         extra=self._extra)
-        self._backlog.clear()
 
     def _lost_lock(self, exc: Exception) -> None:
         log.warning("lost the control connection (%s); pausing steps and reconnecting", first_line(exc),
                     extra=self._extra)
-        self.lease.held.clear()
+        self.fence.held.clear()
         self._lock_changed(False)
         if self._conn is not None:
             self._conn.close()
         self._conn = None
 
     def _after_relock(self, conn: psycopg.Connection) -> None:
-        """The lock is ours again after a loss. Runs in flight that are no
-        longer `running` under this name were recovered by someone else
-        meanwhile: abandon them before any of their writes goes on (the
-        database fence alone cannot tell this incarnation from a past one).
-        Runs held under this name that are not in flight are replayed."""
-        held = set(store.held_run_ids(conn, self.name))
-        with self._inflight_lock:
-            lost = self._inflight - held - self.lease.abandoned
-            self.lease.abandoned |= lost
+        """The lock is ours again after a loss. Executions whose claim is no
+        longer on the run's row (recovered by someone else meanwhile, and
+        perhaps claimed again) are abandoned before any of their writes goes
+        on; so are backlog entries. Runs held under this name that no
+        execution of ours holds are claimed again and replayed."""
+        held = set(store.held_claims(conn, self.name))
+        with self._lock:
+            lost = {token for token, run_id in self._executing.items()
+                    if store.Claim(run_id, token) not in held} - self.fence.abandoned
+            self.fence.abandoned |= lost
+            self._backlog = [run for run in self._backlog if store.Claim(run.id, run.token) in held]
             self._reconcile = True
         if lost:
             log.warning("%d runs in flight were recovered elsewhere while the lock was lost; abandoning them",
@@ -262,16 +257,19 @@ class Worker:
 
     def _catchup(self, conn: psycopg.Connection) -> None:
         """Runs `running` under this name were left by a previous incarnation
-        that died: count the crash (poison runs fail), then replay the rest."""
-        held = store.held_runs(conn, self.name)
+        that died: claim them again, count the crash (poison runs fail), then
+        replay the rest."""
+        held = store.reclaim_held(conn, self.name)
         if not held:
             return
-        poisoned = liveness.fail_poison_runs(conn, self.name, [run.id for run in held], self.max_crashes)
+        poisoned = liveness.fail_poison_runs(conn, self.name, [store.Claim(run.id, run.token) for run in held],
+                                             self.max_crashes)
         resumed = [run for run in held if run.id not in poisoned]
         if resumed:
             log.info("catchup: resuming %d runs left running under %s", len(resumed), self.name, extra=self._extra)
             metrics.CLAIMS.labels(self.name).inc(len(resumed))
-        self._backlog.extend(resumed)
+        with self._lock:
+            self._backlog.extend(resumed)
 
     # ---------------------------------------------------------------- the loop
 
@@ -285,8 +283,9 @@ class Worker:
                     return
                 if drain_deadline is None:
                     drain_deadline = time.monotonic() + self.drain if self.drain > 0 else float("inf")
-                    log.info("draining %d runs in flight", len(self._inflight), extra=self._extra)
-                if not self._inflight:
+                    log.info("draining %d runs in flight", len(self._executing), extra=self._extra)
+                if not self._executing and not self._claiming:
+                    self._requeue_backlog()
                     return
                 if time.monotonic() >= drain_deadline:
                     self._requeue_everything("drain deadline")
@@ -296,8 +295,8 @@ class Worker:
                     if not self._take_lock(catchup=False):
                         return
                 conn = self._conn
-                if self._stopping and self._backlog:
-                    self._requeue_backlog(conn)
+                if self._stopping:
+                    self._requeue_backlog()
                 more = False
                 if not self._stopping:
                     more = self._fill_slots(conn)
@@ -317,31 +316,32 @@ class Worker:
     def _fill_slots(self, conn: psycopg.Connection) -> bool:
         """Start runs in the free slots: the backlog first, then claims.
         True to claim again at once (a notification came in while claiming)."""
-        with self._inflight_lock:
+        with self._lock:
             escaped, self._escaped = self._escaped, set()
+            escaped = [claim for claim in escaped if claim.token not in self.fence.abandoned]
         if escaped:
-            ids = list(escaped - self.lease.abandoned)
-            liveness.fail_poison_runs(conn, self.name, ids, self.max_crashes)
-            store.requeue_held(conn, ids, self.name)
-        free = self.threads - len(self._inflight)
+            liveness.fail_poison_runs(conn, self.name, escaped, self.max_crashes)
+            store.requeue_held(conn, self.name, escaped)
+        free = self.threads - len(self._executing)
         if free <= 0:
             return False
-        if self.lease.write_failed:
-            self.lease.write_failed = False
-            with self._inflight_lock:
-                self._reconcile = True
-        if self._reconcile and not self._backlog:
-            with self._inflight_lock:
-                if self._claiming:
-                    return False  # no new claims start meanwhile; those in flight wake us when they land
-                # Cleared before `busy` is read: a run ending meanwhile sets it again.
+        with self._lock:
+            reconcile = self._reconcile and not self._claiming  # claims in flight wake us when they land
+            if reconcile:
+                # Cleared before the tokens are read: a run ending meanwhile sets it again.
                 self._reconcile = False
-                busy = set(self._inflight)
-            self._backlog.extend(run for run in store.held_runs(conn, self.name) if run.id not in busy)
+                keep = [*self._executing, *(run.token for run in self._backlog)]
+        if reconcile:
+            found = store.reclaim_held(conn, self.name, keep)
+            if found:
+                log.info("found %d runs held under %s that no execution here holds; replaying them", len(found),
+                         self.name, extra=self._extra)
+            with self._lock:
+                self._backlog.extend(found)
+        elif self._reconcile:
+            return False
         if self._backlog:
-            starting, self._backlog = self._backlog[:free], self._backlog[free:]
-            for run in starting:
-                self._start(run)
+            self._start_backlog(free)
             return False
         runs = store.claim(conn, self.name, free)
         if runs:
@@ -372,74 +372,90 @@ class Worker:
 
     # ---------------------------------------------------------------- runs
 
-    def _start(self, run: store.ClaimedRun) -> None:
-        with self._inflight_lock:
-            executing = run.id in self._inflight  # an abandoned execution of it has not ended yet
-            if not executing:
-                self._inflight.add(run.id)
-        if executing:
-            self._backlog.append(run)  # claimed: started once the old execution is gone
-            return
-        self.executor.submit(self._execute, run)
+    def _start_backlog(self, free: int) -> None:
+        """Start up to `free` runs of the backlog, oldest first; a run that an
+        earlier (abandoned) execution of ours is still executing waits there
+        until that execution is gone."""
+        starting = []
+        with self._lock:
+            busy = set(self._executing.values())
+            for run in list(self._backlog):
+                if len(starting) == free:
+                    break
+                if run.id not in busy:
+                    self._backlog.remove(run)
+                    starting.append(run)
+                    busy.add(run.id)
+        for run in starting:
+            self._start(run)
 
-    def _execute(self, run: store.ClaimedRun | None) -> None:
-        """Execute a run, then its successors (claimed by the statement that
-        ends each run) on this same thread, until one ends without."""
-        slot_freed = False
+    def _start(self, run: store.ClaimedRun) -> None:
+        with self._lock:
+            if run.id in self._executing.values():
+                self._backlog.append(run)  # claimed: started once the old execution is gone
+                return
+            self._executing[run.token] = run.id
+        self.executor.submit(self._serve_slot, run)
+
+    def reserve(self, run: store.ClaimedRun) -> bool:
+        """(Successors.) Whether the statement that ends a run may claim a
+        successor for its slot: not while the worker is stopping, has runs of
+        its own to start first, looks for runs it lost track of, lets an
+        abandoned execution run on (the claim could bring its run back), or is
+        not sure of its lock."""
+        with self._lock:
+            if (self._stopping or self._reconcile or self._backlog or self.fence.abandoned
+                    or not self.fence.held.is_set()):
+                return False
+            self._claiming.add(run.token)
+            return True
+
+    def _serve_slot(self, run: store.ClaimedRun) -> None:
+        """A slot's life: execute a run, then the successor claimed by the
+        statement that ended it, on this same thread, until a run ends
+        without one. The ending execution's token leaves the live executions
+        in the same step as its successor's enters, so the slot never looks
+        free in between."""
         while run is not None:
-            self._successor.run = None
             try:
-                self.runner.execute(run)
+                execution = self.runner.execute(run)
             except BaseException:
                 # SystemExit or the like out of user code: as if the worker died
                 # on this run (a crash is counted, the run requeued), but it lives on.
                 log.exception("run execution ended abnormally", extra={**self._extra, "run": str(run.id)})
-                with self._inflight_lock:
-                    self._escaped.add(run.id)
-            finally:
-                with self._inflight_lock:
-                    self._inflight.discard(run.id)
-                    if run.id in self.lease.abandoned:
-                        self.lease.abandoned.discard(run.id)
-                        self._reconcile = True  # still ours in the database? then replay it
-                    slot_freed = len(self._inflight) < self.threads
-            run = self._successor.run
-        if slot_freed:
-            self._wake()
-
-    def _claim_next(self) -> bool:
-        """(The lease's claim_next.) A successor for the slot of a run that is
-        ending, unless the worker is stopping, has runs of its own to start
-        first, or is not sure of its lock."""
-        with self._inflight_lock:
-            # Not while an abandoned execution runs on: the claim could bring its run back.
-            if (self._stopping or self._reconcile or self._backlog or self.lease.abandoned
-                    or not self.lease.held.is_set()):
-                return False
-            self._claiming += 1
-            return True
-
-    def _claimed_next(self, runs: list[store.ClaimedRun]) -> None:
-        """(The lease's claimed_next, on the thread of the ending run.) That
-        thread goes on with the successor; the ending run is still in flight,
-        so the slot never looks free in between."""
-        with self._inflight_lock:
-            self._inflight.update(run.id for run in runs)
-            self._successor.run = runs[0] if runs else None  # one at most
-            self._claiming -= 1
-            self._claims_landed.notify_all()
-            if self._reconcile:
+                execution = Execution("escaped", None, False)
+            with self._lock:
+                del self._executing[run.token]
+                if run.token in self.fence.abandoned:
+                    self.fence.abandoned.discard(run.token)
+                    self._reconcile = True  # still ours in the database? then replay it
+                if execution.look_again:
+                    self._reconcile = True
+                if execution.outcome == "escaped":
+                    self._escaped.add(store.Claim(run.id, run.token))
+                if run.token in self._claiming:
+                    self._claiming.discard(run.token)
+                    self._claims_landed.notify_all()
+                run = execution.successor
+                if run is not None:
+                    if self._stopping or run.id in self._executing.values():
+                        self._backlog.append(run)  # requeued, or started once the old execution is gone
+                        run = None
+                    else:
+                        self._executing[run.token] = run.id
+                wake = run is None or self._reconcile or bool(self._backlog)
+            if execution.successor is not None:
+                metrics.CLAIMS.labels(self.name).inc()
+                if self.on_claim:
+                    self.on_claim(1)
+            if wake:
                 self._wake()
-        if runs:
-            metrics.CLAIMS.labels(self.name).inc(len(runs))
-            if self.on_claim:
-                self.on_claim(len(runs))
 
     def _publish_load(self) -> None:
         """The runs in flight, to the gauge and `on_load` (the process title)
         when they changed: once per turn of the control loop, which every end
         of a run wakes, rather than on the runs' threads."""
-        inflight = len(self._inflight)
+        inflight = len(self._executing)
         if inflight == self._published_load:
             return
         self._published_load = inflight
@@ -451,24 +467,27 @@ class Worker:
         if self.on_lock:
             self.on_lock(held)
 
-    def _requeue_backlog(self, conn: psycopg.Connection) -> None:
-        requeued = store.requeue_held(conn, [run.id for run in self._backlog], self.name)
-        metrics.REQUEUED.labels(self.name).inc(len(requeued))
-        self._backlog.clear()
+    def _requeue_backlog(self) -> None:
+        with self._lock:
+            claims = [store.Claim(run.id, run.token) for run in self._backlog]
+            self._backlog.clear()
+        if claims and self._conn is not None:
+            requeued = store.requeue_held(self._conn, self.name, claims)
+            metrics.REQUEUED.labels(self.name).inc(len(requeued))
 
     def _requeue_everything(self, why: str) -> None:
-        """Hand every run still in flight back to the queue; their threads
-        can no longer write about them (the fence and the lease both say so)."""
-        with self._inflight_lock:
+        """Hand every run still in flight back to the queue; their executions
+        can no longer write about them (the fence and the tokens both say so)."""
+        with self._lock:
             # A run ending now may be claiming its successor: let it land among the runs in flight.
             self._claims_landed.wait_for(lambda: not self._claiming, CLAIM_LANDING_TIMEOUT)
-            held = set(self._inflight)
-            self.lease.abandoned |= held
-        held |= {run.id for run in self._backlog}
-        self._backlog.clear()
-        if held and self._conn is not None:
+            claims = [store.Claim(run_id, token) for token, run_id in self._executing.items()]
+            self.fence.abandoned |= set(self._executing)
+            claims += [store.Claim(run.id, run.token) for run in self._backlog]
+            self._backlog.clear()
+        if claims and self._conn is not None:
             try:
-                requeued = store.requeue_held(self._conn, list(held), self.name)
+                requeued = store.requeue_held(self._conn, self.name, claims)
             except store.CONNECTION_ERRORS as exc:
                 log.warning("could not requeue on %s (%s); the sweep will recover them", why, first_line(exc),
                             extra=self._extra)
@@ -477,9 +496,9 @@ class Worker:
             log.warning("%s: requeued %d runs still in flight", why, len(requeued), extra=self._extra)
 
     def _shutdown(self) -> None:
-        with self._inflight_lock:
-            self.lease.abandoned |= self._inflight  # a straggler's writes fail instead of waiting for ever
-        self.lease.held.clear()
+        with self._lock:
+            self.fence.abandoned |= set(self._executing)  # a straggler's writes fail instead of waiting for ever
+        self.fence.held.clear()
         self._lock_changed(False)
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self._conn is not None:
@@ -498,4 +517,3 @@ class Worker:
         self.pool.close(timeout=1.0)
         metrics.INFLIGHT.labels(self.name).set(0)
         log.info("worker %s stopped", self.name, extra=self._extra)
-

@@ -24,7 +24,8 @@ EXIT_CONFIG = 2
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="everystep-supervisor", description="Run everystep workers under a process manager."
+        prog="everystep-supervisor", description="Run everystep workers under a process manager.",
+        epilog="The configuration keys: docs/running.md, section Configuration.",
     )
     parser.add_argument("-c", "--config", default="everystep.yaml", help="config file (default: everystep.yaml)")
     args = parser.parse_args(argv)
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(config_path: str, runtime_dir: str) -> int:
-    from supervisor.config import ConfigError, load  # noqa: PLC0415
+    from everystep.config import ConfigError, load  # noqa: PLC0415
 
     try:
         config = load(config_path)

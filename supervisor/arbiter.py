@@ -25,8 +25,9 @@ from pathlib import Path
 
 from setproctitle import setproctitle
 
-from everystep import logs, metrics, modules
-from supervisor import http, metrics_dir
+from everystep import embedded, logs, registry
+from everystep.config import Config, ConfigError, load
+from supervisor import metrics, metrics_dir, state_file
 from supervisor.children import (
     BOOTED,
     CLAIMED,
@@ -38,7 +39,6 @@ from supervisor.children import (
     ChildSpec,
     run_child,
 )
-from supervisor.config import Config, ConfigError, load
 
 log = logging.getLogger("everystep.supervisor")
 
@@ -114,15 +114,16 @@ class Arbiter:
     def _database_url(self) -> str:
         if self.config.database.url:
             return self.config.database.url
-        from supervisor import embedded  # noqa: PLC0415
-
-        url, self._stop_embedded = embedded.start()
+        try:
+            url, self._stop_embedded = embedded.start()
+        except embedded.EmbeddedError as exc:
+            raise FatalError(str(exc)) from None
         return url
 
     def _import_modules(self, names: tuple[str, ...]) -> None:
         for module in names:
             try:
-                modules.import_module(module)
+                registry.import_module(module)
             except Exception as exc:
                 raise FatalError(f"cannot import workflow module {module}: {type(exc).__name__}: {exc}") from None
 
@@ -138,7 +139,7 @@ class Arbiter:
     def _add(self, role: str, name: str) -> Slot:
         slot = self.slots[name] = Slot(role, name)
         if role != "setup":
-            metrics.CHILD_RESTARTS.labels(name)  # exported at 0 from the start: see metrics.declare_runner
+            metrics.CHILD_RESTARTS.labels(name)  # exported at 0 from the start: see everystep.metrics.declare_runner
         return slot
 
     # ---------------------------------------------------------------- the loop
@@ -435,8 +436,8 @@ class Arbiter:
         # Ready means every configured worker holds its lock: not yet during
         # the setup, no longer during a drain.
         expected = [self._worker_name(i) for i in range(self.processes)]
-        http.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "setup"], expected, locked,
-                         self.http_port)
+        state_file.write_state(self.runtime_dir, os.getpid(), [c for c in live if c[0] != "setup"], expected, locked,
+                               self.http_port)
 
 
 def _describe(status: int) -> str:

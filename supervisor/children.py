@@ -14,7 +14,6 @@ import ctypes
 import logging
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import psycopg
 from setproctitle import setproctitle
 
 from everystep import liveness, logs, observe
-from everystep.logs import first_line
+from everystep.signals import stop_on_signals
 
 log = logging.getLogger("everystep.supervisor")
 
@@ -34,8 +33,6 @@ UNLOCKED = b"U"
 PORT = b"P"  # followed by the port number
 EXIT_BOOT_FAILED = 3  # the child could not start (see the arbiter for what it does then)
 _PR_SET_PDEATHSIG = 1
-SCHEDULER_TICK = 1.0  # seconds between looks at the recurring schedules
-RETRY_CEILING = 10.0  # seconds: the longest wait between attempts to reach the database
 # The signals the supervisor handles: blocked around the fork, back to their
 # defaults in the child (see `_after_fork`).
 SUPERVISOR_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGCHLD,
@@ -120,11 +117,6 @@ def _after_fork(spec: ChildSpec, parent_pid: int, config) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SUPERVISOR_SIGNALS)
 
 
-def _stop_on(signals: tuple, stop) -> None:
-    for sig in signals:
-        signal.signal(sig, lambda *_: stop())
-
-
 # ---------------------------------------------------------------- the children
 
 
@@ -140,62 +132,42 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
         on_lock=status.lock,
     )
     metrics.declare_runner(spec.name)
-    _stop_on((signal.SIGTERM, signal.SIGINT), worker.stop)
-    signal.signal(signal.SIGQUIT, lambda *_: worker.stop(fast=True))
+    stop_on_signals(worker)
     status.booted()
     worker.run()
 
 
 def _http(spec: ChildSpec, config, status: _Status) -> None:
-    from supervisor import endpoints  # noqa: PLC0415  (the arbiter serves nothing)
+    from supervisor import http_server  # noqa: PLC0415  (the arbiter serves nothing)
 
     def bound(port: int) -> None:  # a port in use is a boot failure
         status.port(port)
         status.booted()
 
-    endpoints.serve(config.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
-                    Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), on_ready=bound)
+    http_server.serve(config.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
+                      Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), on_ready=bound)
 
 
 def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
-    """The dead-claimer sweep every `recovery.interval` seconds (sooner when a
-    suspect's grace runs out), and the recurring schedules every second."""
-    from everystep import scheduler  # noqa: PLC0415
-    from everystep.liveness import DeadClaimerSweep  # noqa: PLC0415
+    from everystep.maintenance import Maintenance  # noqa: PLC0415
 
-    stopped = threading.Event()
-    _stop_on((signal.SIGTERM, signal.SIGINT, signal.SIGQUIT), stopped.set)
+    maintenance = Maintenance(spec.database_url, interval=config.recovery.interval, grace=config.recovery.grace,
+                              max_crashes=config.recovery.max_crashes)
+    stop_on_signals(maintenance)
     status.booted()
-    sweep = DeadClaimerSweep(config.recovery.grace, config.recovery.max_crashes)
-    outage = _Outage("maintenance", first_wait=SCHEDULER_TICK)
-    conn = None
-    next_sweep = time.monotonic()
-    while not stopped.is_set():
-        try:
-            if conn is None:
-                conn = psycopg.connect(spec.database_url, **liveness.connection_kwargs("everystep maintenance"))
-            if time.monotonic() >= next_sweep:
-                sweep.sweep(conn)
-                next_sweep = time.monotonic() + sweep.next_probe_in(config.recovery.interval)
-            scheduler.tick(conn)  # logs what it fires
-            outage.over()
-            wait = min(SCHEDULER_TICK, next_sweep - time.monotonic())
-        except psycopg.OperationalError as exc:
-            if conn is not None:
-                conn.close()
-            conn = None
-            wait = outage.failed(exc)
-        stopped.wait(max(wait, 0.01))  # never a busy loop, whatever the clock says
+    maintenance.run()
 
 
 def _setup(spec: ChildSpec, config, status: _Status) -> None:
     """Before the workers start: apply the migrations (`migrate: true`) and
     the schedules of the config, waiting for the database as long as it takes."""
     from everystep import scheduler, store  # noqa: PLC0415
+    from everystep.maintenance import Outage  # noqa: PLC0415
 
-    _stop_on((signal.SIGTERM, signal.SIGINT, signal.SIGQUIT), lambda: os._exit(0))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, lambda *_: os._exit(0))
     status.booted()
-    outage = _Outage("setup", first_wait=0.5)
+    outage = Outage("setup", first_wait=0.5)
     while True:
         try:
             with psycopg.connect(spec.database_url, **liveness.connection_kwargs("everystep setup")) as conn:
@@ -210,28 +182,3 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
             return
         except psycopg.OperationalError as exc:
             time.sleep(outage.failed(exc))
-
-
-class _Outage:
-    """How a child waits for a database that does not answer: the wait
-    doubles from `first_wait` up to RETRY_CEILING, and the outage is logged
-    once when it starts and once when it ends, however long it lasts."""
-
-    def __init__(self, who: str, first_wait: float):
-        self.who = who
-        self.first_wait = first_wait
-        self.wait: float | None = None  # None: the database answers
-
-    def failed(self, exc: psycopg.OperationalError) -> float:
-        """Seconds to wait before the next attempt."""
-        if self.wait is None:
-            log.warning("%s: the database is unreachable (%s); retrying until it answers", self.who, first_line(exc))
-            self.wait = self.first_wait
-        else:
-            self.wait = min(self.wait * 2, RETRY_CEILING)
-        return self.wait
-
-    def over(self) -> None:
-        if self.wait is not None:
-            log.info("%s: the database answers again", self.who)
-            self.wait = None

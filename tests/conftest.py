@@ -82,15 +82,15 @@ class Database:
         with self.connect() as conn:
             while runs := store.claim(conn, runner, limit):
                 for run in runs:
-                    ended[run.id] = engine.execute(run)
+                    ended[run.id] = engine.execute(run).outcome
         return ended
 
     def resume_held(self, runner: str = "test-runner") -> dict:
-        """Execute the runs held by `runner` again, as its catchup would."""
+        """Claim the runs held by `runner` again and execute them, as its catchup would."""
         engine = Runner(self.pool, runner)
         with self.connect() as conn:
-            runs = store.held_runs(conn, runner)
-        return {run.id: engine.execute(run) for run in runs}
+            runs = store.reclaim_held(conn, runner)
+        return {run.id: engine.execute(run).outcome for run in runs}
 
     def schedule_many(self, fn, args_list) -> list:
         """Schedule a run of `fn(*args)` for each args, in one transaction."""
@@ -112,6 +112,24 @@ def marks(tmp_path) -> str:
     path = tmp_path / "marks"
     path.mkdir()
     return str(path)
+
+
+@pytest.fixture
+def start_worker(db, tmp_path):
+    """start_worker(name, **options) starts an `everystep worker` process on the
+    test's schema (see tests/processes.py); all are killed at the end of the test."""
+    from tests.processes import WorkerProcess  # noqa: PLC0415
+
+    started = []
+
+    def start(name: str, **options) -> WorkerProcess:
+        worker = WorkerProcess(db.url, name, tmp_path / "logs", **options)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.close()
 
 
 @pytest.fixture

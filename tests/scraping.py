@@ -4,6 +4,7 @@ scrape it: helpers shared by the observability tests."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -53,6 +54,18 @@ def insert_runs(db, status: str, count: int, age_seconds: float = 0, claimed_by:
             " FROM generate_series(1, %s)",
             (status, claimed_by, age_seconds, count),
         )
+
+
+def needs_prometheus(*names: str) -> pytest.MarkDecorator:
+    """Skip a test whose Prometheus binaries are not installed, with the
+    reason printed; with EVERYSTEP_REQUIRE_PROMETHEUS=1 (as CI sets) it runs
+    and fails instead."""
+    missing = [name for name in names if shutil.which(name) is None]
+    return pytest.mark.skipif(
+        bool(missing) and os.environ.get("EVERYSTEP_REQUIRE_PROMETHEUS") != "1",
+        reason=f"{' and '.join(missing)} not installed (apt-get install prometheus); "
+               "EVERYSTEP_REQUIRE_PROMETHEUS=1 makes this a failure",
+    )
 
 
 def binary(name: str) -> str:

@@ -14,7 +14,7 @@ import psycopg
 import yaml
 
 import everystep
-from supervisor import http
+from supervisor import state_file
 from tests import workflows
 from tests.processes import ROOT, wait_for
 
@@ -108,7 +108,7 @@ class SupervisorProcess:
     def port(self) -> int:
         """The port the HTTP child serves on now, as the supervisor's state file
         says (each HTTP child binds any free port: http.port is 0)."""
-        return wait_for(lambda: (state := http.read_state(self.runtime_dir)) and state.http_port, timeout=30,
+        return wait_for(lambda: (state := state_file.read_state(self.runtime_dir)) and state.http_port, timeout=30,
                         what="the port of the HTTP child")
 
     def output(self) -> str:

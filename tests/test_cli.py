@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -106,7 +107,9 @@ def test_migrate_applies_to_a_new_schema_and_then_has_nothing_to_apply(db, serve
         try:
             url = conninfo.make_conninfo(server_url, options=f"-c search_path={schema}")
             applied = ok(everystep_cli("--database-url", url, "migrate"))
-            assert applied == "applied 0001_initial, 0002_schedules\n"
+            shipped = sorted(path.stem for path in (ROOT / "everystep" / "migrations").glob("*.sql"))
+            assert shipped[:3] == ["0001_initial", "0002_schedules", "0003_execution_token"]
+            assert applied == f"applied {', '.join(shipped)}\n"
         finally:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
@@ -236,6 +239,8 @@ def test_runs_show_json(db):
     shown = json.loads(ok(cli(db, "runs", "show", "--json", str(run.id))))
     step_row_id = shown["steps"][0].pop("id")
     assert isinstance(step_row_id, int)
+    started_at, finished_at = shown["steps"][0].pop("started_at"), shown["steps"][0].pop("finished_at")
+    assert datetime.datetime.fromisoformat(started_at) <= datetime.datetime.fromisoformat(finished_at)
     assert shown == {
         "id": str(run.id), "name": "tests.cli_workflows.greet", "args": ["ada"], "idempotency_key": None,
         "status": "completed", "claimed_by": "test-runner", "result": "hello ADA", "error": None,

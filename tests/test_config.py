@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import (
+from everystep.config import (
     Config,
     ConfigError,
     DatabaseConfig,
@@ -441,9 +441,8 @@ def test_cli_reports_a_bad_config_file_in_one_line(tmp_path):
     assert done.stderr == f"everystep: {config}: workers.threads: must be an integer >= 1, got 'eight'\n"
 
 
-def test_the_readme_manifest_example_is_valid(config_dir):
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Recurring schedules"):]
+def test_the_documented_manifest_example_is_valid(config_dir):
+    section = (ROOT / "docs" / "schedules.md").read_text()
     example = section[section.index("```yaml\n") + len("```yaml\n"):section.index("```\n")]
     schedules = load_text(example).schedules
     assert schedules["nightly-cleanup"] == ScheduleConfig(

@@ -5,18 +5,15 @@ expression parses, and returns series (no misspelt metric or label)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import urllib.parse
 
-import pytest
 import yaml
 
 import everystep
 from tests import tracing_workflows as flows
 from tests.processes import ROOT, wait_for
-from tests.scraping import Prometheus, get
+from tests.scraping import Prometheus, get, needs_prometheus
 from tests.supervisor_process import config
 
 DASHBOARD = ROOT / "config" / "grafana" / "everystep-dashboard.json"
@@ -56,18 +53,8 @@ def test_the_dashboard_is_importable_as_is():
         assert wanted in titles, wanted
 
 
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("EVERYSTEP_REQUIRE_PROMETHEUS") == "1":
-            pytest.fail("prometheus is not installed and EVERYSTEP_REQUIRE_PROMETHEUS=1 requires it")
-        pytest.skip("prometheus is not installed (apt-get install prometheus); EVERYSTEP_REQUIRE_PROMETHEUS=1 "
-                    "makes this a failure")
-    return path
-
-
+@needs_prometheus("prometheus")
 def test_every_expression_of_the_dashboard_and_the_rules_returns_series(db, supervisors, tmp_path):
-    prometheus_binary()
     sup = supervisors(config(db.url, "dash", imports=["tests.tracing_workflows"]))
     # The workload: completed runs, a failing step, a worker restarted.
     with db.connect() as conn, everystep.transaction(conn):

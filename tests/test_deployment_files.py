@@ -1,21 +1,56 @@
-"""The shipped deployment files agree with each other and with the config
-loader: the Kubernetes manifests, the systemd unit, the shipped config."""
+"""The shipped deployment files agree with each other, with the config
+loader and with Kubernetes's schemas: the Kubernetes manifests, the systemd
+unit, the shipped config."""
 
 from __future__ import annotations
 
 import configparser
 from pathlib import Path
 
+import kubernetes_validate
+import pytest
 import yaml
 
-from supervisor.config import load
+from everystep.config import load
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = ROOT / "config" / "kubernetes"
+# The schemas kubernetes-validate ships (it validates offline).
+KUBERNETES_VERSION = kubernetes_validate.latest_version()
 
 
 def documents(path: Path) -> dict[str, dict]:
     return {doc["kind"]: doc for doc in yaml.safe_load_all(path.read_text()) if doc}
+
+
+def schema_errors(resource: dict) -> list[str]:
+    """What Kubernetes's schema of the resource's kind says is wrong with it,
+    unknown fields included."""
+    try:
+        kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = ".".join(str(part) for part in exc.path)
+        return [f"{resource['kind']} {resource['metadata']['name']}: {where}: {str(exc).splitlines()[0]}"]
+    return []
+
+
+@pytest.mark.parametrize("path", sorted(KUBERNETES.glob("*.yaml")), ids=lambda path: path.name)
+def test_the_kubernetes_manifests_match_the_kubernetes_schemas(path):
+    resources = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    assert resources
+    assert [error for resource in resources for error in schema_errors(resource)] == []
+
+
+def test_the_schema_check_finds_a_misspelt_field_and_a_wrong_type():
+    statefulset = documents(KUBERNETES / "statefulset.yaml")["StatefulSet"]
+    container = statefulset["spec"]["template"]["spec"]["containers"][0]
+    container["readinessProbe"]["httpGets"] = container["readinessProbe"].pop("httpGet")
+    assert len(schema_errors(statefulset)) == 1
+    container["readinessProbe"]["httpGet"] = container["readinessProbe"].pop("httpGets")
+    assert schema_errors(statefulset) == []
+    container["ports"][0]["containerPort"] = "9117"
+    (error,) = schema_errors(statefulset)
+    assert "containerPort" in error and "is not of type" in error
 
 
 def kubernetes_config(tmp_path, monkeypatch):

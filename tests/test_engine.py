@@ -22,12 +22,12 @@ from everystep import (
     Terminal,
     WorkflowCodeError,
     parallel,
+    registry,
     schedule,
     step,
     store,
     workflow,
 )
-from everystep import runner as runner_module
 from tests.processes import wait_for
 
 calls: collections.Counter = collections.Counter()
@@ -187,17 +187,24 @@ def test_a_steps_outcome_is_written_before_the_next_step_starts(db):
 def test_the_end_of_a_run_claims_the_next_one_with_its_recorded_steps(db):
     first, second, third = (schedule_one(db, three_steps) for _ in range(3))
     with db.connect() as conn:
-        assert [run.id for run in store.claim(conn, "w1", 2)] == [first.id, second.id]
-        assert store.record_step(conn, second.id, "w1", "1", "tests.test_engine.record", "[]", "{}", "done",
-                                 '"one"', None)
-        assert store.requeue_held(conn, [second.id], "w1") == [second.id]  # second: scheduled, one step recorded
-        last_step = ("1", "tests.test_engine.record", '["one"]', "{}", "done", '"one"', None)
-        claimed = store.finish_run(conn, first.id, "w1", "completed", '"ok"', None, last_step, claim=True)
+        claims = store.claim(conn, "w1", 2)
+        assert [run.id for run in claims] == [first.id, second.id]
+        assert claims[1].token != claims[0].token  # a new execution token for every claim
+        assert store.record_step(conn, second.id, "w1", claims[1].token, store.StepRow(
+            "1", "tests.test_engine.record", "[]", "{}", "done", '"one"', None, 1.0, 2.0))
+        # second: scheduled again, one step recorded
+        assert store.requeue_held(conn, "w1", [store.Claim(second.id, claims[1].token)]) == [second.id]
+        last_step = store.StepRow("1", "tests.test_engine.record", '["one"]', "{}", "done", '"one"', None, 1.0, 2.0)
+        claimed = store.finish_run(conn, first.id, "w1", claims[0].token, "completed", '"ok"', None, last_step,
+                                   claim=True)
         assert [(run.id, run.steps) for run in claimed] == [
             (second.id, [["1", "tests.test_engine.record", "done", "one", None]])
         ]
+        assert claimed[0].token not in (claims[0].token, claims[1].token)
         # Not held any more: nothing is written, nothing claimed.
-        assert store.finish_run(conn, first.id, "w1", "failed", None, None, claim=True) is None
+        assert store.finish_run(conn, first.id, "w1", claims[0].token, "failed", None, None, claim=True) is None
+        # Held, but by another execution (a stale token): nothing is written.
+        assert store.finish_run(conn, second.id, "w1", claims[1].token, "failed", None, None) is None
     assert (db.run(first.id)["status"], db.run(second.id)["claimed_by"]) == ("completed", "w1")
     assert step_ids(db, first.id) == ["1"]
     assert db.run(third.id)["status"] == "scheduled"
@@ -222,7 +229,7 @@ def test_divergence_fails_the_run_with_workflow_code_error(db, monkeypatch):
     run = schedule_one(db, diverging)
     with pytest.raises(Crash):
         db.run_pending(runner="w1")
-    monkeypatch.setitem(runner_module.REGISTRY, diverging.__everystep_workflow__, diverged)
+    monkeypatch.setitem(registry.WORKFLOWS, diverging.__everystep_workflow__, diverged)
     db.resume_held("w1")
     row = db.run(run.id)
     assert row["status"] == "failed"
@@ -476,7 +483,7 @@ def test_removing_the_unsafe_mark_lets_a_started_step_run_again(db, monkeypatch)
     with pytest.raises(Crash):
         db.run_pending(runner="w1")
     safe_send = step(send_money.__wrapped__)  # the same function, no longer marked unsafe
-    monkeypatch.setitem(runner_module.REGISTRY, pays.__everystep_workflow__,
+    monkeypatch.setitem(registry.WORKFLOWS, pays.__everystep_workflow__,
                         lambda url, marker: safe_send(url, "ok"))
     db.resume_held("w1")
     row = db.run(run.id)

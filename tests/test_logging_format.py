@@ -9,8 +9,8 @@ import logging
 import pytest
 
 import everystep
+from everystep import config as config_file
 from everystep import logs
-from supervisor import config as config_file
 from tests import tracing_workflows as flows
 from tests.processes import wait_for
 from tests.supervisor_process import config

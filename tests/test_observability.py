@@ -21,9 +21,19 @@ import pytest
 import yaml
 
 from everystep import store
-from supervisor import endpoints, http, metrics_dir
+from supervisor import http_server, metrics_dir, state_file
 from tests.processes import ROOT, wait_for
-from tests.scraping import PROMPTLY, UUID_SHAPED, Prometheus, binary, get, insert_runs, samples, value
+from tests.scraping import (
+    PROMPTLY,
+    UUID_SHAPED,
+    Prometheus,
+    binary,
+    get,
+    insert_runs,
+    needs_prometheus,
+    samples,
+    value,
+)
 
 RULES = ROOT / "config" / "prometheus" / "everystep.rules.yml"
 SCRAPE_CONFIG = ROOT / "config" / "prometheus" / "scrape.yml"
@@ -307,8 +317,8 @@ def test_a_query_stuck_on_a_lock_is_cut_short(db, folders, start):
 def test_an_unreachable_database_answers_fast_and_does_not_touch_liveness(folders, start):
     child = start.child("web-0-0", claims=1)
     server = start.http(UNREACHABLE_DATABASE)
-    http.write_state(folders.runtime, os.getpid(), [("worker", "web-0-0", child.pid), ("http", "http", server.pid)],
-                     ["web-0-0"], ["web-0-0"])
+    state_file.write_state(folders.runtime, os.getpid(),
+                           [("worker", "web-0-0", child.pid), ("http", "http", server.pid)], ["web-0-0"], ["web-0-0"])
 
     started = time.monotonic()
     status, body = server.get("/readyz")
@@ -377,7 +387,7 @@ def test_healthz_follows_the_supervisor_and_its_children(db, folders, start):
     second = start.child("web-0-1")
     children = [("worker", "web-0-0", first.pid), ("worker", "web-0-1", second.pid), ("http", "http", server.pid)]
     workers = ["web-0-0", "web-0-1"]
-    http.write_state(folders.runtime, os.getpid(), children, workers, workers)
+    state_file.write_state(folders.runtime, os.getpid(), children, workers, workers)
     assert server.get("/healthz") == (200, "ok\n")
 
     # Dead, not reaped yet: a zombie is not alive. The supervisor gets a grace
@@ -388,25 +398,25 @@ def test_healthz_follows_the_supervisor_and_its_children(db, folders, start):
     seen = time.monotonic()
     assert server.get("/healthz") == (200, "ok\n")
     status, body = wait_for(lambda: (r := server.get("/healthz"))[0] == 503 and r,
-                            timeout=endpoints.UNREAPED_GRACE_SECONDS + 10, what="/healthz to fail")
-    assert time.monotonic() - seen >= endpoints.UNREAPED_GRACE_SECONDS
+                            timeout=http_server.UNREAPED_GRACE_SECONDS + 10, what="/healthz to fail")
+    assert time.monotonic() - seen >= http_server.UNREAPED_GRACE_SECONDS
     assert body == (f"worker web-0-1 (pid {second.pid}) is not running, and the supervisor has not replaced it"
-                    f" in {endpoints.UNREAPED_GRACE_SECONDS:g} s\n")
+                    f" in {http_server.UNREAPED_GRACE_SECONDS:g} s\n")
     second.process.wait()
     assert server.get("/healthz")[0] == 503
 
     # The arbiter lists the children it has; while it backs off, the dead one is not listed.
-    http.write_state(folders.runtime, os.getpid(), [c for c in children if c[1] != "web-0-1"], workers, workers)
+    state_file.write_state(folders.runtime, os.getpid(), [c for c in children if c[1] != "web-0-1"], workers, workers)
     assert server.get("/healthz") == (200, "ok\n")
 
     # A listed pid that now belongs to another process (this test's parent).
-    http.write_state(folders.runtime, os.getpid(), [("worker", "web-0-9", os.getppid())], [], [])
+    state_file.write_state(folders.runtime, os.getpid(), [("worker", "web-0-9", os.getppid())], [], [])
     status, body = wait_for(lambda: (r := server.get("/healthz"))[0] == 503 and r,
-                            timeout=endpoints.UNREAPED_GRACE_SECONDS + 10, what="/healthz to fail")
+                            timeout=http_server.UNREAPED_GRACE_SECONDS + 10, what="/healthz to fail")
     assert body.startswith(f"worker web-0-9 (pid {os.getppid()}) is not running,"), body
 
     # A state file left by a supervisor that is not this child's parent.
-    http.write_state(folders.runtime, first.pid, [], [], [])
+    state_file.write_state(folders.runtime, first.pid, [], [], [])
     status, body = server.get("/healthz")
     assert status == 503 and f"supervisor (pid {first.pid}) is not this process's parent" in body
 
@@ -414,7 +424,7 @@ def test_healthz_follows_the_supervisor_and_its_children(db, folders, start):
 def test_readyz_follows_the_workers_locks(db, folders, start):
     server = start.http(db.url)
     workers = ["web-0-0", "web-0-1"]
-    http.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, workers)
+    state_file.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, workers)
     status, body = server.get("/readyz")
     assert status == 503 and "web-0-0, web-0-1" in body, body
 
@@ -424,9 +434,9 @@ def test_readyz_follows_the_workers_locks(db, folders, start):
 
         # Held, but not by the supervisor's worker: it did not say it holds it
         # (it waits for it while another live process of that name holds it).
-        http.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, ["web-0-1"])
+        state_file.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, ["web-0-1"])
         assert server.get("/readyz") == (503, "workers not holding their lock: web-0-0\n")
-        http.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, workers)
+        state_file.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, workers)
 
         store.unlock(holder, "web-0-1")
         status, body = server.get("/readyz")
@@ -452,17 +462,18 @@ def test_unknown_paths_are_404_and_sigterm_stops_the_server(db, folders, start):
 
 
 def test_write_state_replaces_the_file_whole(tmp_path):
-    http.write_state(tmp_path, 10, [("worker", "a-0", 11), ("maintenance", "maintenance", 12)], ["a-0"], ["a-0"])
-    http.write_state(tmp_path, 10, [("worker", "a-0", 13)], ["a-0", "a-1"], ["a-1"])
-    assert http.read_state(tmp_path) == http.SupervisorState(
-        10, [http.Child("worker", "a-0", 13)], ["a-0", "a-1"], ["a-1"])
-    assert [p.name for p in tmp_path.iterdir()] == [http.STATE_FILE]
+    state_file.write_state(tmp_path, 10, [("worker", "a-0", 11), ("maintenance", "maintenance", 12)], ["a-0"], ["a-0"])
+    state_file.write_state(tmp_path, 10, [("worker", "a-0", 13)], ["a-0", "a-1"], ["a-1"])
+    assert state_file.read_state(tmp_path) == state_file.SupervisorState(
+        10, [state_file.Child("worker", "a-0", 13)], ["a-0", "a-1"], ["a-1"])
+    assert [p.name for p in tmp_path.iterdir()] == [state_file.STATE_FILE]
     with pytest.raises(ValueError, match="role 'web'"):
-        http.write_state(tmp_path, 10, [("web", "a-0", 11)], [], [])
+        state_file.write_state(tmp_path, 10, [("web", "a-0", 11)], [], [])
 
 
 # ---------------------------------------------------------------- Prometheus
 
+@needs_prometheus("promtool")
 def test_alert_rules_are_valid_and_fire_when_they_should():
     promtool = binary("promtool")
     check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
@@ -483,6 +494,7 @@ def kubernetes_job_as_file_sd(config: dict, targets_file: Path) -> dict:
     return config
 
 
+@needs_prometheus("promtool")
 def test_scrape_config_is_valid(tmp_path):
     config = yaml.safe_load(SCRAPE_CONFIG.read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
@@ -496,6 +508,7 @@ def test_scrape_config_is_valid(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@needs_prometheus("prometheus")
 def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
     insert_runs(db, "scheduled", 4, age_seconds=30)
     insert_runs(db, "blocked", 1)

@@ -59,7 +59,7 @@ def test_a_lost_pod_is_recovered_by_another_supervisor(db, supervisors, marks):
     wait_for(lambda: count(db, "running") == 6 and db.value(
         "SELECT count(*) FROM everystep_workflow WHERE claimed_by LIKE 'pod-b-%%'") == 6,
         timeout=60, interval=0.02, what="every run running again under pod-b")
-    # The bound the README states (the process died, its host lives: detection
+    # The bound docs/running.md states (the process died, its host lives: detection
     # is immediate), with a margin for a loaded machine.
     assert time.monotonic() - lost < recovery["interval"] + recovery["grace"] + 5
     wait_for(lambda: count(db, "completed") == 6, timeout=60, what="every run completed")

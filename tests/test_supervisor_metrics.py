@@ -16,10 +16,10 @@ import psycopg
 import yaml
 
 import everystep
-from supervisor import endpoints
+from supervisor import http_server
 from tests import obs_workflows, obs_workload, workflows
 from tests.processes import WorkerProcess, wait_for
-from tests.scraping import PROMPTLY, UUID_SHAPED, Prometheus, get, insert_runs, samples, value
+from tests.scraping import PROMPTLY, UUID_SHAPED, Prometheus, get, insert_runs, needs_prometheus, samples, value
 from tests.supervisor_process import SupervisorProcess, children_of, config, process_state, restart_workers
 
 ROLES = ("worker", "http", "maintenance")
@@ -350,8 +350,8 @@ def test_healthz_stays_up_across_restarts_and_fails_when_a_dead_child_is_left_un
         seen = time.monotonic()
         assert probe(sup, "/healthz") == (200, "ok\n")  # its supervisor may be about to reap it
         status, body = wait_for(lambda: (r := probe(sup, "/healthz"))[0] == 503 and r,
-                                timeout=endpoints.UNREAPED_GRACE_SECONDS + 10, what="/healthz 503")
-        assert time.monotonic() - seen >= endpoints.UNREAPED_GRACE_SECONDS
+                                timeout=http_server.UNREAPED_GRACE_SECONDS + 10, what="/healthz 503")
+        assert time.monotonic() - seen >= http_server.UNREAPED_GRACE_SECONDS
         assert body.startswith(f"worker hz-1 (pid {victim}) is not running"), body
     finally:
         os.kill(sup.pid, signal.SIGCONT)
@@ -425,6 +425,7 @@ def test_readyz_answers_503_fast_while_the_database_is_down(private_server, supe
 
 # ---------------------------------------------------------------- a real Prometheus
 
+@needs_prometheus("prometheus")
 def test_a_real_prometheus_scrapes_the_supervisor_and_sees_a_restart(db, supervisors, tmp_path):
     sup = supervisors(config(db.url, "prom"))
     sup.wait_workers({"prom-0", "prom-1"})

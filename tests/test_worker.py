@@ -16,20 +16,6 @@ from tests import workflows
 from tests.processes import WorkerProcess, wait_for
 
 
-@pytest.fixture
-def start_worker(db, tmp_path):
-    started = []
-
-    def start(name: str, **options) -> WorkerProcess:
-        worker = WorkerProcess(db.url, name, tmp_path / "logs", **options)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.close()
-
-
 def statuses(db):
     return dict(db.query("SELECT status, count(*) FROM everystep_workflow GROUP BY status"))
 

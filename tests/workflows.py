@@ -57,6 +57,17 @@ def hold(marks: str, tag: str, release: str) -> str:
     return tag
 
 
+@step
+def hold_until(marks: str, tag: str, release: str) -> str:
+    """Mark the start, block until `release` exists, mark the end: two
+    executions at once show as two starts before an end."""
+    mark(marks, tag)
+    while not os.path.exists(release):
+        time.sleep(0.02)
+    mark(marks, tag + ":end")
+    return tag
+
+
 @step(unsafe_to_repeat=True)
 def unsafe_effect(marks: str, release: str) -> str:
     mark(marks, "effect")
@@ -119,3 +130,18 @@ def exit_the_process(marks: str) -> None:
 @workflow
 def exits(marks: str) -> None:
     exit_the_process(marks)
+
+
+@workflow
+def held_once(marks: str, release: str) -> str:
+    return hold_until(marks, "held", release)
+
+
+@workflow
+def held_then_quick(marks: str, release: str) -> list:
+    return [hold_until(marks, "held", release), work(marks, "after")]
+
+
+@workflow
+def held_then_unsafe(marks: str, release: str) -> list:
+    return [hold_until(marks, "held", release), unsafe_effect(marks, release)]

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 from supervisor import metrics_dir  # noqa: E402
-from supervisor.endpoints import FolderCollector  # noqa: E402
+from supervisor.http_server import FolderCollector  # noqa: E402
 
 RUNNERS = 4
 

@@ -1,4 +1,5 @@
-"""The supervisor's config file (everystep.yaml): YAML -> frozen dataclasses.
+"""The config file (everystep.yaml): YAML -> frozen dataclasses. The
+supervisor runs from it; the `everystep` CLI reads it with `-c FILE`.
 
 Environment variables are expanded in every string value (never in keys):
 

@@ -3,7 +3,7 @@
 The arbiter holds no database connection and serves nothing; it tells the HTTP
 child which processes should be alive, and which workers said they hold their
 lock, through a small JSON file in the runtime folder, replaced atomically
-whenever that changes (`write_state`). The HTTP child (supervisor.endpoints)
+whenever that changes (`write_state`). The HTTP child (supervisor.http_server)
 reads it on every health and readiness probe. The file also holds the port
 the HTTP child bound, for whoever runs the supervisor with `http.port: 0`.
 """

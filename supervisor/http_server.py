@@ -34,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from everystep import liveness, store
-from supervisor import http, metrics_dir
+from supervisor import metrics_dir, state_file
 
 log = logging.getLogger("everystep.supervisor")
 
@@ -201,10 +201,10 @@ _DATABASE_UP_HELP = "1 when the database answered this scrape's queue query with
 
 # ---------------------------------------------------------------- probes
 
-def _state(runtime_dir: Path) -> http.SupervisorState | str:
+def _state(runtime_dir: Path) -> state_file.SupervisorState | str:
     """The state the supervisor wrote, or why there is none to read."""
     try:
-        state = http.read_state(runtime_dir)
+        state = state_file.read_state(runtime_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"the supervisor's state file is unreadable: {_one_line(exc)}"
     return "the supervisor has not written its state yet" if state is None else state
@@ -224,7 +224,7 @@ class Liveness:
     def __init__(self, runtime_dir: Path):
         self._runtime_dir = runtime_dir
         self._lock = threading.Lock()
-        self._dead_since: dict[http.Child, float] = {}  # listed children seen dead, and since when
+        self._dead_since: dict[state_file.Child, float] = {}  # listed children seen dead, and since when
 
     def unhealthy_because(self) -> str | None:
         state = _state(self._runtime_dir)

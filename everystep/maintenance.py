@@ -1,0 +1,101 @@
+"""Maintenance: the dead-claimer sweep and the recurring schedules' tick, in
+one loop.
+
+Embeddable in any host process, like `Worker`::
+
+    maintenance = Maintenance(database_url, interval=5, grace=10, max_crashes=3)
+    maintenance.run()     # blocks; maintenance.stop() from another thread or a signal handler
+
+Any number of them may run at once, in one deployment or across several: the
+sweep's probe lock and the scheduler's advisory lock serialise them. It waits
+for a database that does not answer, with a back-off, logging one line when
+the outage starts and one when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psycopg
+
+from everystep import liveness, scheduler
+from everystep.logs import first_line
+
+log = logging.getLogger("everystep")
+
+SCHEDULER_TICK = 1.0  # seconds between looks at the recurring schedules
+RETRY_CEILING = 10.0  # seconds: the longest wait between attempts to reach the database
+
+
+class Maintenance:
+    """The dead-claimer sweep every `interval` seconds (sooner when a
+    suspect's grace runs out), and the recurring schedules every second."""
+
+    def __init__(self, database_url: str, interval: float = 5.0, grace: float = 10.0, max_crashes: int = 3,
+                 application_name: str = "everystep maintenance"):
+        if not interval > 0:
+            raise ValueError("the sweep interval must be > 0 seconds")
+        self.database_url = database_url
+        self.interval = interval
+        self.application_name = application_name
+        self.sweep = liveness.DeadClaimerSweep(grace, max_crashes)
+        self._stopped = threading.Event()
+
+    def stop(self, fast: bool = False) -> None:
+        """Return from `run()` at once (there is nothing to drain: `fast` is
+        accepted for the same signal wiring as `Worker`). Safe from signal
+        handlers and other threads."""
+        self._stopped.set()
+
+    def run(self) -> None:
+        """Sweep and tick until stopped."""
+        outage = Outage("maintenance", first_wait=SCHEDULER_TICK)
+        conn = None
+        next_sweep = time.monotonic()
+        try:
+            while not self._stopped.is_set():
+                try:
+                    if conn is None:
+                        conn = psycopg.connect(self.database_url, **liveness.connection_kwargs(self.application_name))
+                    if time.monotonic() >= next_sweep:
+                        self.sweep.sweep(conn)
+                        next_sweep = time.monotonic() + self.sweep.next_probe_in(self.interval)
+                    scheduler.tick(conn)  # logs what it fires
+                    outage.over()
+                    wait = min(SCHEDULER_TICK, next_sweep - time.monotonic())
+                except psycopg.OperationalError as exc:
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    wait = outage.failed(exc)
+                self._stopped.wait(max(wait, 0.01))  # never a busy loop, whatever the clock says
+        finally:
+            if conn is not None:
+                conn.close()
+
+
+class Outage:
+    """How a loop waits for a database that does not answer: the wait
+    doubles from `first_wait` up to RETRY_CEILING, and the outage is logged
+    once when it starts and once when it ends, however long it lasts."""
+
+    def __init__(self, who: str, first_wait: float):
+        self.who = who
+        self.first_wait = first_wait
+        self.wait: float | None = None  # None: the database answers
+
+    def failed(self, exc: psycopg.OperationalError) -> float:
+        """Seconds to wait before the next attempt."""
+        if self.wait is None:
+            log.warning("%s: the database is unreachable (%s); retrying until it answers", self.who, first_line(exc))
+            self.wait = self.first_wait
+        else:
+            self.wait = min(self.wait * 2, RETRY_CEILING)
+        return self.wait
+
+    def over(self) -> None:
+        if self.wait is not None:
+            log.info("%s: the database answers again", self.who)
+            self.wait = None

@@ -1,0 +1,140 @@
+"""Maintenance (the dead-claimer sweep and the recurring schedules' tick) as
+an engine class, and as `everystep maintenance`, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import everystep
+from everystep import schedule, scheduler, store
+from everystep.maintenance import Maintenance
+from everystep.scheduler import Schedule
+from tests.cli_workflows import greet
+from tests.processes import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class MaintenanceProcess:
+    """`everystep maintenance ...` in a subprocess, logging to a file."""
+
+    def __init__(self, log_path: Path, *args: str):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        env = {k: v for k, v in os.environ.items() if k != "EVERYSTEP_DATABASE_URL"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "everystep", "maintenance", *args], cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def maintenance(tmp_path):
+    started: list[MaintenanceProcess] = []
+
+    def start(*args: str) -> MaintenanceProcess:
+        process = MaintenanceProcess(tmp_path / f"maintenance-{len(started)}.log", *args)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.close()
+
+
+def dead_claimers_run(db) -> everystep.ScheduledRun:
+    """A run claimed by a worker that is gone: nobody holds its name's lock."""
+    with db.connect() as conn, everystep.transaction(conn):
+        run = schedule(greet, "ada")
+    with db.connect() as conn:
+        assert [claimed.id for claimed in store.claim(conn, "worker-dead", 10)] == [run.id]
+    return run
+
+
+def due_schedule(db) -> None:
+    """A schedule of greet('linus') whose fire time is now."""
+    every_minute = Schedule(workflow="tests.cli_workflows.greet", args=("linus",), cron="* * * * *")
+    with db.connect() as conn:
+        scheduler.apply(conn, {"every-minute": every_minute})
+        conn.execute("UPDATE everystep_schedule SET next_fire_at = date_trunc('minute', now())")
+
+
+def fired_runs(db) -> list:
+    return [row[0] for row in db.query(
+        "SELECT args FROM everystep_workflow WHERE idempotency_key LIKE 'schedule:every-minute:%%'")]
+
+
+def test_the_command_recovers_a_dead_claimers_run_fires_a_due_schedule_and_stops_on_sigterm(db, maintenance):
+    run = dead_claimers_run(db)
+    due_schedule(db)
+    process = maintenance("--database-url", db.url, "--interval", "0.2", "--grace", "0",
+                          "--import", "tests.cli_workflows")
+    wait_for(lambda: db.run(run.id)["status"] == "scheduled", timeout=30, what="the dead claimer's run requeued")
+    assert db.run(run.id)["claimed_by"] is None
+    wait_for(lambda: fired_runs(db) == [["linus"]], timeout=30, what="the due schedule fired")
+    assert process.stop(signal.SIGTERM) == 0
+    log = process.output()
+    assert "maintenance: the dead-claimer sweep every 0.2 s (grace 0 s)" in log
+    assert "claimer worker-dead is dead: requeued 1 runs" in log
+    assert db.run_pending() == {run.id: "completed", **dict.fromkeys(
+        (row[0] for row in db.query("SELECT id FROM everystep_workflow WHERE idempotency_key IS NOT NULL")),
+        "completed")}
+
+
+def test_the_command_takes_recovery_from_the_config_file_and_options_win(db, maintenance, tmp_path):
+    config = tmp_path / "everystep.yaml"
+    config.write_text(f"database:\n  url: {json.dumps(db.url)}\n"
+                      "recovery:\n  interval: 0.3\n  grace: 7\n  max_crashes: 2\n")
+    process = maintenance("-c", str(config), "--grace", "0.5")
+    wait_for(lambda: "sweep every" in process.output(), timeout=30, what="the maintenance loop to start")
+    assert "maintenance: the dead-claimer sweep every 0.3 s (grace 0.5 s)" in process.output()
+    assert process.stop(signal.SIGINT) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--interval", "0"], "everystep maintenance: argument --interval: expected a number of seconds > 0, not '0'"),
+    (["--grace", "-1"], "everystep maintenance: argument --grace: expected a number of seconds >= 0, not '-1'"),
+    (["--max-crashes", "0"], "everystep maintenance: argument --max-crashes: expected a whole number of at least 1"),
+    (["--import", "tests.no_such_module"],
+     "everystep: cannot import tests.no_such_module: ModuleNotFoundError: No module named 'tests.no_such_module'"),
+])
+def test_the_command_refuses_bad_options_in_one_line(db, args, message):
+    env = {k: v for k, v in os.environ.items() if k != "EVERYSTEP_DATABASE_URL"}
+    done = subprocess.run([sys.executable, "-m", "everystep", "--database-url", db.url, "maintenance", *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(message), done.stderr
+
+
+def test_an_embedding_program_runs_it_on_a_thread_and_stops_it(db):
+    run = dead_claimers_run(db)
+    due_schedule(db)
+    loop = Maintenance(db.url, interval=0.1, grace=0)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        wait_for(lambda: db.run(run.id)["status"] == "scheduled" and fired_runs(db) == [["linus"]], timeout=30,
+                 what="the run requeued and the schedule fired")
+    finally:
+        loop.stop()
+        thread.join(10)
+    assert not thread.is_alive()
