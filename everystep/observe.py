@@ -59,12 +59,14 @@ def run_ending(replay: Any, status: str, exc: BaseException | None) -> None:
         execution.status, execution.exc = status, exc
 
 
-@_never_fails
 def run_ended(replay: Any, outcome: str) -> None:
     """After the execution: `outcome` is how it ended (see Runner.execute)."""
-    execution = replay.trace
-    if execution is None:
-        return
+    if replay.trace is not None:
+        _report_end(replay, replay.trace, outcome)
+
+
+@_never_fails
+def _report_end(replay: Any, execution: Execution, outcome: str) -> None:
     exc = execution.exc if execution.status == outcome else None
     blocked_on = _started_step(replay) if outcome == "blocked" else None
     if execution.span is not None:
