@@ -1,5 +1,6 @@
 """everystep: durable workflows for Python on PostgreSQL."""
 
+from everystep import schedules  # the schedules API: everystep.schedules.put(...)
 from everystep.api import ScheduledRun, parallel, resolve_step, schedule, step, transaction, use, workflow
 from everystep.context import Outcome, RunContext, current
 from everystep.errors import (
@@ -28,6 +29,7 @@ __all__ = [
     "parallel",
     "resolve_step",
     "schedule",
+    "schedules",
     "step",
     "transaction",
     "use",

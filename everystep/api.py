@@ -112,21 +112,29 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > 255):
         raise EverystepError("idempotency_key must be a string of at most 255 characters")
     args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
-    conn = conn or _bound.get() or _django_connection()
-    if conn is None:
-        raise EverystepError(
-            "schedule() found no transaction: pass conn=<psycopg connection>, bind one with "
-            "`with everystep.transaction(conn):` or `everystep.use(conn)`, or configure Django"
-        )
-    if isinstance(conn, psycopg.Connection):
-        if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-            raise EverystepError(
-                "schedule() needs an open transaction: this connection is in autocommit mode outside "
-                "a transaction block; use `with everystep.transaction(conn):` or `with conn.transaction():`"
-            )
+    conn = transaction_connection(conn, "schedule()")
     run_id, created = tracing.traced_schedule(
         name, lambda trace_context: store.insert_run(conn, uuid7(), name, args_json, idempotency_key, trace_context))
     return ScheduledRun(run_id, name, created)
+
+
+def transaction_connection(conn: psycopg.Connection | None, caller: str, write: bool = True) -> Any:
+    """The connection `caller` works in: `conn`, else the one bound by
+    everystep.transaction/use, else Django's. One that writes needs an open
+    transaction, so what it writes commits or rolls back with the caller's work."""
+    conn = conn or _bound.get() or _django_connection()
+    if conn is None:
+        raise EverystepError(
+            f"{caller} found no transaction: pass conn=<psycopg connection>, bind one with "
+            "`with everystep.transaction(conn):` or `everystep.use(conn)`, or configure Django"
+        )
+    if write and isinstance(conn, psycopg.Connection):
+        if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            raise EverystepError(
+                f"{caller} needs an open transaction: this connection is in autocommit mode outside "
+                "a transaction block; use `with everystep.transaction(conn):` or `with conn.transaction():`"
+            )
+    return conn
 
 
 def _django_connection() -> Any:

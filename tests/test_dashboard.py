@@ -11,10 +11,10 @@ import urllib.parse
 import yaml
 
 import everystep
-from tests import tracing_workflows as flows
-from tests.processes import ROOT, wait_for
-from tests.scraping import Prometheus, get, needs_prometheus
-from tests.supervisor_process import config
+from tests.apps import tracing_workflows as flows
+from tests.support.processes import ROOT, wait_for
+from tests.support.scraping import Prometheus, get, needs_prometheus
+from tests.support.supervisor_process import config
 
 DASHBOARD = ROOT / "config" / "grafana" / "everystep-dashboard.json"
 RULES = ROOT / "config" / "prometheus" / "everystep.rules.yml"
@@ -55,7 +55,7 @@ def test_the_dashboard_is_importable_as_is():
 
 @needs_prometheus("prometheus")
 def test_every_expression_of_the_dashboard_and_the_rules_returns_series(db, supervisors, tmp_path):
-    sup = supervisors(config(db.url, "dash", imports=["tests.tracing_workflows"]))
+    sup = supervisors(config(db.url, "dash", imports=["tests.apps.tracing_workflows"]))
     # The workload: completed runs, a failing step, a worker restarted.
     with db.connect() as conn, everystep.transaction(conn):
         for i in range(5):

@@ -11,9 +11,9 @@ import pytest
 import everystep
 from everystep import config as config_file
 from everystep import logs
-from tests import tracing_workflows as flows
-from tests.processes import wait_for
-from tests.supervisor_process import config
+from tests.apps import tracing_workflows as flows
+from tests.support.processes import wait_for
+from tests.support.supervisor_process import config
 
 
 def record(message: str, exc_info=None, **extra) -> logging.LogRecord:
@@ -57,13 +57,13 @@ def test_the_config_key_takes_text_or_json(tmp_path):
 
 
 def test_a_supervisor_logs_json_lines_from_every_process(db, supervisors):
-    sup = supervisors(config(db.url, "jsonlogs", imports=["tests.tracing_workflows"], logging={"format": "json"}))
+    sup = supervisors(config(db.url, "jsonlogs", imports=["tests.apps.tracing_workflows"], logging={"format": "json"}))
     with db.connect() as conn, everystep.transaction(conn):
         everystep.schedule(flows.fails, "no stock")
     wait_for(lambda: '"run failed: ValueError: no stock"' in sup.output(), timeout=60, what="the failed run's line")
     lines = [json.loads(line) for line in sup.output().splitlines() if line.strip()]
     failed = next(entry for entry in lines if entry["message"] == "run failed: ValueError: no stock")
-    assert failed["level"] == "WARNING" and failed["workflow"] == "tests.tracing_workflows.fails"
+    assert failed["level"] == "WARNING" and failed["workflow"] == "tests.apps.tracing_workflows.fails"
     assert failed["runner"].startswith("jsonlogs-") and failed["run"]
     assert "Traceback" in failed["exception"] and "ValueError: no stock" in failed["exception"]
     assert any(entry["message"].startswith("supervisor jsonlogs starting") for entry in lines)

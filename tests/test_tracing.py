@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import ROOT, wait_for
+from tests.support.processes import ROOT, wait_for
 
 
 def _extra(module: str, extra: str, variable: str):
@@ -42,9 +42,9 @@ from sentry_sdk.transport import Transport  # noqa: E402
 
 import everystep  # noqa: E402
 from everystep import logs, observe, tracing  # noqa: E402
-from tests import tracing_workflows as flows  # noqa: E402
-from tests.otlp_receiver import Receiver  # noqa: E402
-from tests.supervisor_process import config  # noqa: E402
+from tests.apps import tracing_workflows as flows  # noqa: E402
+from tests.support.otlp_receiver import Receiver  # noqa: E402
+from tests.support.supervisor_process import config  # noqa: E402
 
 CHILD = "tracing-child"
 
@@ -101,7 +101,7 @@ def run_in_child_killed(db, tmp_path: Path) -> tuple[list[dict], list[bytes]]:
     """Execute the scheduled runs in tests/tracing_child.py, which a step
     SIGKILLs; return the spans it exported and the envelopes it sent."""
     spans_file, envelopes_file = tmp_path / "child-spans.jsonl", tmp_path / "child-envelopes"
-    child = subprocess.run([sys.executable, "-m", "tests.tracing_child", db.url, CHILD, str(spans_file),
+    child = subprocess.run([sys.executable, "-m", "tests.support.tracing_child", db.url, CHILD, str(spans_file),
                             str(envelopes_file)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert child.returncode == -9, child.stdout + child.stderr
     exported = [json.loads(line) for line in spans_file.read_text().splitlines()] if spans_file.exists() else []
@@ -148,9 +148,9 @@ def test_a_run_with_parallel_is_one_span_tree_under_the_request_that_scheduled_i
     finished = spans.get_finished_spans()
     print(render(finished))
     named = by_name(finished)
-    (scheduled,) = named["schedule tests.tracing_workflows.fan_out"]
-    (run,) = named["run tests.tracing_workflows.fan_out"]
-    steps = named["step tests.tracing_workflows.double"]
+    (scheduled,) = named["schedule tests.apps.tracing_workflows.fan_out"]
+    (run,) = named["run tests.apps.tracing_workflows.fan_out"]
+    steps = named["step tests.apps.tracing_workflows.double"]
 
     # One trace: request -> schedule -> run -> every step, the parallel branches' too.
     assert {s.context.trace_id for s in finished} == {request.get_span_context().trace_id}
@@ -160,11 +160,11 @@ def test_a_run_with_parallel_is_one_span_tree_under_the_request_that_scheduled_i
     assert sorted(s.attributes["everystep.step_id"] for s in steps) == ["1", "2.0.1", "2.1.1", "2.1.2"]
     assert {s.parent.span_id for s in steps} == {run.context.span_id}
     assert dict(run.attributes) == {
-        "everystep.workflow": "tests.tracing_workflows.fan_out", "everystep.run_id": str(run_id),
+        "everystep.workflow": "tests.apps.tracing_workflows.fan_out", "everystep.run_id": str(run_id),
         "everystep.runner": "test-runner", "everystep.attempt": 1, "everystep.outcome": "completed",
     }
     assert {s.attributes["everystep.outcome"] for s in steps} == {"done"}
-    assert {s.attributes["everystep.step"] for s in steps} == {"tests.tracing_workflows.double"}
+    assert {s.attributes["everystep.step"] for s in steps} == {"tests.apps.tracing_workflows.double"}
     assert {s.attributes["everystep.run_id"] for s in steps} == {str(run_id)}
     # Each branch ran on its own thread: spans overlap in time, inside the run's.
     assert all(run.start_time <= s.start_time and s.end_time <= run.end_time for s in steps)
@@ -183,7 +183,7 @@ def test_a_replay_after_a_sigkill_continues_the_trace_without_spans_for_recorded
     assert db.resume_held(CHILD) == {run_id: "completed"}
     finished = spans.get_finished_spans()
     print(render(finished))
-    (run,) = by_name(finished)["run tests.tracing_workflows.killed_then_done"]
+    (run,) = by_name(finished)["run tests.apps.tracing_workflows.killed_then_done"]
     replayed = [s for s in finished if s.name.startswith("step ")]
     # Steps 1 and 2 were served from the record: no second span for them.
     assert sorted(s.attributes["everystep.step_id"] for s in replayed) == ["3", "4"]
@@ -197,9 +197,9 @@ def test_a_failed_run_records_the_exception_on_its_step_and_run_spans(db, spans)
     assert db.run_pending() == {run_id: "failed"}
     print(render(spans.get_finished_spans()))
     named = by_name(spans.get_finished_spans())
-    (run,) = named["run tests.tracing_workflows.fails"]
-    (refused,) = named["step tests.tracing_workflows.refuse"]
-    (doubled,) = named["step tests.tracing_workflows.double"]
+    (run,) = named["run tests.apps.tracing_workflows.fails"]
+    (refused,) = named["step tests.apps.tracing_workflows.refuse"]
+    (doubled,) = named["step tests.apps.tracing_workflows.double"]
     assert doubled.status.status_code == StatusCode.UNSET and doubled.attributes["everystep.outcome"] == "done"
     for span in (refused, run):
         assert span.status.status_code == StatusCode.ERROR
@@ -218,13 +218,13 @@ def test_blocked_and_stopped_runs_are_marked_on_their_spans(db, spans, tmp_path)
     assert db.run_pending() == {stopped: "stopped"}
     named = by_name(spans.get_finished_spans())
 
-    (run,) = named["run tests.tracing_workflows.blocks"]
+    (run,) = named["run tests.apps.tracing_workflows.blocks"]
     assert run.attributes["everystep.outcome"] == "blocked" and run.attributes["everystep.blocked_step"] == "1"
     assert run.status.status_code == StatusCode.ERROR
     assert run.status.description == "blocked on step 1: resolve it with `everystep resolve-step`"
-    assert "step tests.tracing_workflows.charge_card" not in named  # started, never executed again
+    assert "step tests.apps.tracing_workflows.charge_card" not in named  # started, never executed again
 
-    (run,) = named["run tests.tracing_workflows.stops"]
+    (run,) = named["run tests.apps.tracing_workflows.stops"]
     assert run.attributes["everystep.outcome"] == "stopped"
     assert (run.status.status_code, run.status.description) == (StatusCode.ERROR, "stopped: customer asked")
 
@@ -243,7 +243,7 @@ def test_a_run_scheduled_with_tracing_off_gets_a_trace_of_its_own(db, spans):
     provider.add_span_processor(SimpleSpanProcessor(spans))
     _set_tracer_provider(provider)
     assert db.run_pending() == {run_id: "completed"}
-    (run,) = by_name(spans.get_finished_spans())["run tests.tracing_workflows.fan_out"]
+    (run,) = by_name(spans.get_finished_spans())["run tests.apps.tracing_workflows.fan_out"]
     assert run.parent is None and run.attributes["everystep.attempt"] == 1
 
 
@@ -258,7 +258,7 @@ def test_json_log_lines_carry_the_ids_of_the_current_span(db, spans):
         assert db.run_pending() == {run_id: "completed"}
     finally:
         logging.getLogger("shop").removeHandler(handler)
-    (said,) = by_name(spans.get_finished_spans())["step tests.tracing_workflows.say"]
+    (said,) = by_name(spans.get_finished_spans())["step tests.apps.tracing_workflows.say"]
     (entry,) = [json.loads(line) for line in lines]
     assert entry["message"] == "paid" and entry["run"] == str(run_id)
     assert entry["trace_id"] == f"{said.context.trace_id:032x}" and entry["span_id"] == f"{said.context.span_id:016x}"
@@ -274,11 +274,11 @@ def test_the_supervisor_exports_spans_with_otlp_over_http(db, spans, supervisors
         monkeypatch.setenv("OTEL_SERVICE_NAME", "shop-workers")
         run_id = schedule(db, flows.fan_out, 3)
         (scheduled,) = spans.get_finished_spans()
-        supervisors(config(db.url, "traced", imports=["tests.tracing_workflows"], tracing={"enabled": True}))
+        supervisors(config(db.url, "traced", imports=["tests.apps.tracing_workflows"], tracing={"enabled": True}))
 
         def exported() -> list:
             names = [span.name for _service, span in receiver.spans]
-            return receiver.spans if "run tests.tracing_workflows.fan_out" in names and len(names) >= 5 else []
+            return receiver.spans if "run tests.apps.tracing_workflows.fan_out" in names and len(names) >= 5 else []
 
         received = wait_for(exported, timeout=60, what="the run's spans at the OTLP receiver")
         assert db.run(run_id)["status"] == "completed"
@@ -308,8 +308,8 @@ def test_a_failed_run_is_reported_once_across_its_executions(db, sentry_events, 
     (event,) = sentry_events
     (exception, *_) = reversed(event["exception"]["values"])
     assert (exception["type"], exception["value"]) == ("RuntimeError", "the order could not be paid")
-    assert event["tags"] == {"everystep.workflow": "tests.tracing_workflows.killed_then_fails",
-                             "everystep.step": "tests.tracing_workflows.refuse", "everystep.runner": CHILD}
+    assert event["tags"] == {"everystep.workflow": "tests.apps.tracing_workflows.killed_then_fails",
+                             "everystep.step": "tests.apps.tracing_workflows.refuse", "everystep.runner": CHILD}
     assert event["contexts"]["everystep run"]["run_id"] == str(run_id)
 
 
@@ -320,9 +320,9 @@ def test_a_blocked_run_is_a_warning_that_says_how_to_resolve_it(db, sentry_event
     (event,) = sentry_events
     assert event["level"] == "warning"
     assert f"`everystep resolve-step {run_id} 1 --result JSON`" in event["message"]
-    assert event["tags"]["everystep.step"] == "tests.tracing_workflows.charge_card"
-    assert event["fingerprint"] == ["everystep-blocked", "tests.tracing_workflows.blocks",
-                                    "tests.tracing_workflows.charge_card"]
+    assert event["tags"]["everystep.step"] == "tests.apps.tracing_workflows.charge_card"
+    assert event["fingerprint"] == ["everystep-blocked", "tests.apps.tracing_workflows.blocks",
+                                    "tests.apps.tracing_workflows.charge_card"]
 
 
 def test_a_completed_run_reports_nothing(db, sentry_events):

@@ -29,7 +29,7 @@ from psycopg import conninfo
 import everystep
 from everystep import store
 from tests.conftest import Database, _find_server
-from tests.supervisor_process import SupervisorProcess, config
+from tests.support.supervisor_process import SupervisorProcess, config
 
 # EVERYSTEP_BENCH_TRACING=1: the supervisor's workers trace every run and step.
 TRACING = os.environ.get("EVERYSTEP_BENCH_TRACING") == "1"
@@ -118,7 +118,7 @@ def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[Su
     if TRACING:
         # Spans of every run and step, exported with OTLP/HTTP to a receiver
         # in this process that acknowledges them.
-        from tests.otlp_receiver import Receiver  # noqa: PLC0415  (needs the otel extra)
+        from tests.support.otlp_receiver import Receiver  # noqa: PLC0415  (needs the otel extra)
 
         receiver = Receiver(decode=False)
         os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_SERVICE_NAME="everystep-bench")

@@ -2,7 +2,7 @@
 up by the application (this module), writing the spans it ends and the Sentry
 envelopes it sends to files: a process the tests may SIGKILL mid-run.
 
-python -m tests.tracing_child DATABASE_URL RUNNER SPANS_FILE ENVELOPES_FILE"""
+python -m tests.support.tracing_child DATABASE_URL RUNNER SPANS_FILE ENVELOPES_FILE"""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProces
 from psycopg_pool import ConnectionPool
 from sentry_sdk.transport import Transport
 
-import tests.tracing_workflows  # noqa: F401  (registers the workflows)
+import tests.apps.tracing_workflows  # noqa: F401  (registers the workflows)
 from everystep import store
 from everystep.runner import Runner
 
