@@ -98,7 +98,7 @@ def schedule(db, fn, *args):
 
 
 def run_in_child_killed(db, tmp_path: Path) -> tuple[list[dict], list[bytes]]:
-    """Execute the scheduled runs in tests/tracing_child.py, which a step
+    """Execute the scheduled runs in tests/support/tracing_child.py, which a step
     SIGKILLs; return the spans it exported and the envelopes it sent."""
     spans_file, envelopes_file = tmp_path / "child-spans.jsonl", tmp_path / "child-envelopes"
     child = subprocess.run([sys.executable, "-m", "tests.support.tracing_child", db.url, CHILD, str(spans_file),
