@@ -1,5 +1,6 @@
 """everystep: durable workflows for Python on PostgreSQL."""
 
+from everystep import schedules  # the schedules API: everystep.schedules.put(...)
 from everystep.api import (
     ScheduledRun,
     cancel,
@@ -47,6 +48,7 @@ __all__ = [
     "parallel",
     "resolve_step",
     "schedule",
+    "schedules",
     "step",
     "transaction",
     "use",

@@ -15,7 +15,7 @@ from typing import Any, TypeVar, overload
 
 import psycopg
 
-from everystep import registry, serde, store
+from everystep import registry, serde, store, tracing
 from everystep.context import current_scope, run_branches
 from everystep.errors import EverystepError, StepFailure
 from everystep.ids import uuid7
@@ -160,23 +160,27 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     at = None if at is None else _aware("schedule(at=...)", at)
     after = None if after is None else _seconds("schedule(after=...)", after)
     args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
-    conn = _transaction_connection("schedule()", conn)
-    run_id, created = store.insert_run(conn, uuid7(), name, args_json, idempotency_key, at, after)
+    conn = transaction_connection(conn, "schedule()")
+    run_id, created = tracing.traced_schedule(
+        name, lambda trace_context: store.insert_run(conn, uuid7(), name, args_json, idempotency_key,
+                                                       trace_context, at, after))
     return ScheduledRun(run_id, name, created)
 
 
-def _transaction_connection(what: str, conn: Any) -> Any:
-    """The connection to write into: given, bound, or Django's; in a transaction."""
+def transaction_connection(conn: psycopg.Connection | None, caller: str, write: bool = True) -> Any:
+    """The connection `caller` works in: `conn`, else the one bound by
+    everystep.transaction/use, else Django's. One that writes needs an open
+    transaction, so what it writes commits or rolls back with the caller's work."""
     conn = conn or _bound.get() or _django_connection()
     if conn is None:
         raise EverystepError(
-            f"{what} found no transaction: pass conn=<psycopg connection>, bind one with "
+            f"{caller} found no transaction: pass conn=<psycopg connection>, bind one with "
             "`with everystep.transaction(conn):` or `everystep.use(conn)`, or configure Django"
         )
-    if isinstance(conn, psycopg.Connection):
+    if write and isinstance(conn, psycopg.Connection):
         if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
             raise EverystepError(
-                f"{what} needs an open transaction: this connection is in autocommit mode outside "
+                f"{caller} needs an open transaction: this connection is in autocommit mode outside "
                 "a transaction block; use `with everystep.transaction(conn):` or `with conn.transaction():`"
             )
     return conn
@@ -236,7 +240,7 @@ def cancel(run_id: uuid.UUID | str, reason: str | None = None, conn: psycopg.Con
         run_id = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
     except ValueError:
         raise EverystepError(f"cancel() takes a run id, not {run_id!r}") from None
-    conn = _transaction_connection("cancel()", conn)
+    conn = transaction_connection(conn, "cancel()")
     outcome = store.cancel_run(conn, run_id, reason)
     if outcome.status is None:
         raise EverystepError(f"no run {run_id}")

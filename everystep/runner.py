@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, registry, serde, store
+from everystep import metrics, observe, registry, serde, store
 from everystep.context import Outcome, RunContext, Scope, current_run, current_scope, run_branches
 from everystep.errors import (
     Cancelled,
@@ -161,6 +161,7 @@ class Runner:
         _late_outcomes.add(replay)
         extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
         try:
+            replay.trace = observe.run_started(replay)
             outcome = replay.run()
         except LostClaim as exc:
             log.warning("claim lost, run abandoned: %s", exc, extra=extra)
@@ -173,6 +174,7 @@ class Runner:
                 raise
             # The engine itself failed on this run.
             log.exception("engine error on run; marking it failed", extra=extra)
+            observe.run_ending(replay, "failed", exc)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
                 replay.end("failed", None, error, None)
@@ -189,6 +191,7 @@ class Runner:
     def _ended(run: store.ClaimedRun, replay: Replay, outcome: str, started: float) -> Execution:
         _late_outcomes.discard(replay)
         replay.release()
+        observe.run_ended(replay, outcome)
         runs, duration = _run_metrics(run.name, outcome)
         runs.inc()
         duration.observe(time.perf_counter() - started)
@@ -230,6 +233,7 @@ class Replay:
         self._unwritten: tuple[store.StepRow, float, float] | None = None
         self._outcome_lock = threading.Lock()
         self._late_failure_logged = False
+        self.trace: Any = None  # the tracing and error-report hooks' state (everystep.observe)
 
     # -------------------------------------------------------------- writes
 
@@ -352,6 +356,7 @@ class Replay:
                     extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
                     exc_info=exc,
                 )
+        observe.run_ending(self, status, exc)
         return self.end(status, result, error, unwritten)
 
     def end(self, status: str, result: str | None, error: str | None,
@@ -422,6 +427,7 @@ class Replay:
                 return serde.from_json(result)
             if status == "failed":
                 exc = serde.decode_exception(error)
+                observe.step_ended(self, None, name, "failed", exc)  # no span: served; the report's step tag
                 if isinstance(exc, Terminal):
                     raise self.stop_with(exc)
                 if isinstance(exc, Cancelled) and self.cancel_delivered is None:
@@ -447,14 +453,17 @@ class Replay:
                 rerun_started = True
 
             scope_token = current_scope.set(None)  # a step called inside a step is a plain call
+            traced = observe.step_started(self, step_id, name)
             failure: Exception | None = None
             try:
                 value = fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001  (recorded, then re-raised or retried)
                 failure = exc
+                observe.step_ended(self, traced, name, "failed", exc)
             finally:
                 current_scope.reset(scope_token)
             if failure is None:
+                observe.step_ended(self, traced, name, "done")
                 result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
                 self._record(step_id, name, args_json, kwargs_json, "done", result, None, rerun_started, started)
                 return value

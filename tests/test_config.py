@@ -245,7 +245,7 @@ def test_substitution_errors(config_dir, text, message):
         ("workers: {thread: 8}", "workers.thread: unknown key (did you mean 'threads'?)"),
         ("wokers: {}", "wokers: unknown key (did you mean 'workers'?)"),
         ("colour: red", "colour: unknown key (known keys: database, name, imports, migrate, workers, recovery, "
-                        "http, schedules, ui)"),
+                        "http, schedules, logging, tracing, sentry, ui)"),
         ("workers: [1, 2]", "workers: must be a mapping, got a list"),
         ("http: 9117", "http: must be a mapping, got 9117"),
     ],
@@ -448,7 +448,9 @@ def test_the_documented_manifest_example_is_valid(config_dir):
     assert schedules["nightly-cleanup"] == ScheduleConfig(
         workflow="myapp.maintenance.cleanup", args=({"older_than_days": 30},), cron="30 2 * * *",
         timezone="Europe/Paris", catchup="fire_once", overlap="forbid", max_lateness_seconds=3600.0,
+        auto_pause_after=3,
     )
+    assert schedules.source == "ops"
     assert schedules["hourly-report"] == ScheduleConfig(
         workflow="myapp.reports.hourly", args=("sales",), cron="@hourly", paused=True
     )

@@ -13,11 +13,11 @@ import pytest
 
 import everystep
 from everystep import EverystepError, schedule, store
-from tests import time_workflows as tw
-from tests.processes import wait_for
-from tests.workflows import marks_of
+from tests.apps import time_workflows as tw
+from tests.apps.workflows import marks_of
+from tests.support.processes import wait_for
 
-IMPORTS = ("tests.workflows", "tests.time_workflows")
+IMPORTS = ("tests.apps.workflows", "tests.apps.time_workflows")
 
 
 def tags(marks, run_id=None) -> list[str]:
@@ -117,7 +117,7 @@ def test_a_sleep_is_recorded_and_a_replay_after_its_time_returns_at_once(db, mar
     assert (row["status"], row["claimed_by"]) == ("waiting", None)
     steps = db.steps(run.id)
     assert [(s["step_id"], s["name"], s["status"]) for s in steps] == [
-        ("1", "tests.workflows.work", "done"), ("2", "everystep.sleep", "done")]
+        ("1", "tests.apps.workflows.work", "done"), ("2", "everystep.sleep", "done")]
     assert abs(steps[1]["result"] - row["due_at"].timestamp()) < 0.001
     assert db.run_pending() == {}
     wait_for(lambda: db_now(db) >= row["due_at"], timeout=5)
@@ -164,7 +164,7 @@ def test_a_sleep_survives_a_worker_kill(db, marks, start_worker):
 
 
 def test_a_sleep_survives_a_server_restart(private_server, tmp_path, marks):
-    from tests.processes import WorkerProcess  # noqa: PLC0415
+    from tests.support.processes import WorkerProcess  # noqa: PLC0415
 
     with psycopg.connect(private_server.url, autocommit=True) as conn:
         store.migrate(conn)
@@ -197,7 +197,8 @@ def test_cancel_a_scheduled_a_waiting_and_a_blocked_run_at_once(db, marks, tmp_p
     blocked = schedule_one(db, tw.unsafe_retries, marks, "listed", "other")
     with db.connect() as conn:  # an unsafe step started, its worker gone: blocked on replay
         conn.execute("INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status)"
-                     " VALUES (%s, '1', 'tests.time_workflows.unsafe_retry_on', '[]', '{}', 'started')", (blocked.id,))
+                     " VALUES (%s, '1', 'tests.apps.time_workflows.unsafe_retry_on', '[]', '{}', 'started')",
+                     (blocked.id,))
     assert db.run_pending() == {blocked.id: "blocked"}
     scheduled = schedule_one(db, tw.started_at, marks)
     for run in (scheduled, waiting, sleeping, blocked):
@@ -295,7 +296,7 @@ def test_a_step_is_retried_with_its_attempts_recorded(db, marks):
     (step,) = db.steps(run.id)
     assert (step["status"], step["result"]) == ("done", "ok")
     assert [a["attempt"] for a in step["attempts"]] == [1, 2]
-    assert [a["error"]["type"] for a in step["attempts"]] == ["tests.time_workflows.Flaky"] * 2
+    assert [a["error"]["type"] for a in step["attempts"]] == ["tests.apps.time_workflows.Flaky"] * 2
     waits = [a["retry_at"] - a["at"] for a in step["attempts"]]
     assert waits == pytest.approx([0.05, 0.1])  # exponential, no jitter here
     assert tags(marks, run.id).count("flaky") == 3
@@ -348,7 +349,7 @@ def test_the_cancel_command_and_the_listings(db, marks, tmp_path):
     shown = ok(cli(db, "runs", "show", str(sleeping.id)))
     assert "status          waiting" in shown and "due             " in shown and "wakes at " in shown
     shown = ok(cli(db, "runs", "show", str(retried.id)))
-    assert "step 1 attempt 1 failed at " in shown and "tests.time_workflows.Flaky: transient failure 1" in shown
+    assert "step 1 attempt 1 failed at " in shown and "tests.apps.time_workflows.Flaky: transient failure 1" in shown
     assert "waiting for its time" in error_line(cli(db, "requeue", str(waiting.id)), 1)
 
     assert error_line(cli(db, "cancel", str(waiting.id), str(retried.id)), 1) == (

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import ui_workflows
-from tests.processes import ROOT, wait_for
-from tests.supervisor_process import config
+from tests.apps import ui_workflows
+from tests.support.processes import ROOT, wait_for
+from tests.support.supervisor_process import config
 from tests.test_ui import OPERATOR, VIEWER, blocked_run
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -44,7 +44,7 @@ def ui_url(db, supervisors, monkeypatch):
     """A supervisor with a `ui:` section whose tokens come from the environment; the UI's address."""
     monkeypatch.setenv("EVERYSTEP_UI_VIEWER_TOKEN", VIEWER)
     monkeypatch.setenv("EVERYSTEP_UI_OPERATOR_TOKEN", OPERATOR)
-    sup = supervisors(config(db.url, "uitest", imports=["tests.workflows", "tests.ui_workflows"],
+    sup = supervisors(config(db.url, "uitest", imports=["tests.apps.workflows", "tests.apps.ui_workflows"],
                              ui={"bind": "127.0.0.1", "port": 0, "viewer_token": "${EVERYSTEP_UI_VIEWER_TOKEN}",
                                  "operator_token": "${EVERYSTEP_UI_OPERATOR_TOKEN}"}))
     match = wait_for(lambda: re.search(r"ui: serving on (http://[^ ]+)/", sup.output()), 30, what="the UI to serve")

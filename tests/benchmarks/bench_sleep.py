@@ -28,7 +28,7 @@ import everystep
 from everystep import store
 from tests.benchmarks import harness, workflows
 from tests.conftest import Database, _find_server
-from tests.supervisor_process import children_of, cpu_seconds
+from tests.support.supervisor_process import children_of, cpu_seconds
 
 QUICK = {"probes": 5, "sleeping": 200, "window": 1.0, "quiet": 0.5}
 

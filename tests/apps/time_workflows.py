@@ -10,7 +10,7 @@ from pathlib import Path
 
 import everystep
 from everystep import Backoff, Cancelled, step, workflow
-from tests.workflows import mark, work
+from tests.apps.workflows import mark, work
 
 
 @workflow
