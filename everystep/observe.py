@@ -118,7 +118,7 @@ def _caused(exc: BaseException, failed: BaseException) -> bool:
 
 def _started_step(replay: Any) -> tuple[str, str] | None:
     """The (id, name) of the started step a blocked run waits on."""
-    for step_id, (name, status, _result, _error) in list(replay.recorded.items()):
+    for step_id, (name, status, _result, _error, _attempts) in list(replay.recorded.items()):
         if status == "started":
             return step_id, name
     return None
