@@ -56,13 +56,14 @@ def test_the_dashboard_is_importable_as_is():
 @needs_prometheus("prometheus")
 def test_every_expression_of_the_dashboard_and_the_rules_returns_series(db, supervisors, tmp_path):
     sup = supervisors(config(db.url, "dash", imports=["tests.apps.tracing_workflows"]))
-    # The workload: completed runs, a failing step, a worker restarted.
+    # The workload: completed runs, a failing step, a retried step, a worker restarted.
     with db.connect() as conn, everystep.transaction(conn):
         for i in range(5):
             everystep.schedule(flows.fan_out, i)
         everystep.schedule(flows.fails, "out of stock")
+        everystep.schedule(flows.retried_once, "rates")  # a step retried once
     wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status IN ('completed', 'failed')")
-             == 6, timeout=60, what="the workload's runs to end")
+             == 7, timeout=60, what="the workload's runs to end")
     sup.kill_worker("dash-0")
 
     scrape = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],

@@ -91,3 +91,20 @@ def say(message: str) -> None:
 @workflow
 def talks(message: str) -> None:
     say(message)
+
+
+_failed_once: set[str] = set()
+
+
+@step(retries=1, backoff=0)
+def flaky_once(key: str) -> str:
+    """Fails its first attempt in this process, then succeeds: one retry."""
+    if key not in _failed_once:
+        _failed_once.add(key)
+        raise ConnectionError("first attempt fails")
+    return key
+
+
+@workflow
+def retried_once(key: str) -> str:
+    return flaky_once(key)
