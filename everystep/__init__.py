@@ -1,6 +1,16 @@
 """everystep: durable workflows for Python on PostgreSQL."""
 
-from everystep.api import ScheduledRun, parallel, resolve_step, schedule, step, transaction, use, workflow
+from everystep.api import (
+    ScheduledRun,
+    parallel,
+    resolve_step,
+    schedule,
+    schedule_many,
+    step,
+    transaction,
+    use,
+    workflow,
+)
 from everystep.context import Outcome, RunContext, current
 from everystep.errors import (
     EffectUncertain,
@@ -28,6 +38,7 @@ __all__ = [
     "parallel",
     "resolve_step",
     "schedule",
+    "schedule_many",
     "step",
     "transaction",
     "use",

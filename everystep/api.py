@@ -1,4 +1,4 @@
-"""The public API: @workflow, @step, parallel, schedule. Thin; the SQL is in
+"""The public API: @workflow, @step, parallel, schedule, schedule_many. Thin; the SQL is in
 `store`, the replay in `runner`."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar, overload
 
@@ -115,26 +115,81 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
              conn: psycopg.Connection | None = None) -> ScheduledRun:
     """Insert a run of `workflow_fn(*args)` into the caller's transaction.
     Nothing runs now; workers claim the run once the transaction commits."""
+    name = _workflow_name(workflow_fn, "schedule")
+    _check_key(idempotency_key)
+    args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
+    conn = _transaction_of(conn, "schedule")
+    run_id, created = store.insert_run(conn, uuid7(), name, args_json, idempotency_key)
+    return ScheduledRun(run_id, name, created)
+
+
+def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
+                  idempotency_keys: Sequence[str | None] | None = None,
+                  conn: psycopg.Connection | None = None) -> list[ScheduledRun]:
+    """Insert one run of `workflow_fn(*args)` per element of `args_list` (a
+    tuple or list of positional arguments each) into the caller's
+    transaction, in one statement: for bulk. The same checks as `schedule()`,
+    all made before anything is inserted; `idempotency_keys`, when given, has
+    one key (or None) per run. Returns the runs in input order."""
+    name = _workflow_name(workflow_fn, "schedule_many")
+    if isinstance(args_list, (str, bytes)) or not isinstance(args_list, Iterable):
+        raise EverystepError("schedule_many() takes a list of argument tuples, one per run")
+    args_list = list(args_list)
+    args_jsons = []
+    for position, args in enumerate(args_list):
+        if not isinstance(args, (tuple, list)):
+            raise EverystepError(
+                f"schedule_many(): run {position} has arguments {args!r:.60}; each must be a tuple or list "
+                "of positional arguments, e.g. [(1,), (2,)]"
+            )
+        args_jsons.append(serde.dumps(list(args)))
+    if idempotency_keys is None:
+        keys: list[str | None] = [None] * len(args_list)
+    else:
+        if isinstance(idempotency_keys, (str, bytes)):
+            raise EverystepError("idempotency_keys must be a list with one key (or None) per run")
+        keys = list(idempotency_keys)
+        if len(keys) != len(args_list):
+            raise EverystepError(
+                f"idempotency_keys has {len(keys)} keys for {len(args_list)} runs; give one key (or None) per run"
+            )
+        for key in keys:
+            _check_key(key)
+    conn = _transaction_of(conn, "schedule_many")
+    if not args_list:
+        return []
+    ids = [uuid7() for _ in args_list]
+    return [ScheduledRun(run_id, name, created)
+            for run_id, created in store.insert_runs(conn, name, ids, args_jsons, keys)]
+
+
+def _workflow_name(workflow_fn: Callable, caller: str) -> str:
     name = getattr(workflow_fn, "__everystep_workflow__", None)
     if name is None:
-        raise TypeError(f"schedule() takes an @workflow function, not {workflow_fn!r}")
+        raise TypeError(f"{caller}() takes an @workflow function, not {workflow_fn!r}")
+    return name
+
+
+def _check_key(idempotency_key: str | None) -> None:
     if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > 255):
         raise EverystepError("idempotency_key must be a string of at most 255 characters")
-    args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
+
+
+def _transaction_of(conn: psycopg.Connection | None, caller: str) -> Any:
+    """The connection to schedule into: given, bound, or Django's; in a transaction."""
     conn = conn or _bound.get() or _django_connection()
     if conn is None:
         raise EverystepError(
-            "schedule() found no transaction: pass conn=<psycopg connection>, bind one with "
+            f"{caller}() found no transaction: pass conn=<psycopg connection>, bind one with "
             "`with everystep.transaction(conn):` or `everystep.use(conn)`, or configure Django"
         )
     if isinstance(conn, psycopg.Connection):
         if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
             raise EverystepError(
-                "schedule() needs an open transaction: this connection is in autocommit mode outside "
+                f"{caller}() needs an open transaction: this connection is in autocommit mode outside "
                 "a transaction block; use `with everystep.transaction(conn):` or `with conn.transaction():`"
             )
-    run_id, created = store.insert_run(conn, uuid7(), name, args_json, idempotency_key)
-    return ScheduledRun(run_id, name, created)
+    return conn
 
 
 def _django_connection() -> Any:

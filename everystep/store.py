@@ -29,6 +29,12 @@ from psycopg import errors, pq, sql
 # Notifications go to a channel per schema, so deployments sharing a database
 # (or test schemas) do not wake each other's workers.
 _NOTIFY = "pg_notify('everystep:' || current_schema(), '')"
+# What scheduling calls instead: notify only when a worker is waiting for
+# runs, once per transaction (0008_perf.sql says why).
+_WAKE = "everystep_wake()"
+# Taken shared by every scheduling transaction (in everystep_wake), and
+# exclusive by a worker registering as waiting.
+_WAKE_LOCK = "hashtextextended('everystep:wake:' || current_schema(), 0)"
 TERMINAL = ("completed", "failed", "stopped")
 
 # The 64-bit advisory-lock key of a runner name, scoped to the schema so two
@@ -103,7 +109,7 @@ def insert_run(
         " VALUES (%s, %s, %s::jsonb, %s, 'scheduled')"
         " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
         " RETURNING id)"
-        f" SELECT id, {_NOTIFY} FROM ins",
+        f" SELECT id, {_WAKE} FROM ins",
         (run_id, name, args_json, idempotency_key),
     ).fetchone()
     if row is not None:
@@ -119,6 +125,62 @@ def insert_run(
             f"a run with idempotency key {idempotency_key!r} exists but is not visible to this transaction"
         )
     return existing[0], False
+
+
+def insert_runs(
+    conn: psycopg.Connection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
+    idempotency_keys: list[str | None],
+) -> list[tuple[uuid.UUID, bool]]:
+    """Insert many scheduled runs of one workflow in one statement (one
+    notification at most). Returns (id, created) in input order; a key that
+    exists already, or repeats within the batch, gives the first run's id."""
+    inserted = conn.execute(
+        "WITH ins AS ("
+        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)"
+        " SELECT id, %s, args, key, 'scheduled'"
+        " FROM unnest(%s::uuid[], %s::jsonb[], %s::varchar[]) WITH ORDINALITY AS t(id, args, key, n) ORDER BY n"
+        " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
+        " RETURNING id)"
+        f" SELECT id FROM ins UNION ALL SELECT NULL FROM (SELECT {_WAKE}) AS w WHERE EXISTS (SELECT FROM ins)",
+        (name, run_ids, args_jsons, idempotency_keys),
+    ).fetchall()
+    created = {row[0] for row in inserted if row[0] is not None}
+    missing = [key for run_id, key in zip(run_ids, idempotency_keys) if run_id not in created]
+    existing = {}
+    if missing:
+        existing = dict(conn.execute(
+            "SELECT idempotency_key, id FROM everystep_workflow WHERE name = %s AND idempotency_key = ANY(%s)",
+            (name, missing),
+        ).fetchall())
+    runs = []
+    for run_id, key in zip(run_ids, idempotency_keys):
+        if run_id in created:
+            runs.append((run_id, True))
+        elif key in existing:
+            runs.append((existing[key], False))
+        else:
+            # Only possible when the conflicting row is invisible to this
+            # transaction's snapshot (REPEATABLE READ or SERIALIZABLE).
+            raise psycopg.errors.SerializationFailure(
+                f"a run with idempotency key {key!r} exists but is not visible to this transaction"
+            )
+    return runs
+
+
+def wait_for_runs(conn: psycopg.Connection, runner: str) -> None:
+    """Register a worker as waiting for runs (it has a free slot), so that
+    scheduling transactions notify. Taking the wake lock exclusively waits
+    for the scheduling transactions in flight: a claim after this returns
+    sees their runs, and every later one sees the registration. Own
+    transaction (the control connection is in autocommit)."""
+    with conn.transaction():
+        conn.execute(f"SELECT pg_advisory_xact_lock({_WAKE_LOCK})")
+        conn.execute("INSERT INTO everystep_waiting (runner) VALUES (%s) ON CONFLICT DO NOTHING", (runner,))
+
+
+def stop_waiting(conn: psycopg.Connection, runner: str) -> None:
+    """The worker's slots are full: scheduling needs not wake it."""
+    conn.execute("DELETE FROM everystep_waiting WHERE runner = %s", (runner,))
 
 
 # ---------------------------------------------------------------- liveness

@@ -125,6 +125,9 @@ class Worker(Successors):
         self._escaped: set[store.Claim] = set()  # executions that escaped with a BaseException
         self._reconcile = False  # look for runs held under our name that no execution of ours holds
         self._conn: psycopg.Connection | None = None
+        # Registered in everystep_waiting, so scheduling notifies us (only
+        # while a slot is free: a full worker needs no notification).
+        self._waiting = False
         self._extra = {"runner": name}
 
     # ---------------------------------------------------------------- control
@@ -196,6 +199,7 @@ class Worker(Successors):
                         self._sleep(min(self.poll, 1.0))
                     store.listen(conn)
                     self._conn = conn
+                    self._waiting = False
                     if catchup:
                         self._catchup(conn)
                     else:
@@ -324,6 +328,9 @@ class Worker(Successors):
             store.requeue_held(conn, self.name, escaped)
         free = self.threads - len(self._executing)
         if free <= 0:
+            if self._waiting:
+                store.stop_waiting(conn, self.name)
+                self._waiting = False
             return False
         with self._lock:
             reconcile = self._reconcile and not self._claiming  # claims in flight wake us when they land
@@ -343,6 +350,9 @@ class Worker(Successors):
         if self._backlog:
             self._start_backlog(free)
             return False
+        if not self._waiting:
+            store.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
+            self._waiting = True
         runs = store.claim(conn, self.name, free)
         if runs:
             metrics.CLAIMS.labels(self.name).inc(len(runs))
@@ -509,6 +519,7 @@ class Worker(Successors):
                 leftover = store.requeue_claimer(self._conn, self.name)
                 if leftover:
                     log.warning("requeued %d runs left under %s", len(leftover), self.name, extra=self._extra)
+                store.stop_waiting(self._conn, self.name)
                 store.unlock(self._conn, self.name)
             except psycopg.Error:
                 pass
