@@ -15,7 +15,7 @@ import psycopg
 from everystep import serde, store
 from everystep.context import current_scope
 from everystep.errors import EverystepError, StepFailure
-from everystep.ids import uuid7
+from everystep.ids import uuid7, uuid7_many
 from everystep.runner import REGISTRY, run_branches
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -158,7 +158,7 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
     conn = _transaction_of(conn, "schedule_many")
     if not args_list:
         return []
-    ids = [uuid7() for _ in args_list]
+    ids = uuid7_many(len(args_list))
     return [ScheduledRun(run_id, name, created)
             for run_id, created in store.insert_runs(conn, name, ids, args_jsons, keys)]
 

@@ -133,19 +133,23 @@ def insert_runs(
 ) -> list[tuple[uuid.UUID, bool]]:
     """Insert many scheduled runs of one workflow in one statement (one
     notification at most). Returns (id, created) in input order; a key that
-    exists already, or repeats within the batch, gives the first run's id."""
-    inserted = conn.execute(
+    exists already, or repeats within the batch, gives the first run's id.
+    The arrays go in binary (no array literal for the server to parse), and
+    only the ids of created runs with a key come back."""
+    keyed_created = conn.execute(
         "WITH ins AS ("
         " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)"
-        " SELECT id, %s, args, key, 'scheduled'"
-        " FROM unnest(%s::uuid[], %s::jsonb[], %s::varchar[]) WITH ORDINALITY AS t(id, args, key, n) ORDER BY n"
+        " SELECT id, %b, args::jsonb, key, 'scheduled'"
+        " FROM unnest(%b::uuid[], %b::text[], %b::text[]) AS t(id, args, key)"
         " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
-        " RETURNING id)"
-        f" SELECT id FROM ins UNION ALL SELECT NULL FROM (SELECT {_WAKE}) AS w WHERE EXISTS (SELECT FROM ins)",
+        " RETURNING id, idempotency_key IS NOT NULL AS keyed)"
+        f" SELECT ARRAY(SELECT id FROM ins WHERE keyed), {_WAKE}",
         (name, run_ids, args_jsons, idempotency_keys),
-    ).fetchall()
-    created = {row[0] for row in inserted if row[0] is not None}
-    missing = [key for run_id, key in zip(run_ids, idempotency_keys) if run_id not in created]
+    ).fetchone()[0]
+    if not keyed_created and all(key is None for key in idempotency_keys):
+        return [(run_id, True) for run_id in run_ids]
+    created = set(keyed_created)
+    missing = [key for run_id, key in zip(run_ids, idempotency_keys) if key is not None and run_id not in created]
     existing = {}
     if missing:
         existing = dict(conn.execute(
@@ -154,7 +158,7 @@ def insert_runs(
         ).fetchall())
     runs = []
     for run_id, key in zip(run_ids, idempotency_keys):
-        if run_id in created:
+        if key is None or run_id in created:
             runs.append((run_id, True))
         elif key in existing:
             runs.append((existing[key], False))

@@ -16,6 +16,8 @@ FIGURES = {
     "w1": {"runs_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "not_completed"},
     "w3": {"runs_per_s", "steps_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "not_completed"},
     "latency": {"runs", "p50_ms", "p95_ms", "p99_ms", "target_p50_ms", "target_p99_ms", "not_completed"},
+    "enqueue": {"limit_commits_per_s", "runs_per_s", "ratio", "runs_per_s_notified", "schedule_many_runs_per_s",
+                "target_schedule_many_runs_per_s"},
     "recovery": {"interval_s", "grace_s", "running_again_s", "completed_s", "target_s", "not_completed"},
     "memory": {"rss_mb_at_rest", "rss_mb_peak_under_w3", "worker_at_rest_max_mb", "target_worker_at_rest_mb"},
     "scrape": {"restarts", "scrape_ms_p50", "scrape_ms_p50_without_archive"},
