@@ -209,6 +209,40 @@ def prepare_session(conn: psycopg.Connection) -> None:
     )
 
 
+# Inside a transaction: its commit waits for the WAL flush (see prepare_session).
+_DURABLE_TRANSACTION = (
+    "SELECT set_config('synchronous_commit', 'on', true) WHERE current_setting('synchronous_commit') = 'off'"
+)
+
+
+class _TransactionPooledCursor(psycopg.Cursor):
+    """Every statement outside a transaction runs in one of its own that
+    starts by making its commit synchronous; no statement is prepared."""
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                binary: bool | None = None) -> _TransactionPooledCursor:
+        conn = self.connection
+        if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+            with conn.transaction():
+                super().execute(_DURABLE_TRANSACTION, prepare=False)
+                return super().execute(query, params, prepare=False, binary=binary)
+        return super().execute(query, params, prepare=False, binary=binary)
+
+
+class TransactionPooledConnection(psycopg.Connection):
+    """A connection through a pooler in transaction mode (PgBouncer's
+    `pool_mode = transaction`): consecutive transactions may run on different
+    server sessions, so nothing may rely on session state. No prepared
+    statement (PgBouncer before 1.21 does not carry them across server
+    sessions), and no session setting: each write sets synchronous_commit for
+    its own transaction. The worker's pool uses it when the control session
+    has a direct URL of its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.cursor_factory = _TransactionPooledCursor
+
+
 def prepare_control_session(conn: psycopg.Connection, idle: int, interval: int, count: int) -> None:
     """Set up a worker's control connection (lock, LISTEN, claims, requeues).
 
@@ -343,12 +377,14 @@ class _Hot(NamedTuple):
     name: bytes  # of the prepared statement, on each connection that runs it
     sql: bytes  # with $1, $2, ... in the order of `params`
     params: tuple[str, ...]
+    query: str  # with %(param)s, for connections that cannot keep a prepared statement
 
 
 def _hot(name: str, query: str, params: tuple[str, ...]) -> _Hot:
+    numbered = query
     for position, param in enumerate(params, 1):
-        query = query.replace(f"%({param})s", f"${position}")
-    return _Hot(f"everystep_{name}".encode(), query.encode(), params)
+        numbered = numbered.replace(f"%({param})s", f"${position}")
+    return _Hot(f"everystep_{name}".encode(), numbered.encode(), params, query)
 
 
 # The hot statements prepared on each connection (gone with the connection).
@@ -358,6 +394,11 @@ _prepared: weakref.WeakKeyDictionary[psycopg.Connection, set[bytes]] = weakref.W
 def _run_hot(on: Executor, statement: _Hot, values: dict[str, Any]) -> pq.abc.PGresult:
     """Execute a hot statement, preparing it on first use on this connection."""
     conn = on.connection if isinstance(on, psycopg.Cursor) else on
+    if isinstance(conn, TransactionPooledConnection):
+        cursor = conn.cursor()
+        cursor.execute(statement.query, {param: None if (value := values[param]) is None else str(value)
+                                         for param in statement.params})
+        return cursor.pgresult
     pgconn = conn.pgconn
     prepared = _prepared.setdefault(conn, set())
     params = [None if (value := values[param]) is None else str(value).encode() for param in statement.params]

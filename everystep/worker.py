@@ -95,10 +95,16 @@ class Worker(Successors):
         on_claim: Callable[[int], None] | None = None,
         on_load: Callable[[int, int], None] | None = None,
         on_lock: Callable[[bool], None] | None = None,
+        direct_url: str | None = None,
     ):
+        """`direct_url`: when `database_url` goes through a pooler in
+        transaction mode (PgBouncer), a URL straight to PostgreSQL for the
+        control session (its advisory lock, LISTEN and claims need a session
+        of their own); the pool then keeps no session state."""
         if not name or len(name) > 255:
             raise ValueError("a worker name must have 1 to 255 characters")
         self.database_url = database_url
+        self.direct_url = direct_url
         self.name = name
         self.threads = threads
         self.poll = poll
@@ -160,7 +166,7 @@ class Worker(Successors):
             self.database_url, min_size=1, max_size=2 * self.threads + 2,
             kwargs=liveness.connection_kwargs(f"everystep {self.name}"),
             timeout=2, reconnect_timeout=2, name=f"everystep-{self.name}", open=False,
-            configure=store.prepare_session,  # step rows and run ends commit synchronously
+            **self._pool_session(),
         )
         self.pool.open(wait=False)
         self.runner = Runner(self.pool, self.name, self.fence, successors=self)
@@ -174,6 +180,13 @@ class Worker(Successors):
         finally:
             self._shutdown()
 
+    def _pool_session(self) -> dict:
+        """Step rows and run ends commit synchronously: set once per session,
+        or per transaction through a transaction-pooling PgBouncer."""
+        if self.direct_url:
+            return {"connection_class": store.TransactionPooledConnection}
+        return {"configure": store.prepare_session}
+
     # ---------------------------------------------------------------- the lock
 
     def _take_lock(self, catchup: bool) -> bool:
@@ -185,7 +198,7 @@ class Worker(Successors):
         waiting_logged = False
         while True:
             try:
-                conn = control_connection(self.database_url, self.name)
+                conn = control_connection(self.direct_url or self.database_url, self.name)
                 try:
                     while not store.try_lock(conn, self.name):
                         if not waiting_logged:
