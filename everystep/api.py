@@ -12,27 +12,18 @@ from typing import Any, TypeVar, overload
 
 import psycopg
 
-from everystep import serde, store
-from everystep.context import current_scope
+from everystep import registry, serde, store
+from everystep.context import current_scope, run_branches
 from everystep.errors import EverystepError, StepFailure
 from everystep.ids import uuid7, uuid7_many
-from everystep.runner import REGISTRY, run_branches
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _qualified_name(fn: Callable) -> str:
-    return f"{fn.__module__}.{fn.__qualname__}"
 
 
 def workflow(fn: F) -> F:
     """Mark a function as a workflow, registered under `module.qualname`.
     Called directly, it is a plain function call."""
-    name = _qualified_name(fn)
-    if len(name) > 300:
-        raise EverystepError(f"workflow name {name[:60]}... is longer than 300 characters")
-    fn.__everystep_workflow__ = name  # type: ignore[attr-defined]
-    REGISTRY[name] = fn
+    registry.register(fn)
     return fn
 
 
@@ -47,9 +38,9 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False) -> Any:
     recorded (or served from the record on replay); outside, a plain call."""
     if fn is None:
         return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat)
-    name = _qualified_name(fn)
-    if len(name) > 300:
-        raise EverystepError(f"step name {name[:60]}... is longer than 300 characters")
+    name = registry.qualified_name(fn)
+    if len(name) > registry.MAX_NAME:
+        raise EverystepError(f"step name {name[:60]}... is longer than {registry.MAX_NAME} characters")
 
     @functools.wraps(fn)
     def call(*args: Any, everystep_id: str | None = None, **kwargs: Any) -> Any:
@@ -164,7 +155,7 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
 
 
 def _workflow_name(workflow_fn: Callable, caller: str) -> str:
-    name = getattr(workflow_fn, "__everystep_workflow__", None)
+    name = registry.workflow_name(workflow_fn)
     if name is None:
         raise TypeError(f"{caller}() takes an @workflow function, not {workflow_fn!r}")
     return name

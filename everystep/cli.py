@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from everystep import api, modules, scheduler, serde, store
+from everystep import api, registry, scheduler, serde, store
 from everystep.errors import EverystepError
 from everystep.logs import first_line
 
@@ -232,7 +232,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def _import_modules(names: Sequence[str]) -> None:
     for module in names:
         try:
-            modules.import_module(module)
+            registry.import_module(module)
         except Exception as exc:
             raise CliError(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
 
@@ -465,21 +465,10 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _import_workflow(target: str) -> Callable:
-    module_name, _, qualname = target.partition(":")
-    if not module_name or not qualname:
-        raise CliError(f"expected MODULE:FUNC (e.g. myapp.workflows:provision_vm), not {target!r}")
     try:
-        found: Any = modules.import_module(module_name)
-    except Exception as exc:  # whatever the module raises while importing
-        raise CliError(f"cannot import {module_name}: {type(exc).__name__}: {first_line(exc)}") from None
-    try:
-        for attr in qualname.split("."):
-            found = getattr(found, attr)
-    except AttributeError:
-        raise CliError(f"module {module_name} has no {qualname!r}") from None
-    if getattr(found, "__everystep_workflow__", None) is None:
-        raise CliError(f"{target} is not an @workflow")
-    return found
+        return registry.import_target(target)
+    except registry.TargetError as exc:
+        raise CliError(str(exc)) from None
 
 
 # ---------------------------------------------------------------- the parser

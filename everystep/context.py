@@ -8,15 +8,16 @@ the name. A `parallel` call is a fork: branch i is the scope `<fork>.<i>`.
 
 from __future__ import annotations
 
+import contextvars
 import re
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from everystep.errors import EverystepError
+from everystep.errors import HALTS, EverystepError
 
 MAX_STEP_ID = 300
 
@@ -35,10 +36,21 @@ class Outcome:
     error: BaseException | None = None
 
 
+class Recorder(Protocol):
+    """What records and serves a run's steps: the runner's replay of it."""
+
+    def step(self, scope: Scope, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
+             everystep_id: str | None) -> Any: ...
+
+    def fork(self, scope: Scope, branches: tuple, everystep_id: str | None) -> tuple: ...
+
+    def outcomes(self) -> Mapping[str, Outcome]: ...
+
+
 class RunContext:
     """What `everystep.current()` returns inside a running workflow."""
 
-    def __init__(self, workflow_id: uuid.UUID, workflow_name: str, runner: str, replay: Any):
+    def __init__(self, workflow_id: uuid.UUID, workflow_name: str, runner: str, replay: Recorder):
         self.workflow_id = workflow_id
         self.workflow_name = workflow_name
         self.runner = runner  # the claimer executing it
@@ -100,3 +112,49 @@ current_run: ContextVar[RunContext | None] = ContextVar("everystep_run", default
 def current() -> RunContext | None:
     """The running workflow's context, or None outside a workflow."""
     return current_run.get()
+
+
+def run_branches(branches: tuple, scopes: list[Scope] | None) -> tuple:
+    """Run each branch on its own thread (the last on this one), wait for all,
+    and return their results in order; raise one failure as is, several as an
+    ExceptionGroup. With `scopes`, each branch records into its scope."""
+    results: list[Any] = [None] * len(branches)
+    errors: list[BaseException | None] = [None] * len(branches)
+
+    def run_one(i: int) -> None:
+        if scopes is not None:
+            current_scope.set(scopes[i])
+        try:
+            branch = branches[i]
+            if isinstance(branch, (list, tuple)):
+                results[i] = tuple(call() for call in branch)
+            else:
+                results[i] = branch()
+        except BaseException as exc:  # noqa: BLE001  (re-raised by the caller)
+            errors[i] = exc
+
+    for branch in branches:
+        calls = branch if isinstance(branch, (list, tuple)) else [branch]
+        for call in calls:
+            if not callable(call):
+                raise TypeError(f"parallel() takes zero-argument callables or lists of them, not {call!r}")
+    threads = [
+        threading.Thread(target=contextvars.copy_context().run, args=(run_one, i), daemon=True)
+        for i in range(len(branches) - 1)
+    ]
+    for thread in threads:
+        thread.start()
+    if branches:
+        contextvars.copy_context().run(run_one, len(branches) - 1)
+    for thread in threads:
+        thread.join()
+
+    failures = [exc for exc in errors if exc is not None]
+    for exc in failures:
+        if isinstance(exc, HALTS) or not isinstance(exc, Exception):
+            raise exc
+    if len(failures) == 1:
+        raise failures[0]
+    if failures:
+        raise ExceptionGroup(f"{len(failures)} of {len(branches)} parallel branches failed", failures)
+    return tuple(results)

@@ -48,3 +48,8 @@ class Drain(BaseException):
     """Internal: the worker is draining; unwind the run at a step boundary so it
     can be requeued. A BaseException so `except Exception` in a workflow body
     does not swallow it."""
+
+
+# Ends of a run that are decided by the run itself, whatever the body does
+# with them: once raised, every later step call raises the same again.
+HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain)

@@ -10,7 +10,6 @@ run, or OUTCOME_DELAY after the step returned, whichever comes first.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import logging
 import os
@@ -23,8 +22,8 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, serde, store
-from everystep.context import Outcome, RunContext, Scope, current_run, current_scope
+from everystep import metrics, registry, serde, store
+from everystep.context import Outcome, RunContext, Scope, current_run, current_scope, run_branches
 from everystep.errors import (
     Drain,
     EffectUncertain,
@@ -35,13 +34,6 @@ from everystep.errors import (
 )
 
 log = logging.getLogger("everystep")
-
-# Workflows by name, filled by @workflow at import time.
-REGISTRY: dict[str, Callable] = {}
-
-# Ends of a run that are decided by the run itself, whatever the body does
-# with them: once raised, every later step call raises the same again.
-HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain)
 
 
 @functools.cache
@@ -282,11 +274,10 @@ class Replay:
     # -------------------------------------------------------------- the run
 
     def run(self) -> str:
-        fn = REGISTRY.get(self.workflow_name)
-        if fn is None:
-            fn = serde.import_path(self.workflow_name)
-            if getattr(fn, "__everystep_workflow__", None) != self.workflow_name:
-                raise EverystepError(f"{self.workflow_name} is not an @workflow")
+        try:
+            fn = registry.resolve(self.workflow_name)
+        except TypeError as exc:
+            raise EverystepError(str(exc)) from None
         args = serde.from_json(self.args)
         scope_token = current_scope.set(Scope(self.context))
         run_token = current_run.set(self.context)
@@ -512,49 +503,3 @@ class Replay:
         if self.halt is not None:
             raise self.halt
         return results
-
-
-def run_branches(branches: tuple, scopes: list[Scope] | None) -> tuple:
-    """Run each branch on its own thread (the last on this one), wait for all,
-    and return their results in order; raise one failure as is, several as an
-    ExceptionGroup. With `scopes`, each branch records into its scope."""
-    results: list[Any] = [None] * len(branches)
-    errors: list[BaseException | None] = [None] * len(branches)
-
-    def run_one(i: int) -> None:
-        if scopes is not None:
-            current_scope.set(scopes[i])
-        try:
-            branch = branches[i]
-            if isinstance(branch, (list, tuple)):
-                results[i] = tuple(call() for call in branch)
-            else:
-                results[i] = branch()
-        except BaseException as exc:  # noqa: BLE001  (re-raised by the caller)
-            errors[i] = exc
-
-    for branch in branches:
-        calls = branch if isinstance(branch, (list, tuple)) else [branch]
-        for call in calls:
-            if not callable(call):
-                raise TypeError(f"parallel() takes zero-argument callables or lists of them, not {call!r}")
-    threads = [
-        threading.Thread(target=contextvars.copy_context().run, args=(run_one, i), daemon=True)
-        for i in range(len(branches) - 1)
-    ]
-    for thread in threads:
-        thread.start()
-    if branches:
-        contextvars.copy_context().run(run_one, len(branches) - 1)
-    for thread in threads:
-        thread.join()
-
-    failures = [exc for exc in errors if exc is not None]
-    for exc in failures:
-        if isinstance(exc, HALTS) or not isinstance(exc, Exception):
-            raise exc
-    if len(failures) == 1:
-        raise failures[0]
-    if failures:
-        raise ExceptionGroup(f"{len(failures)} of {len(branches)} parallel branches failed", failures)
-    return tuple(results)

@@ -3,10 +3,10 @@ the tick that fires what is due.
 
 The clock is the database's: `now()` of the server, never the host's. A tick
 holds a transaction-level advisory lock, so exactly one scheduler fires at a
-time across the fleet, and every firing is `everystep.schedule()` with the
-idempotency key `schedule:<key>:<fire time in UTC>` in the same transaction
-that advances the schedule: a fire time can never produce two runs, even
-across a failover.
+time across the fleet, and every firing inserts a run as `everystep.schedule()`
+does, with the stored args as they are, and with the idempotency key
+`schedule:<key>:<fire time in UTC>` in the same transaction that advances
+the schedule: a fire time can never produce two runs, even across a failover.
 
 Which fire times fire. At each tick, the due fire times of a schedule are
 those from its next fire time up to now. One that is at most
@@ -27,16 +27,15 @@ import datetime
 import logging
 import uuid
 import zoneinfo
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import psycopg
 from croniter import croniter
 
-from everystep import serde, store
-from everystep.api import schedule
-from everystep.runner import REGISTRY
+from everystep import registry, serde, store
+from everystep.ids import uuid7
 
 log = logging.getLogger("everystep")
 
@@ -153,16 +152,18 @@ def _fire_due(conn: psycopg.Connection, row: dict, now: datetime.datetime) -> li
         return []  # its previous run has not ended: the due times wait
     decision = decide(row["cron"], row["timezone"], row["next_fire_at"], now, row["catchup"],
                       row["max_catchup"], row["max_lateness_seconds"], one_at_a_time=row["overlap"] == "forbid")
-    workflow_fn = None
     if decision.fire:
         try:
-            workflow_fn = _resolve(row["workflow"])
+            registry.resolve(row["workflow"])  # fire only what is an @workflow now
         except Exception as exc:  # noqa: BLE001  (whatever importing the module raised)
             _cannot_fire(conn, row, f"cannot fire: workflow {row['workflow']}: {exc}", exc)
             return []
     try:
         with conn.transaction():  # a savepoint: one schedule's failure leaves the others' firings
-            fired = _fire(conn, key, workflow_fn, serde.from_json(row["args"]), decision)
+            # The stored args go into the run as stored; they are decoded only to
+            # check that the run will be able to (a bad value fails here, not in a run).
+            serde.from_json(row["args"])
+            fired = _fire(conn, key, row["workflow"], serde.dump_data(row["args"]), decision)
     except psycopg.OperationalError:
         raise
     except Exception as exc:  # noqa: BLE001  (kept on the schedule's row, and logged)
@@ -175,31 +176,24 @@ def _fire_due(conn: psycopg.Connection, row: dict, now: datetime.datetime) -> li
     return fired
 
 
-def _fire(conn: psycopg.Connection, key: str, workflow_fn: Callable | None, args: list,
-          decision: Decision) -> list[Fired]:
+def _fire(conn: psycopg.Connection, key: str, workflow: str, args_json: str, decision: Decision) -> list[Fired]:
+    """Schedule a run for each fire time decided, as schedule() does (one
+    insert each, in this transaction, keyed by the fire time)."""
     fired = []
     last_run_id = None
     for fire_time in decision.fire:
-        run = schedule(workflow_fn, *args, idempotency_key=idempotency_key(key, fire_time), conn=conn)
-        last_run_id = run.id
-        if run.created:
-            fired.append(Fired(key, fire_time, run.id))
-            log.info("schedule %s fired for %s: run %s", key, iso_utc(fire_time), run.id,
-                     extra={"schedule": key, "run": str(run.id)})
+        run_id, created = store.insert_run(conn, uuid7(), workflow, args_json, idempotency_key(key, fire_time))
+        last_run_id = run_id
+        if created:
+            fired.append(Fired(key, fire_time, run_id))
+            log.info("schedule %s fired for %s: run %s", key, iso_utc(fire_time), run_id,
+                     extra={"schedule": key, "run": str(run_id)})
         else:
-            log.info("schedule %s: %s had already fired (run %s)", key, iso_utc(fire_time), run.id,
-                     extra={"schedule": key, "run": str(run.id)})
+            log.info("schedule %s: %s had already fired (run %s)", key, iso_utc(fire_time), run_id,
+                     extra={"schedule": key, "run": str(run_id)})
     last_fire_at = decision.fire[-1] if decision.fire else None
     store.advance_schedule(conn, key, decision.next_fire_at, last_fire_at, last_run_id)
     return fired
-
-
-def _resolve(name: str) -> Callable:
-    """The @workflow function registered or importable under `name`."""
-    workflow_fn = REGISTRY.get(name) or serde.import_path(name)
-    if getattr(workflow_fn, "__everystep_workflow__", None) != name:
-        raise TypeError(f"{name} is not an @workflow function")
-    return workflow_fn
 
 
 def _cannot_fire(conn: psycopg.Connection, row: dict, error: str, exc: BaseException) -> None:

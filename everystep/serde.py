@@ -26,13 +26,13 @@ import base64
 import datetime as dt
 import decimal
 import enum
-import importlib
 import json
 import math
 import uuid
 from typing import Any
 
 from everystep.errors import EverystepError, StepFailure
+from everystep.registry import import_path
 
 TAG = "$es"
 _SCALARS = (int, bool, type(None))
@@ -162,24 +162,6 @@ def encode(value: Any) -> Any:
 def dump_data(data: Any) -> str:
     """JSON text of data already made plain by `to_json`."""
     return _ENCODER.encode(data)
-
-
-def import_path(path: str) -> Any:
-    """Import `module.qualname`, trying the longest importable module prefix."""
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            obj: Any = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        try:
-            for attr in parts[cut:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            break
-        return obj
-    raise ImportError(f"cannot import {path!r}")
 
 
 def encode_exception(exc: BaseException) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from setproctitle import setproctitle
 
-from everystep import embedded, logs, modules
+from everystep import embedded, logs, registry
 from everystep.config import Config, ConfigError, load
 from supervisor import metrics, metrics_dir, state_file
 from supervisor.children import (
@@ -123,7 +123,7 @@ class Arbiter:
     def _import_modules(self, names: tuple[str, ...]) -> None:
         for module in names:
             try:
-                modules.import_module(module)
+                registry.import_module(module)
             except Exception as exc:
                 raise FatalError(f"cannot import workflow module {module}: {type(exc).__name__}: {exc}") from None
 

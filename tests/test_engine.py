@@ -22,12 +22,12 @@ from everystep import (
     Terminal,
     WorkflowCodeError,
     parallel,
+    registry,
     schedule,
     step,
     store,
     workflow,
 )
-from everystep import runner as runner_module
 from tests.processes import wait_for
 
 calls: collections.Counter = collections.Counter()
@@ -229,7 +229,7 @@ def test_divergence_fails_the_run_with_workflow_code_error(db, monkeypatch):
     run = schedule_one(db, diverging)
     with pytest.raises(Crash):
         db.run_pending(runner="w1")
-    monkeypatch.setitem(runner_module.REGISTRY, diverging.__everystep_workflow__, diverged)
+    monkeypatch.setitem(registry.WORKFLOWS, diverging.__everystep_workflow__, diverged)
     db.resume_held("w1")
     row = db.run(run.id)
     assert row["status"] == "failed"
@@ -483,7 +483,7 @@ def test_removing_the_unsafe_mark_lets_a_started_step_run_again(db, monkeypatch)
     with pytest.raises(Crash):
         db.run_pending(runner="w1")
     safe_send = step(send_money.__wrapped__)  # the same function, no longer marked unsafe
-    monkeypatch.setitem(runner_module.REGISTRY, pays.__everystep_workflow__,
+    monkeypatch.setitem(registry.WORKFLOWS, pays.__everystep_workflow__,
                         lambda url, marker: safe_send(url, "ok"))
     db.resume_held("w1")
     row = db.run(run.id)

@@ -90,3 +90,18 @@ def test_the_cycle_finder_finds_cycles():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"a"}}) == [["a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_api_does_not_reach_into_the_runner():
+    # The public API records steps through the run context's Recorder protocol;
+    # only the worker and the tests' harness drive the runner.
+    assert "everystep.runner" not in GRAPH["everystep.api"]
+    assert {module for module, names in GRAPH.items() if "everystep.runner" in names} <= {
+        "everystep.worker", "everystep.__init__", "everystep"}
+
+
+def test_workflow_names_are_resolved_in_one_module():
+    # Registering, naming, resolving and importing workflows: everystep.registry only.
+    needles = ("__everystep_workflow__", "importlib.import_module")
+    holders = {module for module, path in MODULES.items() if any(needle in path.read_text() for needle in needles)}
+    assert holders == {"everystep.registry"}

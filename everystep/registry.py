@@ -1,0 +1,107 @@
+"""Workflow names and functions, both ways, in one place: the registry that
+@workflow fills, the `module.qualname` naming, resolving a stored name back
+to its function, and importing what the application names (`imports`,
+`--import`, `MODULE:FUNC`, and the classes the JSON codec stores by path)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from everystep.errors import EverystepError
+from everystep.logs import first_line
+
+# Workflows by name, filled by @workflow at import time.
+WORKFLOWS: dict[str, Callable] = {}
+
+MAX_NAME = 300  # characters of a workflow or step name (everystep_workflow.name, everystep_step.name)
+
+
+def qualified_name(fn: Callable) -> str:
+    """The name a workflow or a step is known by: `module.qualname`."""
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def register(fn: Callable) -> str:
+    """Register `fn` as the workflow of its name; returns the name."""
+    name = qualified_name(fn)
+    if len(name) > MAX_NAME:
+        raise EverystepError(f"workflow name {name[:60]}... is longer than {MAX_NAME} characters")
+    fn.__everystep_workflow__ = name  # type: ignore[attr-defined]
+    WORKFLOWS[name] = fn
+    return name
+
+
+def workflow_name(fn: Any) -> str | None:
+    """The registered name of an @workflow function, None for anything else."""
+    return getattr(fn, "__everystep_workflow__", None)
+
+
+def resolve(name: str) -> Callable:
+    """The @workflow function of a stored name: registered by an import
+    already, or importable under that name. TypeError if it is something
+    else; ImportError if nothing has that name."""
+    fn = WORKFLOWS.get(name)
+    if fn is not None:
+        return fn
+    fn = import_path(name)
+    if workflow_name(fn) != name:
+        raise TypeError(f"{name} is not an @workflow function")
+    return fn
+
+
+def import_module(name: str) -> ModuleType:
+    """Import `name` with the current directory first on sys.path, as
+    `python -m` and gunicorn do, so a module next to where the command runs
+    is found however the command was started (a console script's sys.path
+    starts with its own bin folder instead)."""
+    here = os.getcwd()
+    if sys.path[:1] != [here]:
+        sys.path.insert(0, here)
+    return importlib.import_module(name)
+
+
+def import_path(path: str) -> Any:
+    """Import `module.qualname`, trying the longest importable module prefix."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            break
+        return obj
+    raise ImportError(f"cannot import {path!r}")
+
+
+class TargetError(Exception):
+    """A `MODULE:FUNC` that does not name an @workflow; the message is one line."""
+
+
+def import_target(target: str) -> Callable:
+    """The @workflow function a `MODULE:FUNC` names (the module imported the
+    way `import_module` does)."""
+    module_name, _, qualname = target.partition(":")
+    if not module_name or not qualname:
+        raise TargetError(f"expected MODULE:FUNC (e.g. myapp.workflows:provision_vm), not {target!r}")
+    try:
+        found: Any = import_module(module_name)
+    except Exception as exc:  # whatever the module raises while importing
+        raise TargetError(f"cannot import {module_name}: {type(exc).__name__}: {first_line(exc)}") from None
+    try:
+        for attr in qualname.split("."):
+            found = getattr(found, attr)
+    except AttributeError:
+        raise TargetError(f"module {module_name} has no {qualname!r}") from None
+    if workflow_name(found) is None:
+        raise TargetError(f"{target} is not an @workflow")
+    return found
