@@ -373,6 +373,8 @@ class Worker(Successors):
                 self._start(run)
             if self.on_claim:
                 self.on_claim(len(runs))
+        else:
+            metrics.EMPTY_CLAIMS.labels(self.name).inc()
         notified = self._drain_notifications(conn)
         return notified and len(runs) < free
 
@@ -384,9 +386,11 @@ class Worker(Successors):
                 os.read(self._wake_r, 4096)
         return self._drain_notifications(conn)
 
-    @staticmethod
-    def _drain_notifications(conn: psycopg.Connection) -> bool:
-        return bool(list(conn.notifies(timeout=0)))
+    def _drain_notifications(self, conn: psycopg.Connection) -> bool:
+        received = len(list(conn.notifies(timeout=0)))
+        if received:
+            metrics.WAKEUPS.labels(self.name).inc(received)
+        return received > 0
 
     def _sleep(self, seconds: float) -> None:
         readable, _, _ = select.select([self._wake_r], [], [], seconds)
