@@ -112,8 +112,8 @@ def failures(db: Database) -> int:
 def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[SupervisorProcess]:
     """A real supervisor (2 workers x 8 threads) on the schema, its workers
     holding their locks; drained and stopped afterwards."""
-    document = config(db.url, name, imports=["tests.benchmarks.workflows"],
-                      workers={"processes": PROCESSES, "threads": THREADS, "poll": 1.0, "drain": 10}, **sections)
+    workers = {"processes": PROCESSES, "threads": THREADS, "poll": 1.0, "drain": 10, **sections.pop("workers", {})}
+    document = config(db.url, name, imports=["tests.benchmarks.workflows"], workers=workers, **sections)
     process = SupervisorProcess(document, folder)
     try:
         process.wait_logged("holding the lock of", count=PROCESSES)
