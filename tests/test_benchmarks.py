@@ -20,6 +20,8 @@ FIGURES = {
                 "target_schedule_many_runs_per_s"},
     "fleet": {"runs_per_s_one_supervisor", "runs_per_s", "fleet_over_one", "empty_claims_per_run",
               "notifications_per_schedule", "not_completed"},
+    "growth": {"runs_per_s_empty", "runs_per_s_with_history", "with_history_over_empty", "prune_s",
+               "runs_per_s_during_prune", "left_after_prune", "not_completed"},
     "recovery": {"interval_s", "grace_s", "running_again_s", "completed_s", "target_s", "not_completed"},
     "memory": {"rss_mb_at_rest", "rss_mb_peak_under_w3", "worker_at_rest_max_mb", "target_worker_at_rest_mb"},
     "scrape": {"restarts", "scrape_ms_p50", "scrape_ms_p50_without_archive"},

@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ("limit", "w1", "w3", "latency", "enqueue", "fleet", "recovery", "memory", "scrape", "supervisor_scrape")
+BENCHMARKS = (
+    "limit", "w1", "w3", "latency", "enqueue", "fleet", "growth", "recovery", "memory", "scrape", "supervisor_scrape",
+)
 
 
 def main() -> int:
