@@ -136,11 +136,12 @@ def insert_runs(
     exists already, or repeats within the batch, gives the first run's id.
     The arrays go in binary (no array literal for the server to parse), and
     only the ids of created runs with a key come back."""
+    p = "%b" if isinstance(conn, psycopg.Connection) else "%s"  # binary where psycopg 3 binds them
     keyed_created = conn.execute(
         "WITH ins AS ("
         " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)"
-        " SELECT id, %b, args::jsonb, key, 'scheduled'"
-        " FROM unnest(%b::uuid[], %b::text[], %b::text[]) AS t(id, args, key)"
+        f" SELECT id, {p}, args::jsonb, key, 'scheduled'"
+        f" FROM unnest({p}::uuid[], {p}::text[], {p}::text[]) AS t(id, args, key)"
         " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
         " RETURNING id, idempotency_key IS NOT NULL AS keyed)"
         f" SELECT ARRAY(SELECT id FROM ins WHERE keyed), {_WAKE}",
