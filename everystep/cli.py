@@ -9,6 +9,11 @@
     everystep schedule MODULE:FUNC [JSON ...] [--idempotency-key K]
     everystep schedules plan|apply|retire|list
     everystep worker --name NAME [--import MODULE ...]
+    everystep ui [--bind ADDRESS] [--port N]
+    everystep roles [--apply] [--prefix P] [--schema S]
+
+Every action (resolve-step, requeue, prune, schedule, schedules apply and
+retire) is recorded in the audit trail, everystep_audit.
 
 The database comes from --database-url, else $EVERYSTEP_DATABASE_URL, else
 the `database.url` of `-c FILE`.
@@ -112,6 +117,23 @@ def _load_run(conn: psycopg.Connection, run_id: uuid.UUID) -> dict:
     if run is None:
         raise CliError(f"no run {run_id}")
     return run
+
+
+def _audit(conn: psycopg.Connection, action: str, run: uuid.UUID | None = None, step_id: str | None = None,
+           target: str | None = None, details: dict | None = None) -> None:
+    """Record an action in the audit trail (everystep_audit), as the Unix
+    user on this host. A database not migrated to it yet records nothing."""
+    import getpass  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid {os.getuid()}"
+    try:
+        store.audit(conn, f"{user}@{socket.gethostname()}", "cli", action, run, step_id, target, details)
+    except psycopg.errors.UndefinedTable:
+        pass
 
 
 # ---------------------------------------------------------------- argument types
@@ -380,6 +402,7 @@ def cmd_resolve_step(args: argparse.Namespace) -> int:
             api.resolve_step(conn, args.run, args.step, **how)
         except EverystepError as refused:
             raise CliError(str(refused), EXIT_REFUSED) from None
+        _audit(conn, "resolve-step", args.run, args.step, details={k: serde.to_json(v) for k, v in how.items()})
     print(f"step {args.step!r} of run {args.run} {done}; the run is scheduled again")
     return 0
 
@@ -407,6 +430,8 @@ def cmd_requeue(args: argparse.Namespace) -> int:
                 if len(requeued) != len(runs):
                     changed = ", ".join(str(run["id"]) for run in runs if run["id"] not in requeued)
                     raise CliError(f"run {changed} changed while being requeued; nothing was requeued", EXIT_REFUSED)
+                for run in runs:
+                    _audit(conn, "requeue", run["id"], details={"claimer": run["claimed_by"]})
         finally:
             for claimer in dead:
                 if claimer is not None:
@@ -439,7 +464,58 @@ def cmd_prune(args: argparse.Namespace) -> int:
         deleted = 0
         while batch := store.prune_batch(conn, args.older_than, PRUNE_BATCH):
             deleted += batch
+        _audit(conn, "prune", details={"older_than_days": args.older_than, "deleted": deleted})
     print(f"deleted {_plural(deleted, 'run')} {what}, with their steps")
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    """Serve the operators' web UI in this process until TERM/INT."""
+    from everystep import logs  # noqa: PLC0415
+    from everystep.ui.core import Credentials, bind_problem  # noqa: PLC0415
+
+    url = database_url(args)
+    bind, port = args.bind, args.port
+    viewer = os.environ.get("EVERYSTEP_UI_VIEWER_TOKEN", "")
+    operator = os.environ.get("EVERYSTEP_UI_OPERATOR_TOKEN", "")
+    if getattr(args, "config", None):
+        from everystep.config import ConfigError, load  # noqa: PLC0415
+
+        try:
+            ui = load(args.config).ui
+        except ConfigError as exc:
+            raise CliError(str(exc)) from None
+        if ui is not None:  # the file's ui: section, the command line's options first
+            bind, port = bind or ui.bind, ui.port if port is None else port
+            viewer, operator = ui.viewer_token or viewer, ui.operator_token or operator
+    bind = bind or "127.0.0.1"
+    problem = bind_problem(bind, viewer, operator, "set EVERYSTEP_UI_VIEWER_TOKEN and/or EVERYSTEP_UI_OPERATOR_TOKEN")
+    if problem:
+        raise CliError(problem)
+    try:
+        from everystep.ui import server  # noqa: PLC0415
+    except ImportError as exc:
+        raise CliError(f"the UI needs its libraries: pip install 'everystep[ui]' ({exc})") from None
+    logs.configure(args.log_level)
+    try:
+        sock = server.bind(bind, 9118 if port is None else port)
+    except OSError as exc:
+        raise CliError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}", EXIT_REFUSED) from None
+    server.serve(sock, url, Credentials(viewer, operator))
+    return 0
+
+
+def cmd_roles(args: argparse.Namespace) -> int:
+    """Print (or apply) the SQL of the producer, worker and operator roles."""
+    from everystep import roles  # noqa: PLC0415
+
+    text = roles.sql_text(args.prefix, args.schema)
+    if not args.apply:
+        print(text)
+        return 0
+    with connect(args) as conn:
+        conn.execute(text)  # one transaction: the SQL has its BEGIN and COMMIT
+    print(f"applied the roles {', '.join(roles.role_names(args.prefix))}")
     return 0
 
 
@@ -454,6 +530,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         try:
             with api.transaction(conn):
                 run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key)
+                if run.created:
+                    _audit(conn, "schedule", run.id, target=run.name, details={"args": serde.to_json(list(args.values)),
+                                                                               "idempotency_key": args.idempotency_key})
         except EverystepError as exc:
             raise CliError(str(exc)) from None
     if run.created:
@@ -577,8 +656,28 @@ def build_parser() -> argparse.ArgumentParser:
                              help="module defining workflows (repeatable; -c FILE's imports too)")
     maintenance.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
+    ui = add(commands, "ui", cmd_ui, "serve the operators' web UI (without a supervisor)")
+    ui.add_argument("--bind", default=None, help="address to listen on (default 127.0.0.1, or the ui: section of -c)")
+    ui.add_argument("--port", type=_whole_number(0, 65535), default=None, help="port (default 9118; 0: any free port)")
+    ui.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    roles = add(commands, "roles", cmd_roles, "print the SQL of three least-privilege roles (producer, worker, "
+                "operator), or apply it")
+    roles.add_argument("--apply", action="store_true", help="run the SQL on the database instead of printing it")
+    roles.add_argument("--prefix", type=_role_prefix, default="everystep_",
+                       help="role name prefix (default everystep_)")
+    roles.add_argument("--schema", type=_role_prefix, default=None,
+                       help="schema of the everystep tables (default public)")
+
     add_schedules_commands(commands, add)
     return parser
+
+
+def _role_prefix(text: str) -> str:
+    if not text or len(text) > 40 or not (text[0].isalpha() or text[0] == "_") or \
+            not all(ch.isalnum() or ch == "_" for ch in text) or not text.isascii():
+        raise argparse.ArgumentTypeError(f"expected letters, digits and '_' (at most 40), not {text!r}")
+    return text.lower()
 
 
 def _connection_lost(exc: psycopg.OperationalError) -> bool:
@@ -616,6 +715,9 @@ def _plan_or_apply(args: argparse.Namespace, action: Callable[..., list[schedule
     manifest = _schedules_manifest(args)  # validated before the database is touched
     with _schedules_database(args) as conn:
         entries = action(conn, manifest)
+        if done:
+            _audit(conn, "schedules-apply", target=str(args.config),
+                   details={e.key: e.action for e in entries if e.action != "unchanged"})
     _print_plan(entries, done)
     return 0
 
@@ -626,6 +728,7 @@ def cmd_schedules_retire(args: argparse.Namespace) -> int:
             retired_at = store.retire_schedule(conn, args.key)
         except store.ScheduleRefused as refused:
             raise CliError(str(refused), EXIT_REFUSED) from None
+        _audit(conn, "schedules-retire", target=args.key)
     print(f"retired {args.key} at {scheduler.iso_utc(retired_at)}: it will not fire again "
           "(remove it from the file too, or the next apply brings it back)")
     return 0

@@ -83,6 +83,16 @@ class HttpConfig:
     port: int = 9117  # 0: any free port (for tests)
 
 
+@dataclass(frozen=True)
+class UiConfig:
+    """The operators' web UI (`ui:`), served on its own port, never /metrics'."""
+
+    bind: str = "127.0.0.1"
+    port: int = 9118  # 0: any free port (for tests)
+    viewer_token: str = ""  # e.g. ${EVERYSTEP_UI_VIEWER_TOKEN}: may read
+    operator_token: str = ""  # e.g. ${EVERYSTEP_UI_OPERATOR_TOKEN}: may act
+
+
 # The manifest's entries are the engine's schedule definitions.
 ScheduleConfig = Schedule
 
@@ -98,6 +108,7 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     schedules: dict[str, ScheduleConfig] = field(default_factory=dict)
+    ui: UiConfig | None = None  # None: no `ui:` section, no UI served
 
 
 # Room left after the base name for "-<index>" within the 255 characters of
@@ -159,6 +170,7 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         ),
         http=HttpConfig(bind=_bind_address(http), port=http.integer("port", minimum=0, maximum=65535)),
         schedules=_schedules(file, top.raw.get("schedules")),
+        ui=_ui(file, top.raw),
     )
 
 
@@ -200,11 +212,25 @@ def _module_names(top: _Section) -> list[str]:
     return [str(name) for name in names]
 
 
-def _bind_address(http: _Section) -> str:
+def _bind_address(http: _Section) -> str:  # http: or ui:
     bind = http.text("bind")
     if not bind or any(ch.isspace() for ch in bind):
         raise http.error("bind", f"must be an address or host name, got {_show(bind)}")
     return bind
+
+
+def _ui(file: str, raw: dict) -> UiConfig | None:
+    if "ui" not in raw:
+        return None
+    from everystep.ui.core import bind_problem  # noqa: PLC0415
+
+    ui = _Section(file, "ui", raw["ui"], UiConfig)
+    config = UiConfig(bind=_bind_address(ui), port=ui.integer("port", minimum=0, maximum=65535),
+                      viewer_token=ui.text("viewer_token"), operator_token=ui.text("operator_token"))
+    problem = bind_problem(config.bind, config.viewer_token, config.operator_token)
+    if problem:
+        raise ui.error("bind", problem)
+    return config
 
 
 def _schedules(file: str, raw: Any) -> dict[str, ScheduleConfig]:

@@ -20,6 +20,7 @@ import datetime
 import json
 import uuid
 import weakref
+from collections.abc import Callable
 from importlib import resources
 from typing import Any, NamedTuple
 
@@ -872,3 +873,227 @@ def advance_schedule(
 def set_schedule_error(conn: psycopg.Connection, key: str, error: str) -> None:
     """Record why a due schedule did not fire (its next fire time stays)."""
     conn.execute("UPDATE everystep_schedule SET last_error = %s WHERE key = %s", (error, key))
+
+
+# ---------------------------------------------------------------- the operators' UI and the audit trail
+
+UI_STATUS_CAP = 1000  # counts per status are exact up to this; above it, the planner's estimate
+
+
+class RunFilter(NamedTuple):
+    """What the UI's run list is narrowed by; None: no condition."""
+
+    status: str | None = None
+    workflow: str | None = None
+    since: datetime.datetime | None = None  # created at or after
+    until: datetime.datetime | None = None  # created before
+    run_id: uuid.UUID | None = None
+    idempotency_key: str | None = None
+    args_contain: str | None = None  # JSON text: args @> it
+    before: tuple[datetime.datetime, uuid.UUID] | None = None  # keyset cursor: (created_at, id) of the last row shown
+
+
+def _run_filter_sql(f: RunFilter) -> tuple[sql.Composable, dict]:
+    where = [sql.SQL("true")]
+    conditions = [
+        (f.status, "status = %(status)s"),
+        (f.workflow, "name = %(workflow)s"),
+        (f.since, "created_at >= %(since)s"),
+        (f.until, "created_at < %(until)s"),
+        (f.run_id, "id = %(run_id)s"),
+        (f.idempotency_key, "idempotency_key = %(key)s"),
+        (f.args_contain, "args @> %(args)s::jsonb"),
+        # <= bounds the created_at index scan; the rest breaks ties by id.
+        (f.before, "created_at <= %(before_at)s AND (created_at < %(before_at)s OR id < %(before_id)s)"),
+    ]
+    where += [sql.SQL(text) for value, text in conditions if value is not None]
+    params = {"status": f.status, "workflow": f.workflow, "since": f.since, "until": f.until, "run_id": f.run_id,
+              "key": f.idempotency_key, "args": f.args_contain,
+              "before_at": f.before[0] if f.before else None, "before_id": f.before[1] if f.before else None}
+    return sql.SQL(" AND ").join(where), params
+
+
+# A page of runs, newest first, each with its count of steps done and recorded.
+_UI_PAGE = (
+    "SELECT w.id, w.name, w.status, w.idempotency_key, w.claimed_by, w.created_at, w.completed_at,"
+    " s.steps_done, s.steps_total FROM ("
+    " SELECT id, name, status, idempotency_key, claimed_by, created_at, completed_at FROM everystep_workflow"
+    " WHERE {where} ORDER BY created_at DESC, id DESC LIMIT %(limit)s) w"
+    " LEFT JOIN LATERAL (SELECT count(*) FILTER (WHERE status = 'done') AS steps_done, count(*) AS steps_total"
+    "  FROM everystep_step WHERE workflow_id = w.id) s ON true"
+    " ORDER BY w.created_at DESC, w.id DESC"
+)
+
+
+def ui_runs(conn: psycopg.Connection, f: RunFilter, limit: int) -> list[dict]:
+    """One page of runs matching the filter, newest first (keyset paging:
+    pass the last row's (created_at, id) as `before` for the next page)."""
+    where, params = _run_filter_sql(f)
+    return _dicts(conn.execute(sql.SQL(_UI_PAGE).format(where=where), {**params, "limit": limit}))
+
+
+# What every open live page shows, in one statement: the newest runs, the
+# counts per status, the runners with work in flight, and a change counter.
+_UI_OVERVIEW = sql.SQL(
+    "SELECT (SELECT coalesce(json_agg(p), '[]') FROM ({page}) p),"
+    " (SELECT json_object_agg(s.status, (SELECT count(*) FROM (SELECT 1 FROM everystep_workflow w"
+    "   WHERE w.status = s.status LIMIT %(cap)s + 1) c)) FROM unnest(%(statuses)s::text[]) s(status)),"
+    " (SELECT json_build_object('rows', greatest(c.reltuples, 0), 'values', st.most_common_vals::text::text[],"
+    "   'freqs', st.most_common_freqs) FROM pg_class c LEFT JOIN pg_stats st ON st.schemaname = current_schema()"
+    "   AND st.tablename = 'everystep_workflow' AND st.attname = 'status'"
+    "  WHERE c.oid = 'everystep_workflow'::regclass),"
+    " (SELECT coalesce(json_object_agg(claimed_by, n), '{{}}') FROM (SELECT claimed_by, count(*) AS n"
+    "   FROM everystep_workflow WHERE status = 'running' AND claimed_by IS NOT NULL GROUP BY claimed_by) r),"
+    " (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint FROM pg_stat_user_tables"
+    "  WHERE schemaname = current_schema() AND relname IN ('everystep_workflow', 'everystep_step'))"
+).format(page=sql.SQL(_UI_PAGE).format(where=sql.SQL("true")))
+
+
+def ui_overview(conn: psycopg.Connection, statuses: tuple[str, ...], limit: int) -> dict:
+    """The live page's data in one statement. `counts` are exact up to
+    UI_STATUS_CAP (a count above it means "more"); `estimate` is what the
+    planner's statistics say (reltuples and the most common values of status),
+    for the statuses past the cap: no statement here scans the table."""
+    page, counts, estimate, runners, changes = conn.execute(
+        _UI_OVERVIEW, {"cap": UI_STATUS_CAP, "statuses": list(statuses), "limit": limit}
+    ).fetchone()
+    return {"runs": page, "counts": counts, "estimate": estimate, "runners": runners, "changes": changes}
+
+
+def ui_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
+    """A run with every recorded step (all their columns, whatever the
+    schema version has: started_at and finished_at when present), its crash
+    count and its audit records, from one snapshot."""
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        found = load_run(conn, run)
+        if found is None:
+            return None
+        found["steps"] = [row[0] for row in conn.execute(
+            "SELECT to_jsonb(s) - 'workflow_id' FROM everystep_step s WHERE s.workflow_id = %s ORDER BY s.id", (run,)
+        )]
+        crashes = conn.execute("SELECT crashes FROM everystep_crash WHERE workflow_id = %s", (run,)).fetchone()
+        found["crashes"] = crashes[0] if crashes else 0
+        found["audit"] = audit_records(conn, run=run, limit=100)
+    return found
+
+
+def ui_workflow_names(conn: psycopg.Connection, limit: int = 500) -> list[str]:
+    """The distinct workflow names, by a loose scan of the (name, created_at)
+    index: one index probe per name, however many runs there are."""
+    return [row[0] for row in conn.execute(
+        "WITH RECURSIVE n AS (SELECT min(name) AS name FROM everystep_workflow"
+        " UNION ALL SELECT (SELECT min(name) FROM everystep_workflow WHERE name > n.name) FROM n"
+        " WHERE n.name IS NOT NULL) SELECT name FROM n WHERE name IS NOT NULL LIMIT %s",
+        (limit,),
+    )]
+
+
+def ui_failures(conn: psycopg.Connection, hours: int) -> list[dict]:
+    """Failed runs created in the last `hours`, grouped by workflow and
+    exception type, with the newest run of each group."""
+    return _dicts(conn.execute(
+        "SELECT name AS workflow, coalesce(error->>'type', '?') AS error_type, count(*) AS runs,"
+        " max(completed_at) AS last_at, (array_agg(id ORDER BY created_at DESC))[1] AS latest_run,"
+        " (array_agg(error->>'message' ORDER BY created_at DESC))[1] AS latest_message"
+        " FROM everystep_workflow WHERE status = 'failed' AND created_at >= now() - make_interval(hours => %s)"
+        " GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT 200",
+        (hours,),
+    ))
+
+
+def ui_workers(conn: psycopg.Connection) -> list[dict]:
+    """Every runner of this schema that holds its lock now, fleet-wide: the
+    session holding it (a worker's control connection, application name
+    `everystep <name> control`), since when that session exists, how many
+    pool connections the runner has open, and its runs in flight."""
+    return _dicts(conn.execute(
+        "WITH control AS (SELECT a.pid, a.client_addr, a.backend_start,"
+        "  substr(a.application_name, 11, length(a.application_name) - 18) AS name"
+        "  FROM pg_stat_activity a WHERE a.datname = current_database()"
+        "  AND a.application_name LIKE 'everystep % control')"
+        " SELECT c.name, c.pid, host(c.client_addr) AS client, c.backend_start AS since,"
+        " (SELECT count(*) FROM pg_stat_activity p WHERE p.datname = current_database()"
+        "  AND p.application_name = 'everystep ' || c.name) AS pool_connections,"
+        " (SELECT count(*) FROM everystep_workflow w WHERE w.status = 'running' AND w.claimed_by = c.name)"
+        "  AS in_flight"
+        " FROM control c WHERE EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = c.pid AND l.locktype = 'advisory'"
+        "  AND l.granted AND l.objsubid = 1"
+        f"  AND l.classid = (({_LOCK_KEY % 'c.name'} >> 32) & 4294967295)::oid"
+        f"  AND l.objid = ({_LOCK_KEY % 'c.name'} & 4294967295)::oid)"
+        " ORDER BY c.name"
+    ))
+
+
+def ui_reschedule(conn: psycopg.Connection, run: uuid.UUID, new_id: uuid.UUID) -> uuid.UUID | None:
+    """Schedule a new run of the same workflow with the same args (no
+    idempotency key); None if there is no such run."""
+    row = conn.execute(
+        "WITH ins AS (INSERT INTO everystep_workflow (id, name, args, status)"
+        " SELECT %s, name, args, 'scheduled' FROM everystep_workflow WHERE id = %s RETURNING id)"
+        f" SELECT id, {_NOTIFY} FROM ins",
+        (new_id, run),
+    ).fetchone()
+    return row[0] if row else None
+
+
+def ui_set_schedule_paused(conn: psycopg.Connection, key: str, paused: bool,
+                           next_fire_at: Callable[[dict], datetime.datetime] | None = None) -> None:
+    """Pause or resume a live schedule from the UI (until the next `schedules
+    apply` writes the file's value again). Resuming sets the next fire time
+    `next_fire_at(row)`, so the time spent paused is not caught up."""
+    with conn.transaction():
+        lock_scheduler(conn)
+        rows = _dicts(conn.execute(
+            "SELECT *, now() AS database_now FROM everystep_schedule WHERE key = %s AND retired_at IS NULL FOR UPDATE",
+            (key,),
+        ))
+        if not rows:
+            raise ScheduleRefused(f"no live schedule {key!r}")
+        conn.execute(
+            "UPDATE everystep_schedule SET paused = %s, next_fire_at = coalesce(%s, next_fire_at),"
+            " updated_at = now() WHERE key = %s",
+            (paused, next_fire_at(rows[0]) if next_fire_at and not paused else None, key),
+        )
+
+
+# ---------------------------------------------------------------- audit
+
+def audit(conn: Executor, actor: str, source: str, action: str, run: uuid.UUID | None = None,
+          step_id: str | None = None, target: str | None = None, details: dict | None = None) -> None:
+    """Record an operator's action (who, what, on which run or step, the values given)."""
+    conn.execute(
+        "INSERT INTO everystep_audit (actor, source, action, run_id, step_id, target, details)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb)",
+        (actor[:255], source, action, run, step_id, target, json.dumps(details or {}, default=str)),
+    )
+
+
+def audit_records(conn: psycopg.Connection, run: uuid.UUID | None = None, limit: int = 200,
+                  before: int | None = None) -> list[dict]:
+    """The newest audit records (of one run), newest first."""
+    return _dicts(conn.execute(
+        "SELECT id, at, actor, source, action, run_id, step_id, target, details FROM everystep_audit"
+        " WHERE (%(run)s::uuid IS NULL OR run_id = %(run)s) AND (%(before)s::bigint IS NULL OR id < %(before)s)"
+        " ORDER BY id DESC LIMIT %(limit)s",
+        {"run": run, "before": before, "limit": limit},
+    ))
+
+
+def fire_schedule_now(conn: psycopg.Connection, key: str, new_id: uuid.UUID) -> uuid.UUID:
+    """Schedule a run of a live schedule's workflow with its args now, outside
+    its cron times; it becomes the schedule's last run."""
+    with conn.transaction():
+        lock_scheduler(conn)
+        row = conn.execute(
+            "WITH s AS (SELECT workflow, args FROM everystep_schedule WHERE key = %(key)s AND retired_at IS NULL"
+            " FOR UPDATE), ins AS (INSERT INTO everystep_workflow (id, name, args, status)"
+            " SELECT %(id)s, workflow, args, 'scheduled' FROM s RETURNING id),"
+            " upd AS (UPDATE everystep_schedule SET last_run_id = ins.id, last_fire_at = now() FROM ins"
+            "  WHERE key = %(key)s)"
+            f" SELECT id, {_NOTIFY} FROM ins",
+            {"key": key, "id": new_id},
+        ).fetchone()
+    if row is None:
+        raise ScheduleRefused(f"no live schedule {key!r}")
+    return row[0]

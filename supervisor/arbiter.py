@@ -87,6 +87,7 @@ class Arbiter:
         self._kill_at: float | None = None
         self._replacing: Slot | None = None  # the worker a HUP's roll is replacing
         self._published: tuple | None = None  # the state last published, to publish only changes
+        self._ui_exported = False
 
     # ---------------------------------------------------------------- life
 
@@ -97,6 +98,8 @@ class Arbiter:
         self._install_signals()
         log.info("supervisor %s starting (pid %d, %d workers)", self.config.name, os.getpid(), self.processes)
         self._add("http", "http")
+        if self.config.ui is not None:
+            self._add("ui", "ui")  # the operators' web UI, on a port of its own
         if self.config.migrate or self.config.schedules:
             self._add("setup", "setup")  # the workers start once it is done
         else:
@@ -391,8 +394,11 @@ class Arbiter:
             return
         self.processes = config.workers.processes
         for slot in self.slots.values():
-            if slot.role in ("http", "maintenance"):
+            if slot.role in ("http", "maintenance", "ui"):
+                slot.restart = slot.role != "ui" or config.ui is not None  # a ui: section removed: no UI
                 self._signal(slot, signal.SIGTERM)  # each comes back with the new config when it exits
+        if config.ui is not None and "ui" not in self.slots:
+            self._add("ui", "ui")
         if self.phase == "running":  # else the workers start with the new config once the setup is done
             self._sync_workers()
 
@@ -432,7 +438,9 @@ class Arbiter:
         self._published = state
         workers = sum(1 for role, _, _ in live if role == "worker")
         setproctitle(f"everystep: supervisor {self.config.name} [{workers} workers]")
-        for role in ("worker", "http", "maintenance"):
+        # The ui role is exported once a UI was configured (0 after a HUP removes it).
+        self._ui_exported = self._ui_exported or self.config.ui is not None
+        for role in ("worker", "http", "maintenance") + (("ui",) if self._ui_exported else ()):
             metrics.CHILDREN.labels(role).set(sum(1 for r, _, _ in live if r == role))
         # Ready means every configured worker holds its lock: not yet during
         # the setup, no longer during a drain.

@@ -60,7 +60,7 @@ def run_child(spec: ChildSpec, config, status_fd: int, parent_pid: int) -> None:
     code = 0
     try:
         _after_fork(spec, parent_pid)
-        {"worker": _worker, "http": _http, "maintenance": _maintenance, "setup": _setup}[spec.role](
+        {"worker": _worker, "http": _http, "maintenance": _maintenance, "setup": _setup, "ui": _ui}[spec.role](
             spec, config, status
         )
     except SystemExit as exc:
@@ -150,6 +150,17 @@ def _http(spec: ChildSpec, config, status: _Status) -> None:
 
     http_server.serve(config.http.bind, config.http.port, spec.session_url, Path(spec.runtime_dir),
                       Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), on_ready=bound)
+
+
+def _ui(spec: ChildSpec, config, status: _Status) -> None:
+    """The operators' web UI on its own port (`ui:`); SIGTERM stops it."""
+    from everystep.ui import server  # noqa: PLC0415
+    from everystep.ui.core import Credentials  # noqa: PLC0415
+
+    ui = config.ui
+    sock = server.bind(ui.bind, ui.port)  # a port in use is a boot failure
+    status.booted()
+    server.serve(sock, spec.database_url, Credentials(ui.viewer_token, ui.operator_token))
 
 
 def _maintenance(spec: ChildSpec, config, status: _Status) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 STATE_FILE = "supervisor-state.json"
-ROLES = ("worker", "http", "maintenance")
+ROLES = ("worker", "http", "maintenance", "ui")
 
 
 class Child(NamedTuple):

@@ -27,6 +27,8 @@ FIGURES = {
     "scrape": {"restarts", "scrape_ms_p50", "scrape_ms_p50_without_archive"},
     "supervisor_scrape": {"restarts", "scrape_ms_p50_before", "scrape_ms_p50", "files_before", "files",
                           "restarts_counted"},
+    "ui": {"runs", "first_page_ms", "filtered_page_ms", "page_21_ms", "args_search_ms", "run_detail_ms",
+           "live_poll_ms", "target_ms", "db_queries_per_s", "events_received"},
 }
 
 

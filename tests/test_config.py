@@ -245,7 +245,7 @@ def test_substitution_errors(config_dir, text, message):
         ("workers: {thread: 8}", "workers.thread: unknown key (did you mean 'threads'?)"),
         ("wokers: {}", "wokers: unknown key (did you mean 'workers'?)"),
         ("colour: red", "colour: unknown key (known keys: database, name, imports, migrate, workers, recovery, "
-                        "http, schedules)"),
+                        "http, schedules, ui)"),
         ("workers: [1, 2]", "workers: must be a mapping, got a list"),
         ("http: 9117", "http: must be a mapping, got 9117"),
     ],
@@ -452,3 +452,26 @@ def test_the_documented_manifest_example_is_valid(config_dir):
     assert schedules["hourly-report"] == ScheduleConfig(
         workflow="myapp.reports.hourly", args=("sales",), cron="@hourly", paused=True
     )
+
+
+def test_ui_section(tmp_path, monkeypatch):
+    from everystep.config import ConfigError, UiConfig, load  # noqa: PLC0415
+
+    def config(text: str):
+        path = tmp_path / "everystep.yaml"
+        path.write_text(text)
+        return load(path)
+
+    assert config("name: a\n").ui is None  # no section: no UI
+    assert config("ui:\n").ui == UiConfig()
+    monkeypatch.setenv("EVERYSTEP_UI_OPERATOR_TOKEN", "s3cret-token-of-the-operators")
+    ui = config("ui:\n  bind: 0.0.0.0\n  port: 0\n  operator_token: ${EVERYSTEP_UI_OPERATOR_TOKEN}\n").ui
+    assert ui == UiConfig(bind="0.0.0.0", port=0, operator_token="s3cret-token-of-the-operators")
+    with pytest.raises(ConfigError, match=r"ui\.bind: bind '0\.0\.0\.0' is not a loopback address"):
+        config("ui:\n  bind: 0.0.0.0\n")
+    with pytest.raises(ConfigError, match=r"ui\.bind: bind 'example\.com' is not a loopback"):
+        config("ui:\n  bind: example.com\n  viewer_token: ''\n")
+    with pytest.raises(ConfigError, match=r"ui\.tokens: unknown key"):
+        config("ui:\n  tokens: x\n")
+    with pytest.raises(ConfigError, match=r"ui\.port: must be an integer from 0 to 65535"):
+        config("ui:\n  port: 70000\n")

@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = (
     "limit", "w1", "w3", "latency", "enqueue", "fleet", "growth", "recovery", "memory", "scrape", "supervisor_scrape",
+    "ui",
 )
 
 

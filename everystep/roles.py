@@ -1,0 +1,89 @@
+"""Three least-privilege PostgreSQL roles for everystep, as SQL
+(`everystep roles` prints it, `--apply` runs it):
+
+    producer  may only schedule: insert runs (as `scheduled`) and read back
+              what an idempotency key needs; no update, no delete
+    worker    runs workflows: claims, step rows, ends, requeues, crash counts,
+              the recurring schedules' state; cannot touch a run that is
+              blocked, finished or not its to hold, so cannot resolve a step
+    operator  the CLI's and the UI's actions: everything on the rows, the
+              audit trail, and pg_read_all_stats for the UI's workers page
+
+They are group roles (NOLOGIN): grant them to the login roles your programs
+use. Migrations stay with the tables' owner. Row-level security is turned on
+for the run and step tables; the owner is exempt (it bypasses it), and every
+other role needs one of these three (or its own policy) to see any row.
+"""
+
+from __future__ import annotations
+
+ROLES = ("producer", "worker", "operator")
+
+
+def role_names(prefix: str) -> list[str]:
+    return [f"{prefix}{role}" for role in ROLES]
+
+
+def sql_text(prefix: str = "everystep_", schema: str | None = None) -> str:
+    """The SQL, idempotent (safe to apply again). `prefix` and `schema` must
+    be plain identifiers (the CLI checks them)."""
+    s = schema or "public"
+    producer, worker, operator = role_names(prefix)
+    workflow, step = f"{s}.everystep_workflow", f"{s}.everystep_step"
+    create = "\n".join(
+        f"  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{name}') THEN CREATE ROLE {name} NOLOGIN; END IF;"
+        for name in (producer, worker, operator)
+    )
+
+    def policy(name: str, table: str, command: str, role: str, using: str | None, check: str | None) -> str:
+        clauses = (f" USING ({using})" if using else "") + (f" WITH CHECK ({check})" if check else "")
+        return (f"DROP POLICY IF EXISTS {name} ON {table};\n"
+                f"CREATE POLICY {name} ON {table} FOR {command} TO {role}{clauses};")
+
+    return f"""-- everystep least-privilege roles (schema {s}). Grant them to login roles:
+--   GRANT {worker} TO my_worker_login;
+BEGIN;
+DO $$ BEGIN
+{create}
+END $$;
+GRANT USAGE ON SCHEMA {s} TO {producer}, {worker}, {operator};
+
+-- producer: schedule() only. It inserts runs (only as scheduled, see the
+-- policy below) and reads back the columns an idempotency key needs.
+GRANT INSERT (id, name, args, idempotency_key, status) ON {workflow} TO {producer};
+GRANT SELECT (id, name, idempotency_key) ON {workflow} TO {producer};
+GRANT INSERT ON {s}.everystep_audit TO {producer};
+GRANT SELECT ON {s}.everystep_waiting TO {producer};  -- scheduling notifies only when a worker waits
+
+-- worker: claim, record steps, end, requeue, count crashes, fire schedules.
+GRANT SELECT, INSERT, UPDATE ON {workflow}, {step}, {s}.everystep_crash TO {worker};
+GRANT SELECT, UPDATE ON {s}.everystep_schedule TO {worker};
+GRANT USAGE ON SEQUENCE {s}.everystep_claim_token TO {worker};  -- every claim takes a new execution token
+GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers while a slot is free
+
+-- operator: the CLI's and the UI's actions, and reading everything.
+GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash, {s}.everystep_schedule
+    TO {operator};
+GRANT SELECT, INSERT ON {s}.everystep_audit TO {operator};
+GRANT SELECT ON {s}.everystep_migration TO {operator};
+GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
+GRANT pg_read_all_stats TO {operator};
+
+-- Rows: a worker changes only runs that are scheduled or running (never a
+-- blocked or finished one: resolving is the operator's), and step rows only
+-- of a running run; a producer inserts only scheduled runs.
+ALTER TABLE {workflow} ENABLE ROW LEVEL SECURITY;
+ALTER TABLE {step} ENABLE ROW LEVEL SECURITY;
+{policy(f"{producer}_insert", workflow, "INSERT", producer, None, "status = 'scheduled'")}
+{policy(f"{producer}_select", workflow, "SELECT", producer, "true", None)}
+{policy(f"{worker}_select", workflow, "SELECT", worker, "true", None)}
+{policy(f"{worker}_insert", workflow, "INSERT", worker, None, "status = 'scheduled'")}
+{policy(f"{worker}_update", workflow, "UPDATE", worker, "status IN ('scheduled', 'running')", "true")}
+{policy(f"{worker}_step_select", step, "SELECT", worker, "true", None)}
+{policy(f"{worker}_step_insert", step, "INSERT", worker, None, "true")}
+{policy(f"{worker}_step_update", step, "UPDATE", worker,
+        f"EXISTS (SELECT 1 FROM {workflow} w WHERE w.id = workflow_id AND w.status = 'running')", "true")}
+{policy(f"{operator}_all", workflow, "ALL", operator, "true", "true")}
+{policy(f"{operator}_step_all", step, "ALL", operator, "true", "true")}
+COMMIT;
+"""

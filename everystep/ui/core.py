@@ -1,0 +1,433 @@
+"""What the UI does, independent of the web framework serving it: reading
+runs for the pages, the actions (each audited), and who may do what.
+
+Both front ends (the Starlette app of `everystep ui` and the supervisor, and
+the Django views) call `Console`; they only translate requests and answers.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hmac
+import json
+import logging
+import math
+import secrets
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from everystep import api, liveness, scheduler, serde, store
+from everystep.errors import EverystepError
+from everystep.ids import uuid7
+from everystep.logs import first_line
+from everystep.ui.hub import Hub
+
+log = logging.getLogger("everystep")
+
+STATUSES = ("scheduled", "running", "blocked", "completed", "failed", "stopped")
+PAGE_SIZE = 50
+MAX_PAGE_SIZE = 500
+BULK_LIMIT = 10_000  # runs one bulk action on a filter may touch
+STATEMENT_TIMEOUT_MS = 5000
+FAILURE_WINDOWS = {"hour": 1, "day": 24, "week": 24 * 7}
+ARGS_SEARCH_WINDOWS = (dt.timedelta(hours=1), dt.timedelta(days=1), dt.timedelta(days=7), None)
+
+
+class Problem(Exception):
+    """An answer other than success: an HTTP status and one line for the operator."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Who:
+    """The caller, as the server established it (never as the client says)."""
+
+    role: str  # viewer or operator
+    name: str  # what the audit trail records
+
+    @property
+    def can_act(self) -> bool:
+        return self.role == "operator"
+
+
+# ---------------------------------------------------------------- credentials
+
+class Credentials:
+    """The two tokens (from the environment, via the config) and the CSRF
+    tokens derived from them. With no token configured every caller is an
+    operator: only allowed on a loopback address (see `check_bind`)."""
+
+    def __init__(self, viewer_token: str = "", operator_token: str = ""):
+        self.viewer_token = viewer_token
+        self.operator_token = operator_token
+        self._secret = secrets.token_bytes(32)  # CSRF tokens are valid for this server's life
+
+    @property
+    def required(self) -> bool:
+        return bool(self.viewer_token or self.operator_token)
+
+    def identify(self, token: str | None) -> Who | None:
+        """Who holds `token`; None when it is not one of ours. Both tokens are
+        always compared, in constant time."""
+        if not self.required:
+            return Who("operator", "local")
+        given = (token or "").encode()
+        operator = bool(self.operator_token) and hmac.compare_digest(given, self.operator_token.encode())
+        viewer = bool(self.viewer_token) and hmac.compare_digest(given, self.viewer_token.encode())
+        if operator:
+            return Who("operator", "operator")
+        if viewer:
+            return Who("viewer", "viewer")
+        return None
+
+    def csrf_token(self, token: str | None) -> str:
+        """The CSRF token of a session: bound to its credential and this server."""
+        return hmac.new(self._secret, (token or "local").encode(), "sha256").hexdigest()
+
+    def csrf_ok(self, token: str | None, given: str | None) -> bool:
+        return hmac.compare_digest(self.csrf_token(token).encode(), (given or "").encode())
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(bind: str) -> bool:
+    import ipaddress  # noqa: PLC0415
+
+    if bind in LOOPBACK_NAMES or bind.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def bind_problem(bind: str, viewer_token: str, operator_token: str,
+                 how: str = "set ui.viewer_token and/or ui.operator_token (e.g. ${EVERYSTEP_UI_OPERATOR_TOKEN})"
+                 ) -> str | None:
+    """Why the UI may not serve on `bind` with these tokens, or None."""
+    if is_loopback(bind) or viewer_token or operator_token:
+        return None
+    return f"bind {bind!r} is not a loopback address and no credentials are configured: {how}, or bind 127.0.0.1"
+
+
+# ---------------------------------------------------------------- values
+
+def plain(value: Any) -> Any:
+    """json.dumps default: ids and times as text."""
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, dt.datetime):
+        return value.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
+    raise TypeError(f"cannot send a {type(value).__name__} as JSON")
+
+
+def to_json(data: Any) -> str:
+    return json.dumps(data, default=plain, ensure_ascii=False, separators=(",", ":"))
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _value(text: Any, what: str) -> Any:
+    """A value typed by the operator in everystep's extended JSON."""
+    if not isinstance(text, str):
+        raise Problem(400, f"{what} must be JSON text")
+    try:
+        return serde.from_json(json.loads(text, parse_constant=_reject_constant))
+    except Exception as exc:  # bad JSON or a malformed tagged value: bad input either way
+        raise Problem(400, f"{what} is not a valid everystep JSON value: {first_line(exc)}") from None
+
+
+def _run_id(text: Any) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(text))
+    except ValueError:
+        raise Problem(400, f"{str(text)[:60]!r} is not a run id (a run id is a UUID)") from None
+
+
+def _time(text: str | None, what: str) -> dt.datetime | None:
+    if not text:
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise Problem(400, f"{what}: {text[:40]!r} is not an ISO time like 2026-01-02T03:04") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
+
+
+def run_filter(query: Mapping[str, str]) -> store.RunFilter:
+    """The list's filter from query parameters; a bad one is a 400."""
+    status = query.get("status") or None
+    if status is not None and status not in STATUSES:
+        raise Problem(400, f"status must be one of {', '.join(STATUSES)}, not {status[:30]!r}")
+    search = (query.get("q") or "").strip()
+    run_id = key = args = None
+    if search.startswith(("{", "[")):
+        try:
+            json.loads(search, parse_constant=_reject_constant)
+        except ValueError as exc:
+            raise Problem(400, f"args search must be JSON (containment, e.g. {{\"name\": \"vm-1\"}}): {exc}") \
+                from None
+        args = search
+    elif search:
+        try:
+            run_id = uuid.UUID(search)
+        except ValueError:
+            key = search  # neither JSON nor an id: an idempotency key
+    before = None
+    if query.get("before"):
+        at, _, last = query["before"].partition("|")
+        moment = _time(at, "before")
+        before = (moment, _run_id(last))
+    return store.RunFilter(status=status, workflow=query.get("workflow") or None,
+                           since=_time(query.get("since"), "since"), until=_time(query.get("until"), "until"),
+                           run_id=run_id, idempotency_key=key, args_contain=args, before=before)
+
+
+def _limit(query: Mapping[str, str]) -> int:
+    text = query.get("limit") or str(PAGE_SIZE)
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE_SIZE:
+        raise Problem(400, f"limit must be a whole number from 1 to {MAX_PAGE_SIZE}")
+    return int(text)
+
+
+def counts_shown(overview: dict) -> dict:
+    """Per status: {"n": number, "exact": bool}. Exact up to the cap, else the
+    planner's estimate (never below the cap), from statistics, not a scan."""
+    estimate = overview.get("estimate") or {}
+    freqs = dict(zip(estimate.get("values") or [], estimate.get("freqs") or []))
+    rows = estimate.get("rows") or 0
+    shown = {}
+    for status, n in (overview.get("counts") or {}).items():
+        if n <= store.UI_STATUS_CAP:
+            shown[status] = {"n": n, "exact": True}
+        else:
+            shown[status] = {"n": max(store.UI_STATUS_CAP + 1, math.floor(rows * freqs.get(status, 0))),
+                             "exact": False}
+    return shown
+
+
+# ---------------------------------------------------------------- the console
+
+class Console:
+    """The UI's reads and actions on one database (a small pool), and the
+    live hub that polls it for every open page."""
+
+    def __init__(self, database_url: str, credentials: Credentials | None = None, pool_size: int = 4,
+                 poll_interval: float = 1.0):
+        self.credentials = credentials or Credentials()
+        self.pool = ConnectionPool(
+            database_url, min_size=1, max_size=pool_size, open=True, name="everystep-ui",
+            kwargs=liveness.connection_kwargs("everystep ui"), configure=self._configure,
+        )
+        self.hub = Hub(self._overview, interval=poll_interval)
+
+    @staticmethod
+    def _configure(conn: psycopg.Connection) -> None:
+        store.set_statement_timeout(conn, STATEMENT_TIMEOUT_MS)
+
+    def close(self) -> None:
+        self.hub.close()
+        self.pool.close()
+
+    def _db(self):
+        return self.pool.connection(timeout=10)
+
+    # ------------------------------------------------------------ reads
+
+    def _overview(self) -> dict:
+        with self._db() as conn:
+            overview = store.ui_overview(conn, STATUSES, PAGE_SIZE)
+        overview["counts"] = counts_shown(overview)
+        overview.pop("estimate")
+        return overview
+
+    def overview(self) -> dict:
+        version, snapshot = self.hub.latest()
+        return {"version": version, **snapshot}
+
+    def runs(self, query: Mapping[str, str]) -> dict:
+        limit = _limit(query)
+        f = run_filter(query)
+        with self._db() as conn:
+            if f.args_contain is None or f.since is not None:
+                rows = store.ui_runs(conn, f, limit + 1)
+            else:
+                # No index serves args containment: look in the newest hour
+                # first, then wider, so a common match never scans the table.
+                now = store.database_now(conn)
+                for window in ARGS_SEARCH_WINDOWS:
+                    since = None if window is None else now - window
+                    rows = store.ui_runs(conn, f._replace(since=since), limit + 1)
+                    if len(rows) > limit:
+                        break
+        more = len(rows) > limit
+        rows = rows[:limit]
+        after = f"{plain(rows[-1]['created_at'])}|{rows[-1]['id']}" if more else None
+        return {"runs": rows, "next": after}
+
+    def run(self, run_id: str) -> dict:
+        run = _run_id(run_id)
+        with self._db() as conn:
+            found = store.ui_run(conn, run)
+        if found is None:
+            raise Problem(404, f"no run {run}")
+        blocked_on = [s["step_id"] for s in found["steps"] if s["status"] == "started"]
+        if found["status"] == "blocked" and blocked_on:
+            found["resolve"] = {
+                "step": blocked_on[0],
+                "cli": [f"everystep resolve-step {run} {blocked_on[0]} --result JSON",
+                        f"everystep resolve-step {run} {blocked_on[0]} --error MSG",
+                        f"everystep resolve-step {run} {blocked_on[0]} --discard"],
+            }
+        return found
+
+    def workflows(self) -> dict:
+        with self._db() as conn:
+            return {"workflows": store.ui_workflow_names(conn)}
+
+    def schedules(self) -> dict:
+        with self._db() as conn:
+            try:
+                return {"schedules": store.load_schedules(conn)}
+            except psycopg.errors.UndefinedTable:
+                return {"schedules": []}
+
+    def workers(self) -> dict:
+        with self._db() as conn:
+            return {"workers": store.ui_workers(conn)}
+
+    def failures(self, query: Mapping[str, str]) -> dict:
+        window = query.get("window") or "hour"
+        if window not in FAILURE_WINDOWS:
+            raise Problem(400, f"window must be one of {', '.join(FAILURE_WINDOWS)}")
+        with self._db() as conn:
+            return {"window": window, "groups": store.ui_failures(conn, FAILURE_WINDOWS[window])}
+
+    def audit(self, query: Mapping[str, str]) -> dict:
+        before = query.get("before")
+        if before is not None and not before.isdigit():
+            raise Problem(400, "before must be an audit record id")
+        with self._db() as conn:
+            return {"records": store.audit_records(conn, limit=_limit(query), before=int(before) if before else None)}
+
+    # ------------------------------------------------------------ actions
+
+    def act(self, who: Who, action: str, body: Any) -> dict:
+        """Run an action for `who`; its audit record is written in the same
+        transaction as the change it describes."""
+        if not who.can_act:
+            raise Problem(403, "viewers cannot act: an operator token is needed")
+        handler = _ACTIONS.get(action)
+        if handler is None:
+            raise Problem(404, f"no action {action[:40]!r}")
+        if not isinstance(body, dict):
+            raise Problem(400, "the request body must be a JSON object")
+        with self._db() as conn:
+            return handler(self, conn, who, body)
+
+    def _resolve(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
+        run, step, outcome = _run_id(body.get("run")), body.get("step"), body.get("outcome")
+        if not isinstance(step, str) or not step:
+            raise Problem(400, "step must be a step id")
+        if outcome == "result":
+            how = {"result": _value(body.get("value"), "result")}
+        elif outcome == "error":
+            message = body.get("value")
+            if not isinstance(message, str) or not message:
+                raise Problem(400, "error must be a message")
+            how = {"error": message}
+        elif outcome == "discard":
+            how = {"discard": True}
+        else:
+            raise Problem(400, "outcome must be result, error or discard")
+        try:
+            with conn.transaction():
+                api.resolve_step(conn, run, step, **how)
+                store.audit(conn, who.name, "ui", "resolve-step", run=run, step_id=step,
+                            details={"outcome": outcome, "value": body.get("value")})
+        except EverystepError as refused:
+            raise Problem(409, str(refused)) from None
+        return {"message": f"step {step} of run {run} resolved ({outcome}); the run is scheduled again"}
+
+    def _target_runs(self, conn: psycopg.Connection, body: dict) -> list[uuid.UUID]:
+        """The runs an action applies to: a list of ids, or every run matching a filter."""
+        if "filter" in body:
+            if not isinstance(body["filter"], dict):
+                raise Problem(400, "filter must be an object of list parameters")
+            f = run_filter({k: str(v) for k, v in body["filter"].items() if v is not None}
+                           )._replace(before=None)
+            return [row["id"] for row in store.ui_runs(conn, f, BULK_LIMIT)]
+        runs = body.get("runs")
+        if not isinstance(runs, list) or not runs or len(runs) > BULK_LIMIT:
+            raise Problem(400, f"runs must be a list of 1 to {BULK_LIMIT} run ids")
+        return list(dict.fromkeys(_run_id(r) for r in runs))
+
+    def _requeue(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
+        """Requeue each run whose claimer is dead (its lock is free); report the others."""
+        requeued, refused = [], []
+        for run in self._target_runs(conn, body):
+            found = store.load_run(conn, run)
+            if found is None or found["status"] != "running":
+                refused.append(f"{run}: {'no such run' if found is None else found['status']}, not running")
+                continue
+            claimer = found["claimed_by"]
+            if claimer is not None and not store.try_lock(conn, claimer):
+                refused.append(f"{run}: its claimer {claimer} holds its lock (alive)")
+                continue
+            try:
+                with conn.transaction():
+                    if store.requeue_from_dead_claimers(conn, [(run, claimer)]):
+                        store.audit(conn, who.name, "ui", "requeue", run=run, details={"claimer": claimer})
+                        requeued.append(run)
+                    else:
+                        refused.append(f"{run}: changed meanwhile")
+            finally:
+                if claimer is not None:
+                    store.unlock(conn, claimer)
+        return {"message": f"requeued {len(requeued)} run(s)" + (f"; refused {len(refused)}" if refused else ""),
+                "done": requeued, "refused": refused}
+
+    def _reschedule(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
+        created = []
+        for run in self._target_runs(conn, body):
+            with conn.transaction():
+                new = store.ui_reschedule(conn, run, uuid7())
+                if new is not None:
+                    store.audit(conn, who.name, "ui", "schedule-again", run=new, details={"from_run": str(run)})
+                    created.append(new)
+        return {"message": f"scheduled {len(created)} new run(s) with the same args", "done": created}
+
+    def _schedule_action(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
+        key, verb = body.get("key"), body.get("verb")
+        if not isinstance(key, str) or verb not in ("pause", "resume", "fire"):
+            raise Problem(400, "key must be a schedule key and verb one of pause, resume, fire")
+        try:
+            if verb == "fire":
+                run = store.fire_schedule_now(conn, key, uuid7())
+                store.audit(conn, who.name, "ui", "schedule-fire", run=run, target=key)
+                return {"message": f"schedule {key} fired: run {run}", "done": [run]}
+            store.ui_set_schedule_paused(conn, key, verb == "pause", lambda row: scheduler.next_fire_time(
+                row["cron"], row["timezone"], row["database_now"]))
+        except store.ScheduleRefused as refused:
+            raise Problem(409, str(refused)) from None
+        store.audit(conn, who.name, "ui", f"schedule-{verb}", target=key)
+        return {"message": f"schedule {key} {verb}d"}
+
+
+_ACTIONS = {
+    "resolve": Console._resolve,
+    "requeue": Console._requeue,
+    "reschedule": Console._reschedule,
+    "schedule": Console._schedule_action,
+}

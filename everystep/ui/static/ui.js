@@ -1,0 +1,636 @@
+// everystep operators' UI: plain JavaScript, no dependencies.
+"use strict";
+
+const meta = (name) => document.querySelector(`meta[name="everystep-${name}"]`).content;
+const BASE = meta("base");
+const ROLE = meta("role");
+const CSRF = { [meta("csrf-header")]: meta("csrf-token") };
+const STATUSES = ["scheduled", "running", "blocked", "completed", "failed", "stopped"];
+const main = document.getElementById("main");
+
+// ------------------------------------------------------------------ helpers
+
+function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else if (k === "class") el.className = v;
+    else el.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children.flat(Infinity)) {
+    if (c === null || c === undefined || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+// replaceChildren, skipping null/false and flattening arrays as h() does.
+function fill(el, ...children) {
+  el.replaceChildren(...children.flat(Infinity).filter((c) => c !== null && c !== undefined && c !== false));
+}
+
+async function getJSON(path) {
+  const res = await fetch(BASE + path, { credentials: "same-origin", headers: { Accept: "application/json" } });
+  const body = await res.json().catch(() => ({ error: res.statusText }));
+  if (!res.ok) throw new Error(body.error || res.statusText);
+  return body;
+}
+
+async function act(action, body) {
+  const res = await fetch(`${BASE}/api/actions/${action}`, {
+    method: "POST", credentials: "same-origin",
+    headers: { "Content-Type": "application/json", ...CSRF }, body: JSON.stringify(body),
+  });
+  const answer = await res.json().catch(() => ({ error: res.statusText }));
+  if (!res.ok) throw new Error(answer.error || res.statusText);
+  return answer;
+}
+
+function flash(text, bad = false) {
+  const el = document.getElementById("flash");
+  el.textContent = text;
+  el.className = bad ? "bad" : "good";
+  el.hidden = false;
+  clearTimeout(flash.timer);
+  flash.timer = setTimeout(() => { el.hidden = true; }, 8000);
+}
+
+async function confirmed(question, action, body) {
+  if (!window.confirm(question)) return null;
+  try {
+    const answer = await act(action, body);
+    flash(answer.message + (answer.refused && answer.refused.length ? ": " + answer.refused.join("; ") : ""));
+    refresh();
+    return answer;
+  } catch (err) {
+    flash(err.message, true);
+    return null;
+  }
+}
+
+const when = (t) => (t ? new Date(t).toISOString().replace("T", " ").replace(/\.\d+Z$/, "Z") : "-");
+const whenMs = (t) => (t ? new Date(t).toISOString().replace("T", " ") : "-");
+const badge = (status) => h("span", { class: `status ${status}` }, status);
+const runLink = (id, text) => h("a", { href: `#run/${id}`, class: "mono" }, text || id);
+
+// everystep's extended JSON, shown readably: {"$es": "date", "v": ...} -> date 2026-01-02
+function readable(v, indent = "") {
+  if (v === null || typeof v !== "object") return JSON.stringify(v);
+  const inner = indent + "  ";
+  if (!Array.isArray(v) && typeof v.$es === "string") {
+    const t = v.$es;
+    if (t === "datetime" || t === "date" || t === "time" || t === "uuid") return `${t}(${v.v})`;
+    if (t === "decimal") return `Decimal(${v.v})`;
+    if (t === "timedelta") return `timedelta(days=${v.v[0]}, seconds=${v.v[1]}, microseconds=${v.v[2]})`;
+    if (t === "bytes") return `bytes[${Math.floor((v.v.length * 3) / 4)}](${v.v.length > 60 ? v.v.slice(0, 60) + "…" : v.v})`;
+    if (t === "enum") return `${v.cls}(${readable(v.v, indent)})`;
+    if (t === "tuple") return "(" + v.v.map((x) => readable(x, indent)).join(", ") + (v.v.length === 1 ? ",)" : ")");
+    if (t === "dict") return readable(v.v, indent);
+  }
+  if (Array.isArray(v)) {
+    if (!v.length) return "[]";
+    return "[\n" + v.map((x) => inner + readable(x, inner)).join(",\n") + "\n" + indent + "]";
+  }
+  const keys = Object.keys(v);
+  if (!keys.length) return "{}";
+  return "{\n" + keys.map((k) => `${inner}${JSON.stringify(k)}: ${readable(v[k], inner)}`).join(",\n") + "\n" + indent + "}";
+}
+
+function describeError(e) {
+  if (!e || typeof e !== "object" || !e.type) return readable(e);
+  return `${e.type}: ${e.message || ""}` + (e.args && e.args.length && !(e.args.length === 1 && e.args[0] === e.message)
+    ? `\nargs: ${readable(e.args)}` : "");
+}
+
+// ------------------------------------------------------------------ live updates
+
+const live = { version: -1, snapshot: null, changes: null, mode: "connecting", source: null, failures: 0 };
+
+function setIndicator(mode) {
+  live.mode = mode;
+  const el = document.getElementById("indicator");
+  el.className = `indicator ${mode}`;
+  el.textContent = mode;
+  el.dataset.mode = mode;
+}
+
+function receive(snapshot) {
+  if (snapshot.database === "down") {
+    setIndicator("disconnected");
+    return;
+  }
+  const changed = live.changes !== null && live.changes !== snapshot.changes;
+  live.snapshot = snapshot;
+  live.version = snapshot.version;
+  live.changes = snapshot.changes;
+  onSnapshot(snapshot, changed);
+}
+
+function connect() {
+  if (!window.EventSource) return poll();
+  const source = new EventSource(`${BASE}/api/events`);
+  live.source = source;
+  source.addEventListener("overview", (ev) => {
+    live.failures = 0;
+    setIndicator("live");
+    receive(JSON.parse(ev.data));
+  });
+  source.onerror = () => {
+    live.failures += 1;
+    if (live.failures >= 3) {  // the stream does not get through (a proxy, say): poll instead
+      source.close();
+      live.source = null;
+      poll();
+    } else setIndicator("disconnected");
+  };
+}
+
+async function poll() {
+  try {
+    receive(await getJSON("/api/overview"));
+    if (live.mode !== "disconnected" || live.snapshot) setIndicator("polling");
+  } catch (err) {
+    setIndicator("disconnected");
+  }
+  setTimeout(poll, 2000);
+}
+
+// A filtered list or a run's page asks again only when the database changed,
+// at most every 2 s.
+let refetchTimer = null;
+function refetchSoon() {
+  if (refetchTimer) return;
+  refetchTimer = setTimeout(() => { refetchTimer = null; refresh(true); }, 2000);
+}
+
+// ------------------------------------------------------------------ routing
+
+let current = { view: "runs" };
+let onSnapshot = () => {};
+
+function route() {
+  const hash = decodeURIComponent(location.hash.slice(1));
+  const path = location.pathname.slice(BASE.length);
+  let m;
+  if ((m = hash.match(/^run\/(.+)$/))) current = { view: "run", id: m[1] };
+  else if (!hash && (m = path.match(/^\/runs\/(.+)$/))) current = { view: "run", id: m[1] };
+  else if (["schedules", "workers", "failures", "audit"].includes(hash)) current = { view: hash };
+  else current = { view: "runs" };
+  document.querySelectorAll("nav a").forEach((a) => a.classList.toggle("active", a.dataset.view === current.view));
+  onSnapshot = () => {};
+  refresh();
+}
+
+function refresh(quiet = false) {
+  const views = { runs: showRuns, run: showRun, schedules: showSchedules, workers: showWorkers, failures: showFailures, audit: showAudit };
+  views[current.view](quiet).catch((err) => { if (!quiet) fill(main, h("p", { class: "error" }, err.message)); });
+}
+
+window.addEventListener("hashchange", route);
+document.getElementById("open-run").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const id = ev.target.id.value.trim();
+  if (id) location.hash = `run/${id}`;
+});
+
+// ------------------------------------------------------------------ runs
+
+const filters = { status: "", workflow: "", since: "", until: "", q: "" };
+let listState = { runs: [], next: null, selected: new Set(), pages: 1 };
+
+function filterQuery() {
+  const p = new URLSearchParams();
+  for (const [k, v] of Object.entries(filters)) if (v) p.set(k, k === "since" || k === "until" ? new Date(v).toISOString() : v);
+  return p;
+}
+const unfiltered = () => !Object.values(filters).some(Boolean);
+
+async function showRuns(quiet) {
+  if (!quiet || !document.getElementById("runs-table")) await buildRunsPage();
+  if (unfiltered() && live.snapshot && listState.pages <= 1) {
+    listState.runs = live.snapshot.runs;
+    listState.next = live.snapshot.runs.length >= 50 ? cursorOf(live.snapshot.runs) : null;
+  } else {
+    const answer = await getJSON(`/api/runs?${filterQuery()}`);
+    listState.runs = answer.runs;
+    listState.next = answer.next;
+  }
+  listState.pages = 1;
+  renderRows();
+  onSnapshot = (snapshot, changed) => {
+    renderCounts(snapshot);
+    if (unfiltered() && listState.pages <= 1) {
+      listState.runs = snapshot.runs;
+      listState.next = snapshot.runs.length >= 50 ? cursorOf(snapshot.runs) : null;
+      renderRows();
+    } else if (changed) refetchSoon();
+  };
+  if (live.snapshot) renderCounts(live.snapshot);
+}
+
+const cursorOf = (runs) => `${runs[runs.length - 1].created_at}|${runs[runs.length - 1].id}`;
+
+async function buildRunsPage() {
+  const names = await getJSON("/api/workflows").catch(() => ({ workflows: [] }));
+  const input = (name, attrs) => h("input", { name, value: filters[name], ...attrs });
+  const form = h("form", { id: "filters", class: "filters", onsubmit: (ev) => {
+    ev.preventDefault();
+    for (const k of Object.keys(filters)) filters[k] = ev.target[k].value.trim();
+    listState.selected.clear();
+    refresh();
+  } },
+    h("select", { name: "status", "aria-label": "status" }, h("option", { value: "" }, "any status"),
+      STATUSES.map((s) => h("option", { value: s, selected: filters.status === s }, s))),
+    h("select", { name: "workflow", "aria-label": "workflow" }, h("option", { value: "" }, "any workflow"),
+      names.workflows.map((n) => h("option", { value: n, selected: filters.workflow === n }, n))),
+    h("label", {}, "from ", input("since", { type: "datetime-local" })),
+    h("label", {}, "to ", input("until", { type: "datetime-local" })),
+    input("q", { type: "search", size: 40, placeholder: "run id, idempotency key, or args JSON {\"k\": 1}", "aria-label": "search" }),
+    h("button", {}, "Filter"),
+    h("button", { type: "button", onclick: () => { Object.keys(filters).forEach((k) => { filters[k] = ""; }); refresh(); } }, "Clear"));
+  const bulk = ROLE === "operator" ? h("div", { class: "bulk" },
+    h("span", { id: "selection" }, ""),
+    h("button", { onclick: () => bulkAct("requeue", "Requeue the selected runs whose claimer is dead?", false) }, "Requeue selected"),
+    h("button", { onclick: () => bulkAct("reschedule", "Schedule the selected runs again with the same args?", false) }, "Schedule selected again"),
+    h("button", { onclick: () => bulkAct("requeue", "Requeue EVERY run matching the filter whose claimer is dead?", true) }, "Requeue all matching"),
+    h("button", { onclick: () => bulkAct("reschedule", "Schedule EVERY run matching the filter again?", true) }, "Schedule all matching again"),
+  ) : null;
+  fill(main, 
+    h("section", { id: "counts", class: "counts" }),
+    h("section", { id: "runners", class: "runners" }),
+    form, bulk,
+    h("table", { id: "runs-table" }, h("thead", {}, h("tr", {},
+      h("th", {}, ROLE === "operator" ? h("input", { type: "checkbox", "aria-label": "select all", onchange: (ev) => {
+        listState.selected = new Set(ev.target.checked ? listState.runs.map((r) => r.id) : []);
+        renderRows();
+      } }) : ""),
+      ["run", "workflow", "status", "runner", "steps", "progress", "scheduled", "finished"].map((t) => h("th", {}, t)))),
+    h("tbody", { id: "runs" })),
+    h("p", {}, h("button", { id: "more", onclick: loadMore }, "Older runs")),
+  );
+}
+
+async function bulkAct(action, question, everything) {
+  let body;
+  if (everything) {
+    const f = Object.fromEntries(filterQuery());
+    if (!Object.keys(f).length && !window.confirm("No filter is set: this applies to every run. Continue?")) return;
+    body = { filter: f };
+  } else {
+    if (!listState.selected.size) return flash("select runs first", true);
+    body = { runs: [...listState.selected] };
+  }
+  if (await confirmed(question, action, body)) listState.selected.clear();
+}
+
+async function loadMore() {
+  if (!listState.next) return;
+  const p = filterQuery();
+  p.set("before", listState.next);
+  const answer = await getJSON(`/api/runs?${p}`);
+  listState.runs = listState.runs.concat(answer.runs);
+  listState.next = answer.next;
+  listState.pages = (listState.pages || 1) + 1;
+  renderRows();
+}
+
+function renderRows() {
+  const body = document.getElementById("runs");
+  if (!body) return;
+  body.replaceChildren(...listState.runs.map((r) => {
+    const total = r.steps_total || 0;
+    const pct = r.status === "completed" ? 100 : total ? Math.round((100 * r.steps_done) / total) : 0;
+    return h("tr", { "data-run": r.id, "data-status": r.status },
+      h("td", {}, ROLE === "operator" ? h("input", { type: "checkbox", checked: listState.selected.has(r.id), "aria-label": "select",
+        onchange: (ev) => { ev.target.checked ? listState.selected.add(r.id) : listState.selected.delete(r.id); renderSelection(); } }) : ""),
+      h("td", {}, runLink(r.id, r.id.slice(0, 8) + "…" + r.id.slice(-4))),
+      h("td", { class: "mono" }, r.name), h("td", {}, badge(r.status)),
+      h("td", { class: "mono" }, r.claimed_by || "-"),
+      h("td", {}, `${r.steps_done || 0} / ${total}`),
+      h("td", {}, h("progress", { max: 100, value: pct, class: r.status }, `${pct}%`)),
+      h("td", {}, when(r.created_at)), h("td", {}, when(r.completed_at)));
+  }));
+  if (!listState.runs.length) body.append(h("tr", {}, h("td", { colspan: 9, class: "empty" }, "no runs match")));
+  document.getElementById("more").hidden = !listState.next;
+  renderSelection();
+}
+
+function renderSelection() {
+  const el = document.getElementById("selection");
+  if (el) el.textContent = listState.selected.size ? `${listState.selected.size} selected` : "";
+}
+
+function renderCounts(snapshot) {
+  const counts = document.getElementById("counts");
+  if (counts && snapshot.counts) {
+    counts.replaceChildren(...STATUSES.map((s) => {
+      const c = snapshot.counts[s] || { n: 0, exact: true };
+      return h("a", { href: "#", class: `count ${s}${filters.status === s ? " active" : ""}`, "data-status": s,
+        title: c.exact ? "exact" : "estimate from the planner's statistics",
+        onclick: (ev) => { ev.preventDefault(); filters.status = filters.status === s ? "" : s; refresh(); } },
+        h("b", {}, (c.exact ? "" : "≈") + c.n.toLocaleString("en")), " ", s);
+    }));
+  }
+  const runners = document.getElementById("runners");
+  if (runners && snapshot.runners) {
+    const names = Object.keys(snapshot.runners).sort();
+    fill(runners, h("b", {}, "in flight: "),
+      names.length ? names.map((n) => h("span", { class: "runner mono" }, `${n} (${snapshot.runners[n]})`)) : "no runner has work in flight");
+  }
+}
+
+// ------------------------------------------------------------------ a run
+
+async function showRun(quiet) {
+  const run = await getJSON(`/api/runs/${encodeURIComponent(current.id)}`);
+  const field = (label, value) => [h("dt", {}, label), h("dd", {}, value)];
+  const graph = h("div", { class: "graph", id: "graph" });
+  const detail = h("div", { id: "step-detail", class: "step-detail" }, h("p", { class: "muted" }, "click a step to see its args, result or error"));
+  const actions = ROLE === "operator" ? h("p", { class: "actions" },
+    run.status === "running" ? h("button", { onclick: () => confirmed(`Requeue run ${run.id}? Only done if its claimer is dead.`, "requeue", { runs: [run.id] }) }, "Requeue (claimer dead)") : null,
+    h("button", { onclick: async () => {
+      const answer = await confirmed(`Schedule a new run of ${run.name} with the same args?`, "reschedule", { runs: [run.id] });
+      if (answer && answer.done.length) location.hash = `run/${answer.done[0]}`;
+    } }, "Schedule again")) : null;
+  const page = h("article", { class: "run", "data-status": run.status },
+    h("h2", {}, "run ", h("span", { class: "mono" }, run.id), " ", badge(run.status)),
+    run.resolve ? resolvePanel(run) : null,
+    actions,
+    h("dl", {}, field("workflow", h("span", { class: "mono" }, run.name)), field("claimed by", run.claimed_by || "-"),
+      field("idempotency key", run.idempotency_key || "-"), field("scheduled", when(run.created_at)),
+      field("finished", when(run.completed_at)), run.crashes ? field("crashes", run.crashes) : null),
+    h("h3", {}, "args"), h("pre", { class: "value" }, readable(run.args)),
+    run.status === "completed" ? [h("h3", {}, "result"), h("pre", { class: "value", id: "run-result" }, readable(run.result))] : null,
+    run.error ? [h("h3", {}, "error"), h("pre", { class: "value error", id: "run-error" }, describeError(run.error))] : null,
+    h("h3", {}, `steps (${run.steps.length})`),
+    h("div", { class: "graph-tools" },
+      h("button", { onclick: () => zoom(1.25) }, "+"), h("button", { onclick: () => zoom(0.8) }, "−"),
+      h("button", { onclick: fit }, "fit")),
+    h("div", { class: "graph-and-detail" }, graph, detail),
+    h("h3", {}, "timeline"), timeline(run),
+    run.audit.length ? [h("h3", {}, "audit"), auditTable(run.audit)] : null,
+  );
+  if (quiet && !document.querySelector("article.run")) return;
+  const oldView = graphView;
+  fill(main, page);
+  drawGraph(graph, run, detail);
+  if (quiet && oldView) setView(oldView);
+  onSnapshot = (snapshot, changed) => { if (changed && !["completed", "failed", "stopped"].includes(run.status)) refetchSoon(); };
+}
+
+function resolvePanel(run) {
+  const step = run.resolve.step;
+  const box = h("section", { class: "resolve", id: "resolve" },
+    h("h3", {}, `blocked on step ${step}`),
+    h("p", {}, "The step is unsafe to repeat and was started without a recorded outcome. Find out whether its effect happened, then say so:"),
+    h("ul", {},
+      h("li", {}, h("b", {}, "it happened"), ": record its result (JSON) — ", h("code", {}, run.resolve.cli[0])),
+      h("li", {}, h("b", {}, "it happened and failed"), ": record an error message — ", h("code", {}, run.resolve.cli[1])),
+      h("li", {}, h("b", {}, "it did not happen"), ": discard the started mark; the step runs again — ", h("code", {}, run.resolve.cli[2]))));
+  if (ROLE === "operator") {
+    const form = h("form", { id: "resolve-form", onsubmit: async (ev) => {
+      ev.preventDefault();
+      const outcome = ev.target.outcome.value;
+      const value = ev.target.value.value;
+      const what = outcome === "discard" ? "discard its started mark (the step runs again)" : `record ${outcome} ${value}`;
+      await confirmed(`Resolve step ${step} of run ${run.id}: ${what}?`, "resolve", { run: run.id, step, outcome, value });
+    } },
+      ["result", "error", "discard"].map((o) => h("label", {}, h("input", { type: "radio", name: "outcome", value: o, checked: o === "result" }), ` ${o} `)),
+      h("input", { name: "value", placeholder: "result JSON, or error message", size: 40, "aria-label": "value" }),
+      h("button", {}, "Resolve"));
+    box.append(form);
+  }
+  return box;
+}
+
+// --- the step graph: ids are dotpaths; "3.1.2" is step 2 of branch 1 of fork 3.
+
+function stepTree(steps) {
+  const root = { items: new Map() };
+  for (const s of steps) {
+    const parts = s.step_id.split(".");
+    let scope = root;
+    for (let i = 0; i + 2 < parts.length; i += 2) {
+      let fork = scope.items.get(parts[i]);
+      if (!fork || fork.kind !== "fork") { fork = { kind: "fork", id: parts.slice(0, i + 1).join("."), branches: new Map() }; scope.items.set(parts[i], fork); }
+      let branch = fork.branches.get(parts[i + 1]);
+      if (!branch) { branch = { items: new Map() }; fork.branches.set(parts[i + 1], branch); }
+      scope = branch;
+    }
+    scope.items.set(parts[parts.length - 1], { kind: "step", step: s });
+  }
+  return root;
+}
+
+function orderScope(scope, prefix) {
+  // Positional ids in number order, the numbers never recorded shown as not
+  // reached. A named step takes a number too, so with names in the scope the
+  // order is that of first appearance and gaps are not inferred.
+  const keys = [...scope.items.keys()];
+  if (keys.some((k) => !/^\d+$/.test(k))) return [...scope.items.values()];
+  const max = Math.max(0, ...keys.map(Number));
+  const items = [];
+  for (let n = 1; n <= max; n++) items.push(scope.items.get(String(n)) || { kind: "missing", id: prefix + n });
+  return items;
+}
+
+const NODE_W = 150, NODE_H = 34, GAP_X = 40, GAP_Y = 14, FORK_W = 16;
+
+function layoutScope(scope, prefix) {
+  const items = orderScope(scope, prefix).map((it) => (it.kind === "fork" ? layoutFork(it) : { ...it, w: NODE_W, h: NODE_H }));
+  return { kind: "seq", items, w: items.reduce((a, it) => a + it.w, 0) + GAP_X * Math.max(items.length - 1, 0), h: Math.max(NODE_H, ...items.map((it) => it.h)) };
+}
+
+function layoutFork(fork) {
+  const branches = [...fork.branches.entries()].sort((a, b) => Number(a[0]) - Number(b[0]))
+    .map(([index, scope]) => ({ index, ...layoutScope(scope, `${fork.id}.${index}.`) }));
+  const inner = Math.max(NODE_W, ...branches.map((b) => b.w));
+  return { ...fork, branches, w: FORK_W + GAP_X + inner + GAP_X + FORK_W,
+    h: branches.reduce((a, b) => a + b.h, 0) + GAP_Y * Math.max(branches.length - 1, 0) };
+}
+
+function nodeState(item, run) {
+  if (item.kind === "missing") return "unreached";
+  const s = item.step.status;
+  if (s === "started") return run.status === "running" ? "inflight" : "uncertain";
+  return s;  // done, failed
+}
+
+let graphView = null;
+let graphSvg = null;
+const SVGNS = "http://www.w3.org/2000/svg";
+const svg = (tag, attrs) => { const el = document.createElementNS(SVGNS, tag); for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v); return el; };
+
+function drawGraph(container, run, detail) {
+  const tree = layoutScope(stepTree(run.steps), "");
+  const width = tree.w + 2 * NODE_H + 40, height = tree.h + 40;
+  const root = svg("svg", { width: "100%", height: Math.min(Math.max(height, 120), 520), role: "img", "aria-label": "step graph" });
+  const g = svg("g", {});
+  root.append(g);
+  const start = svg("circle", { cx: 20, cy: 20 + tree.h / 2, r: 8, class: "terminal" });
+  g.append(start);
+  const out = placeSeq(g, tree, 40 + GAP_X / 2, 20, [[28, 20 + tree.h / 2]], run, detail);
+  const endX = 40 + GAP_X / 2 + tree.w + GAP_X;
+  for (const [x, y] of out) g.append(svg("line", { x1: x, y1: y, x2: endX - 8, y2: 20 + tree.h / 2, class: "edge" }));
+  g.append(svg("circle", { cx: endX, cy: 20 + tree.h / 2, r: 8, class: `terminal end ${run.status}` }));
+  container.replaceChildren(root);
+  graphSvg = root;
+  graphView = { x: 0, y: 0, w: endX + 20, h: height };
+  setView(graphView);
+  let drag = null;
+  root.addEventListener("pointerdown", (ev) => { drag = { x: ev.clientX, y: ev.clientY, v: { ...graphView } }; });
+  root.addEventListener("pointermove", (ev) => {
+    if (!drag) return;
+    const scale = graphView.w / root.clientWidth;
+    setView({ ...drag.v, x: drag.v.x - (ev.clientX - drag.x) * scale, y: drag.v.y - (ev.clientY - drag.y) * scale });
+  });
+  root.addEventListener("pointerup", () => { drag = null; });
+  root.addEventListener("wheel", (ev) => { ev.preventDefault(); zoom(ev.deltaY < 0 ? 1.1 : 0.9); }, { passive: false });
+}
+
+function setView(v) { graphView = v; if (graphSvg) graphSvg.setAttribute("viewBox", `${v.x} ${v.y} ${v.w} ${v.h}`); }
+function zoom(f) { if (graphView) setView({ x: graphView.x + (graphView.w * (1 - 1 / f)) / 2, y: graphView.y + (graphView.h * (1 - 1 / f)) / 2, w: graphView.w / f, h: graphView.h / f }); }
+function fit() { if (graphSvg) { const b = graphSvg.querySelector("g").getBBox(); setView({ x: b.x - 10, y: b.y - 10, w: b.width + 20, h: b.height + 20 }); } }
+
+// Places a sequence at (x, y); `from` are the points its first item is entered from; returns its exit points.
+function placeSeq(g, seq, x, y, from, run, detail) {
+  let points = from;
+  for (const it of seq.items) {
+    const top = y + (seq.h - it.h) / 2;
+    if (it.kind === "fork") points = placeFork(g, it, x, top, points, run, detail);
+    else {
+      const cy = top + NODE_H / 2;
+      for (const [px, py] of points) g.append(svg("line", { x1: px, y1: py, x2: x, y2: cy, class: "edge" }));
+      const state = nodeState(it, run);
+      const id = it.kind === "missing" ? it.id : it.step.step_id;
+      const node = svg("g", { class: `node ${state}`, "data-step": id, "data-state": state, tabindex: 0 });
+      node.append(svg("rect", { x, y: top, width: NODE_W, height: NODE_H, rx: 6 }));
+      const label = svg("text", { x: x + 8, y: top + 14 });
+      label.textContent = id;
+      const sub = svg("text", { x: x + 8, y: top + 28, class: "sub" });
+      sub.textContent = it.kind === "missing" ? "not reached" : it.step.name.split(".").pop() + ` · ${state}`;
+      const title = svg("title", {});
+      title.textContent = it.kind === "missing" ? `${id}: not reached` : `${id} ${it.step.name}: ${state}`;
+      node.append(title, label, sub);
+      if (it.kind === "step") node.addEventListener("click", () => showStep(detail, it.step, state));
+      g.append(node);
+      points = [[x + NODE_W, cy]];
+    }
+    x += it.w + GAP_X;
+  }
+  return points;
+}
+
+function placeFork(g, fork, x, y, from, run, detail) {
+  const cy = y + fork.h / 2;
+  for (const [px, py] of from) g.append(svg("line", { x1: px, y1: py, x2: x, y2: cy, class: "edge" }));
+  const diamond = (cx) => svg("polygon", { points: `${cx - 8},${cy} ${cx},${cy - 8} ${cx + 8},${cy} ${cx},${cy + 8}`, class: "fork" });
+  const split = diamond(x + FORK_W / 2);
+  const tip = svg("title", {});
+  tip.textContent = `parallel ${fork.id}`;
+  split.append(tip);
+  g.append(split);
+  let top = y;
+  const ends = [];
+  const innerX = x + FORK_W + GAP_X;
+  for (const b of fork.branches) {
+    ends.push(...placeSeq(g, b, innerX, top, [[x + FORK_W, cy]], run, detail));
+    top += b.h + GAP_Y;
+  }
+  const joinX = x + fork.w - FORK_W;
+  const innerEnd = joinX - GAP_X / 2;  // a shorter branch runs straight on to here, then joins
+  for (const [px, py] of ends) {
+    if (px < innerEnd) g.append(svg("line", { x1: px, y1: py, x2: innerEnd, y2: py, class: "edge" }));
+    g.append(svg("line", { x1: Math.max(px, innerEnd), y1: py, x2: joinX, y2: cy, class: "edge" }));
+  }
+  g.append(diamond(joinX + FORK_W / 2));
+  return [[x + fork.w, cy]];
+}
+
+function showStep(detail, step, state) {
+  fill(detail, 
+    h("h4", {}, h("span", { class: "mono" }, step.step_id), " ", badge(state)),
+    h("p", { class: "mono" }, step.name),
+    step.started_at ? h("p", {}, `started ${whenMs(step.started_at)}, finished ${whenMs(step.finished_at)}`) : null,
+    h("h5", {}, "args"), h("pre", { class: "value" }, readable(step.args)),
+    step.kwargs && Object.keys(step.kwargs).length ? [h("h5", {}, "kwargs"), h("pre", { class: "value" }, readable(step.kwargs))] : null,
+    step.status === "done" ? [h("h5", {}, "result"), h("pre", { class: "value", id: "step-result" }, readable(step.result))] : null,
+    step.error ? [h("h5", {}, "error"), h("pre", { class: "value error" }, describeError(step.error))] : null,
+    step.status === "started" ? h("p", {}, "started; outcome not recorded") : null);
+}
+
+function timeline(run) {
+  const timed = run.steps.filter((s) => s.started_at);
+  if (!timed.length) return h("p", { class: "muted", id: "timeline" }, "no step timing recorded for this run");
+  const t0 = Math.min(...timed.map((s) => Date.parse(s.started_at)));
+  const t1 = Math.max(...timed.map((s) => Date.parse(s.finished_at || s.started_at)), t0 + 1);
+  const span = t1 - t0;
+  return h("div", { class: "timeline", id: "timeline" }, timed.map((s) => {
+    const a = Date.parse(s.started_at), b = s.finished_at ? Date.parse(s.finished_at) : a;
+    return h("div", { class: "lane", "data-step": s.step_id },
+      h("span", { class: "mono label" }, s.step_id),
+      h("span", { class: "track" }, h("span", { class: `bar ${s.status}`, title: `${s.step_id}: ${b - a} ms`,
+        style: `left:${(100 * (a - t0)) / span}%;width:${Math.max((100 * (b - a)) / span, 0.5)}%` })),
+      h("span", { class: "ms" }, s.finished_at ? (b - a >= 1 ? `${b - a} ms` : "<1 ms") : "…"));
+  }), h("p", { class: "muted" }, `${span} ms from the first step's start to the last step's end`));
+}
+
+// ------------------------------------------------------------------ other pages
+
+async function showSchedules() {
+  const { schedules } = await getJSON("/api/schedules");
+  const verb = (s, v, q) => h("button", { onclick: () => confirmed(q, "schedule", { key: s.key, verb: v }) }, v);
+  fill(main, h("h2", {}, "Schedules"), schedules.length ? h("table", { id: "schedules" },
+    h("thead", {}, h("tr", {}, ["key", "workflow", "cron", "state", "next fire", "last fire", "last run", "last error", ""].map((t) => h("th", {}, t)))),
+    h("tbody", {}, schedules.map((s) => {
+      const state = s.retired_at ? "retired" : s.paused ? "paused" : "active";
+      return h("tr", { "data-key": s.key },
+        h("td", { class: "mono" }, s.key), h("td", { class: "mono" }, s.workflow), h("td", { class: "mono" }, `${s.cron} (${s.timezone})`),
+        h("td", {}, badge(state)), h("td", {}, state === "active" ? when(s.next_fire_at) : "-"), h("td", {}, when(s.last_fire_at)),
+        h("td", {}, s.last_run_id ? [runLink(s.last_run_id, s.last_run_id.slice(0, 8) + "…"), " ", badge(s.last_run_status || "pruned")] : "-"),
+        h("td", { class: "error" }, s.last_error || ""),
+        h("td", {}, ROLE === "operator" && state !== "retired" ? [
+          state === "active" ? verb(s, "pause", `Pause schedule ${s.key}?`) : verb(s, "resume", `Resume schedule ${s.key}?`),
+          verb(s, "fire", `Fire schedule ${s.key} now (a run outside its cron times)?`)] : ""));
+    }))) : h("p", { class: "muted" }, "no schedules"));
+}
+
+async function showWorkers() {
+  const { workers } = await getJSON("/api/workers");
+  fill(main, h("h2", {}, "Workers"),
+    h("p", { class: "muted" }, "Every runner holding its lock in this database now: its pool connections, its runs in flight, and since when its control session (which holds the lock) exists."),
+    workers.length ? h("table", { id: "workers" }, h("thead", {}, h("tr", {}, ["runner", "client", "pool connections", "in flight", "lock held since"].map((t) => h("th", {}, t)))),
+      h("tbody", {}, workers.map((w) => h("tr", {}, h("td", { class: "mono" }, w.name), h("td", {}, w.client || "local socket"),
+        h("td", {}, w.pool_connections), h("td", {}, w.in_flight), h("td", {}, when(w.since))))))
+      : h("p", { class: "muted" }, "no live runner"));
+  onSnapshot = (snapshot, changed) => { if (changed) refetchSoon(); };
+}
+
+let failureWindow = "hour";
+async function showFailures() {
+  const { groups } = await getJSON(`/api/failures?window=${failureWindow}`);
+  fill(main, h("h2", {}, "Failures"),
+    h("p", {}, ["hour", "day", "week"].map((w) => h("button", { class: w === failureWindow ? "active" : "", onclick: () => { failureWindow = w; refresh(); } }, `last ${w}`))),
+    groups.length ? h("table", { id: "failures" }, h("thead", {}, h("tr", {}, ["workflow", "exception", "runs", "last", "latest run", "latest message"].map((t) => h("th", {}, t)))),
+      h("tbody", {}, groups.map((g) => h("tr", {},
+        h("td", { class: "mono" }, h("a", { href: "#", onclick: (ev) => { ev.preventDefault(); Object.assign(filters, { status: "failed", workflow: g.workflow, q: "", since: "", until: "" }); location.hash = ""; route(); } }, g.workflow)),
+        h("td", { class: "mono" }, g.error_type), h("td", {}, g.runs), h("td", {}, when(g.last_at)),
+        h("td", {}, runLink(g.latest_run, g.latest_run.slice(0, 8) + "…")), h("td", {}, g.latest_message || "")))))
+      : h("p", { class: "muted" }, `no failed runs created in the last ${failureWindow}`));
+}
+
+function auditTable(records) {
+  return h("table", { class: "audit" }, h("thead", {}, h("tr", {}, ["when", "who", "from", "action", "run", "step", "target", "values"].map((t) => h("th", {}, t)))),
+    h("tbody", {}, records.map((r) => h("tr", {}, h("td", {}, when(r.at)), h("td", {}, r.actor), h("td", {}, r.source), h("td", {}, r.action),
+      h("td", {}, r.run_id ? runLink(r.run_id, r.run_id.slice(0, 8) + "…") : "-"), h("td", { class: "mono" }, r.step_id || "-"),
+      h("td", { class: "mono" }, r.target || "-"), h("td", { class: "mono" }, JSON.stringify(r.details))))));
+}
+
+async function showAudit() {
+  const { records } = await getJSON("/api/audit?limit=200");
+  fill(main, h("h2", {}, "Audit"), records.length ? auditTable(records) : h("p", { class: "muted" }, "no actions recorded"));
+}
+
+route();
+connect();

@@ -1,0 +1,110 @@
+"""`everystep roles`: the producer may only schedule, the worker runs
+workflows but cannot resolve a step, the operator acts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+
+import psycopg
+import pytest
+
+import everystep
+from everystep import api, store
+from everystep.errors import EverystepError
+from tests import ui_workflows
+from tests.processes import ROOT
+from tests.test_ui import blocked_run
+
+
+@pytest.fixture
+def roles(db, server_url):
+    """The three roles, with names of this test's own, applied to its schema
+    with the CLI; dropped at the end."""
+    prefix = f"t{uuid.uuid4().hex[:10]}_"
+    result = subprocess.run([sys.executable, "-m", "everystep.cli", "--database-url", db.url, "roles", "--apply",
+                             "--prefix", prefix, "--schema", db.schema], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    yield prefix
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        for role in ("producer", "worker", "operator"):
+            conn.execute(f"DROP OWNED BY {prefix}{role}")
+            conn.execute(f"DROP ROLE {prefix}{role}")
+
+
+def as_role(db, role: str) -> psycopg.Connection:
+    conn = db.connect()
+    conn.execute(f"SET ROLE {role}")
+    return conn
+
+
+def test_roles_prints_the_sql(db):
+    result = subprocess.run([sys.executable, "-m", "everystep.cli", "roles"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0
+    assert "CREATE ROLE everystep_producer NOLOGIN" in result.stdout
+    assert "ENABLE ROW LEVEL SECURITY" in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "everystep.cli", "roles", "--prefix", "x; DROP"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def test_producer_schedules_but_cannot_modify_a_run(db, roles):
+    [existing] = db.schedule_many(ui_workflows.slow, [(0.0,)])
+    with as_role(db, f"{roles}producer") as conn:
+        with everystep.transaction(conn):
+            run = everystep.schedule(ui_workflows.slow, 0.0, idempotency_key="k-1")
+        with everystep.transaction(conn):
+            again = everystep.schedule(ui_workflows.slow, 0.0, idempotency_key="k-1")
+        assert again.id == run.id and not again.created
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("UPDATE everystep_workflow SET status = 'completed' WHERE id = %s", (existing.id,))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("DELETE FROM everystep_workflow WHERE id = %s", (existing.id,))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("SELECT args FROM everystep_workflow")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):  # a run inserted as already done
+            conn.execute("INSERT INTO everystep_workflow (id, name, args, status)"
+                         " VALUES (%s, 'x.y', '[]', 'completed')", (uuid.uuid4(),))
+    assert db.run(existing.id)["status"] == "scheduled"
+
+
+def test_worker_runs_workflows_but_cannot_resolve_a_step(db, roles):
+    [run] = db.schedule_many(ui_workflows.nested, [(2,)])
+    blocked = blocked_run(db)
+    with as_role(db, f"{roles}worker") as conn:
+        claimed = store.claim(conn, "role-runner", 10)
+        assert [c.id for c in claimed] == [run.id]
+    assert db.resume_held("role-runner") != {}  # (run as the owner here: the pool is the test's)
+    with as_role(db, f"{roles}worker") as conn:
+        with pytest.raises(EverystepError, match="no run"):  # the blocked run is not the worker's to change
+            api.resolve_step(conn, blocked, "1", result="charged")
+        assert conn.execute("UPDATE everystep_step SET status = 'done' WHERE workflow_id = %s",
+                            (blocked,)).rowcount == 0
+        assert conn.execute("UPDATE everystep_workflow SET status = 'scheduled' WHERE id = %s",
+                            (blocked,)).rowcount == 0
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("DELETE FROM everystep_step WHERE workflow_id = %s", (blocked,))
+    assert db.run(blocked)["status"] == "blocked" and db.steps(blocked)[0]["status"] == "started"
+    with as_role(db, f"{roles}operator") as conn:
+        api.resolve_step(conn, blocked, "1", result="charged")
+        store.audit(conn, "ops", "cli", "resolve-step", blocked, "1")
+    assert db.run(blocked)["status"] == "scheduled"
+
+
+def test_a_worker_process_runs_as_the_worker_role(db, roles, tmp_path):
+    """The whole engine under the worker role: claim, steps, forks, the end."""
+    from psycopg import conninfo  # noqa: PLC0415
+
+    from tests.processes import WorkerProcess, wait_for  # noqa: PLC0415
+
+    url = conninfo.make_conninfo(db.url, options=f"-c search_path={db.schema} -c role={roles}worker")
+    runs = db.schedule_many(ui_workflows.nested, [(n,) for n in range(3)])
+    worker = WorkerProcess(url, "role-worker", tmp_path / "logs", imports=("tests.ui_workflows",))
+    try:
+        wait_for(lambda: all(db.run(r.id)["status"] == "completed" for r in runs), 30, what="the runs to complete")
+    finally:
+        worker.signal(15)
+        worker.proc.wait(30)
