@@ -1,5 +1,6 @@
 """everystep: durable workflows for Python on PostgreSQL."""
 
+from everystep import schedules  # the schedules API: everystep.schedules.put(...)
 from everystep.api import (
     ScheduledRun,
     parallel,
@@ -39,6 +40,7 @@ __all__ = [
     "resolve_step",
     "schedule",
     "schedule_many",
+    "schedules",
     "step",
     "transaction",
     "use",

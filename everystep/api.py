@@ -1,4 +1,4 @@
-"""The public API: @workflow, @step, parallel, schedule, schedule_many. Thin; the SQL is in
+"""The public API: @workflow, @step, parallel, schedule. Thin; the SQL is in
 `store`, the replay in `runner`."""
 
 from __future__ import annotations
@@ -106,10 +106,12 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
              conn: psycopg.Connection | None = None) -> ScheduledRun:
     """Insert a run of `workflow_fn(*args)` into the caller's transaction.
     Nothing runs now; workers claim the run once the transaction commits."""
-    name = _workflow_name(workflow_fn, "schedule")
+    name = registry.workflow_name(workflow_fn)
+    if name is None:
+        raise TypeError(f"schedule() takes an @workflow function, not {workflow_fn!r}")
     _check_key(idempotency_key)
     args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
-    conn = _transaction_of(conn, "schedule")
+    conn = transaction_connection(conn, "schedule()")
     run_id, created = store.insert_run(conn, uuid7(), name, args_json, idempotency_key)
     return ScheduledRun(run_id, name, created)
 
@@ -122,7 +124,9 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
     transaction, in one statement: for bulk. The same checks as `schedule()`,
     all made before anything is inserted; `idempotency_keys`, when given, has
     one key (or None) per run. Returns the runs in input order."""
-    name = _workflow_name(workflow_fn, "schedule_many")
+    name = registry.workflow_name(workflow_fn)
+    if name is None:
+        raise TypeError(f"schedule_many() takes an @workflow function, not {workflow_fn!r}")
     if isinstance(args_list, (str, bytes)) or not isinstance(args_list, Iterable):
         raise EverystepError("schedule_many() takes a list of argument tuples, one per run")
     args_list = list(args_list)
@@ -146,7 +150,7 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
             )
         for key in keys:
             _check_key(key)
-    conn = _transaction_of(conn, "schedule_many")
+    conn = transaction_connection(conn, "schedule_many()")
     if not args_list:
         return []
     ids = uuid7_many(len(args_list))
@@ -154,30 +158,25 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
             for run_id, created in store.insert_runs(conn, name, ids, args_jsons, keys)]
 
 
-def _workflow_name(workflow_fn: Callable, caller: str) -> str:
-    name = registry.workflow_name(workflow_fn)
-    if name is None:
-        raise TypeError(f"{caller}() takes an @workflow function, not {workflow_fn!r}")
-    return name
-
-
 def _check_key(idempotency_key: str | None) -> None:
     if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > 255):
         raise EverystepError("idempotency_key must be a string of at most 255 characters")
 
 
-def _transaction_of(conn: psycopg.Connection | None, caller: str) -> Any:
-    """The connection to schedule into: given, bound, or Django's; in a transaction."""
+def transaction_connection(conn: psycopg.Connection | None, caller: str, write: bool = True) -> Any:
+    """The connection `caller` works in: `conn`, else the one bound by
+    everystep.transaction/use, else Django's. One that writes needs an open
+    transaction, so what it writes commits or rolls back with the caller's work."""
     conn = conn or _bound.get() or _django_connection()
     if conn is None:
         raise EverystepError(
-            f"{caller}() found no transaction: pass conn=<psycopg connection>, bind one with "
+            f"{caller} found no transaction: pass conn=<psycopg connection>, bind one with "
             "`with everystep.transaction(conn):` or `everystep.use(conn)`, or configure Django"
         )
-    if isinstance(conn, psycopg.Connection):
+    if write and isinstance(conn, psycopg.Connection):
         if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
             raise EverystepError(
-                f"{caller}() needs an open transaction: this connection is in autocommit mode outside "
+                f"{caller} needs an open transaction: this connection is in autocommit mode outside "
                 "a transaction block; use `with everystep.transaction(conn):` or `with conn.transaction():`"
             )
     return conn

@@ -1,13 +1,13 @@
 """The `everystep` operations CLI.
 
     everystep migrate
-    everystep runs list [--status S] [--workflow NAME] [--limit N] [--json]
-    everystep runs show RUN [--json]
+    everystep runs list [--status S] [--workflow NAME] [--limit N] [-o text|json]
+    everystep runs show RUN [-o text|json]
     everystep resolve-step RUN STEP (--result JSON | --error MSG | --discard)
     everystep requeue RUN...
     everystep prune --older-than DAYS [--dry-run]
     everystep schedule MODULE:FUNC [JSON ...] [--idempotency-key K]
-    everystep schedules plan|apply|retire|list
+    everystep schedules plan|apply|retire|list [-o text|json]
     everystep worker --name NAME [--import MODULE ...]
     everystep ui [--bind ADDRESS] [--port N]
     everystep roles [--apply] [--prefix P] [--schema S]
@@ -24,7 +24,9 @@ found before anything is written, and reported as one line on stderr.
 Exit codes: 0 success; 1 the command ran and refused (a run in the wrong
 state, a claimer that is alive) or the database rejected it; 2 bad input
 (usage, a malformed id or JSON value, an unknown run, step, workflow or
-module); 3 the database is unreachable; 130 interrupted.
+module); 3 the database is unreachable; 4 `schedules apply --plan-digest`
+found the plan changed since it was reviewed (nothing written); 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from everystep import api, registry, scheduler, serde, store
+from everystep import api, liveness, registry, scheduler, serde, store
 from everystep.errors import EverystepError
 from everystep.logs import first_line
 
@@ -53,6 +55,7 @@ log = logging.getLogger("everystep")
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_DATABASE = 3
+EXIT_PLAN_CHANGED = 4
 
 STATUSES = ("scheduled", "running", "completed", "failed", "stopped", "blocked")
 MAX_DAYS = 36500  # 100 years: the bound of --older-than
@@ -315,7 +318,7 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         runs = store.list_runs(conn, args.status, name, args.limit + 1)
     more, runs = len(runs) > args.limit, runs[: args.limit]
-    if args.json:
+    if args.output == "json":
         _print_json(runs)
         return 0
     if not runs:
@@ -339,7 +342,7 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         with conn.transaction():
             run = _load_run(conn, args.run)
             steps = store.load_steps(conn, args.run)
-    if args.json:
+    if args.output == "json":
         _print_json({**run, "steps": steps})
         return 0
     fields = [
@@ -412,12 +415,8 @@ def cmd_requeue(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         runs = [_load_run(conn, run_id) for run_id in run_ids]
         refusals = [why for run in runs if (why := _why_not_requeued(run))]
-        # A claimer holds its advisory lock for as long as it lives: a lock we
-        # can take is a dead claimer's, and holding it keeps that name from
-        # coming back while we requeue.
         claimers = {run["claimed_by"] for run in runs if run["status"] == "running"}
-        dead = [claimer for claimer in claimers if claimer is None or store.try_lock(conn, claimer)]
-        try:
+        with liveness.dead_claimers_locked(conn, claimers) as dead:
             refusals += [
                 f"run {run['id']} is running on {run['claimed_by']}, which holds its lock: the claimer is alive"
                 for run in runs if run["status"] == "running" and run["claimed_by"] not in dead
@@ -432,10 +431,6 @@ def cmd_requeue(args: argparse.Namespace) -> int:
                     raise CliError(f"run {changed} changed while being requeued; nothing was requeued", EXIT_REFUSED)
                 for run in runs:
                     _audit(conn, "requeue", run["id"], details={"claimer": run["claimed_by"]})
-        finally:
-            for claimer in dead:
-                if claimer is not None:
-                    store.unlock(conn, claimer)
     for run in runs:
         why = f"its claimer {run['claimed_by']} is dead" if run["claimed_by"] is not None else "it had no claimer"
         print(f"requeued run {run['id']} ({why})")
@@ -559,6 +554,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def _output_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                        help="text for people (default), or one JSON document for scripts")
+    parser.add_argument("--json", dest="output", action="store_const", const="json", help="the same as -o json")
+
+
 def _database_options(parser: argparse.ArgumentParser, default: Any) -> None:
     parser.add_argument("--database-url", default=default,
                         help="PostgreSQL URL (default: $EVERYSTEP_DATABASE_URL, else -c FILE)")
@@ -592,10 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--workflow", metavar="NAME", help="only runs of this workflow (module.qualname)")
     listing.add_argument("--limit", type=_whole_number(1), default=50, metavar="N",
                          help="at most N runs (default 50)")
-    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _output_option(listing)
     show = add(runs_commands, "show", cmd_runs_show, "show a run and its recorded steps")
     show.add_argument("run", type=_run_id, metavar="RUN")
-    show.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _output_option(show)
 
     resolve = add(commands, "resolve-step", cmd_resolve_step,
                   "say what happened to the started step of a blocked run, and schedule the run again")
@@ -694,67 +695,126 @@ def add_schedules_commands(commands: argparse._SubParsersAction, add: Callable[.
     group = add(commands, "schedules", None, "manage recurring schedules: the schedules: section of everystep.yaml "
                 "is the manifest; plan shows what apply would write")
     actions = group.add_subparsers(dest="schedules_command", required=True, metavar="ACTION")
-    add(actions, "plan", cmd_schedules_plan, "show what apply would add, change and leave, and the live keys the "
-        "file no longer has (read-only)")
-    add(actions, "apply", cmd_schedules_apply, "write the file's schedules; keys no longer in the file keep firing "
-        "until retired")
-    add(actions, "retire", cmd_schedules_retire, "retire a schedule: it never fires again").add_argument("key")
-    add(actions, "list", cmd_schedules_list, "list the schedules: state, timing, next and last fire, last "
-        "run").add_argument("--all", action="store_true", help="include retired schedules")
+    plan = add(actions, "plan", cmd_schedules_plan, "show what apply would add, change and leave, the live keys "
+               "of the file's source it no longer has, and the plan's digest (read-only)")
+    _output_option(plan)
+    apply = add(actions, "apply", cmd_schedules_apply, "write the file's schedules; keys no longer in the file keep "
+                "firing until retired")
+    apply.add_argument("--plan-digest", metavar="DIGEST",
+                       help=f"apply only if the plan is still the one `plan` printed this digest for; else write "
+                            f"nothing, show the plan now and exit {EXIT_PLAN_CHANGED}")
+    _output_option(apply)
+    retire = add(actions, "retire", cmd_schedules_retire, "retire a schedule of your source: it never fires again")
+    retire.add_argument("key")
+    retire.add_argument("--source", help="the source that owns the key (default: the source of -c FILE's "
+                                         f"schedules, else {scheduler.DEFAULT_SOURCE})")
+    retire.add_argument("--force", action="store_true", help="retire it whichever source owns it")
+    _output_option(retire)
+    listing = add(actions, "list", cmd_schedules_list, "list the schedules: state, source, timing, next and last "
+                  "fire, last run")
+    listing.add_argument("--all", action="store_true", help="include retired schedules")
+    listing.add_argument("--source", help="only the schedules of this source")
+    _output_option(listing)
 
 
 def cmd_schedules_plan(args: argparse.Namespace) -> int:
-    return _plan_or_apply(args, scheduler.plan, done=False)
+    manifest = _schedules_manifest(args)  # validated before the database is touched
+    with _schedules_database(args) as conn:
+        plan = _refused_as_cli_error(lambda: scheduler.plan(conn, manifest))
+    _print_plan(args, plan, done=False)
+    return 0
 
 
 def cmd_schedules_apply(args: argparse.Namespace) -> int:
-    return _plan_or_apply(args, scheduler.apply, done=True)
-
-
-def _plan_or_apply(args: argparse.Namespace, action: Callable[..., list[scheduler.PlanEntry]], done: bool) -> int:
-    manifest = _schedules_manifest(args)  # validated before the database is touched
+    manifest = _schedules_manifest(args)
     with _schedules_database(args) as conn:
-        entries = action(conn, manifest)
-        if done:
-            _audit(conn, "schedules-apply", target=str(args.config),
-                   details={e.key: e.action for e in entries if e.action != "unchanged"})
-    _print_plan(entries, done)
+        try:
+            plan = _refused_as_cli_error(lambda: scheduler.apply(conn, manifest, args.plan_digest))
+        except scheduler.PlanChanged as changed:
+            _print_plan(args, changed.plan, done=False, expected_digest=args.plan_digest)
+            raise CliError(str(changed), EXIT_PLAN_CHANGED) from None
+        _audit(conn, "schedules-apply", target=str(args.config),
+               details={e.key: e.action for e in plan.entries if e.action != "unchanged"})
+    _print_plan(args, plan, done=True, expected_digest=args.plan_digest)
     return 0
 
 
 def cmd_schedules_retire(args: argparse.Namespace) -> int:
+    if args.source is not None:
+        source = _source_option(args.source)
+    elif args.config:
+        source = _schedules_manifest(args).source
+    else:
+        source = scheduler.DEFAULT_SOURCE
     with _schedules_database(args) as conn:
-        try:
-            retired_at = store.retire_schedule(conn, args.key)
-        except store.ScheduleRefused as refused:
-            raise CliError(str(refused), EXIT_REFUSED) from None
-        _audit(conn, "schedules-retire", target=args.key)
-    print(f"retired {args.key} at {scheduler.iso_utc(retired_at)}: it will not fire again "
+        owner_required = None if args.force else source
+        retired_at = _refused_as_cli_error(lambda: store.retire_schedule(conn, args.key, owner_required))
+        owner = store.load_schedule(conn, args.key)["source"]
+        _audit(conn, "schedules-retire", target=args.key, details={"source": owner, "forced": args.force})
+    if args.output == "json":
+        _print_json({"key": args.key, "source": owner, "retired_at": retired_at, "forced": args.force})
+        return 0
+    print(f"retired {args.key}{'' if owner == source else f' (of source {owner})'} at "
+          f"{scheduler.iso_utc(retired_at)}: it will not fire again "
           "(remove it from the file too, or the next apply brings it back)")
     return 0
 
 
 def cmd_schedules_list(args: argparse.Namespace) -> int:
     with _schedules_database(args) as conn:
-        rows = [row for row in store.load_schedules(conn) if args.all or row["retired_at"] is None]
+        rows = [row for row in store.load_schedules(conn) if (args.all or row["retired_at"] is None)
+                and (args.source is None or row["source"] == args.source)]
+    if args.output == "json":
+        _print_json({"schedules": [_schedule_document(row) for row in rows]})
+        return 0
     if not rows:
         print("no schedules" if args.all else "no live schedules")
         return 0
     table = []
     for row in rows:
-        state = "retired" if row["retired_at"] else "paused" if row["paused"] else "active"
+        state = scheduler.state_of(row)
         last_run = f"{row['last_run_id']} {row['last_run_status']}" if row["last_run_id"] else "-"
-        table.append((row["key"], state, row["cron"], row["timezone"], row["workflow"],
+        table.append((row["key"], state, row["source"], row["cron"], row["timezone"], row["workflow"],
                       scheduler.iso_utc(row["next_fire_at"]) if state == "active" else "-",
                       scheduler.iso_utc(row["last_fire_at"]) if row["last_fire_at"] else "-", last_run))
-    print(_table(("KEY", "STATE", "CRON", "TIMEZONE", "WORKFLOW", "NEXT FIRE", "LAST FIRE", "LAST RUN"), table))
+    print(_table(("KEY", "STATE", "SOURCE", "CRON", "TIMEZONE", "WORKFLOW", "NEXT FIRE", "LAST FIRE", "LAST RUN"),
+                 table))
     for row in rows:
+        if row["paused_reason"] and row["paused"]:
+            print(f"{row['key']}: {row['paused_reason']}")
         if row["last_error"]:
             print(f"{row['key']}: {row['last_error']}")
     return 0
 
 
-def _schedules_manifest(args: argparse.Namespace) -> dict:
+# The fields of `schedules list -o json`, in order.
+_SCHEDULE_FIELDS = ("key", "state", "source", "version", "workflow", "args", "cron", "timezone", "catchup",
+                    "max_catchup", "overlap", "max_lateness_seconds", "paused", "auto_pause_after", "paused_reason",
+                    "next_fire_at", "last_fire_at", "last_run_id", "last_run_status", "last_error", "created_at",
+                    "updated_at", "retired_at")
+
+
+def _schedule_document(row: dict) -> dict:
+    return {name: scheduler.state_of(row) if name == "state" else row[name] for name in _SCHEDULE_FIELDS}
+
+
+def _source_option(text: str) -> str:
+    from everystep.config import ConfigError, read_source  # noqa: PLC0415
+
+    try:
+        return read_source("--source", text)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _refused_as_cli_error(action: Callable[[], Any]) -> Any:
+    try:
+        return action()
+    except store.ScheduleRefused as refused:
+        raise CliError(str(refused), EXIT_REFUSED) from None
+
+
+def _schedules_manifest(args: argparse.Namespace) -> scheduler.Manifest:
     """The schedules of -c FILE, validated before anything is read or written."""
     if not args.config:
         raise CliError(f"schedules {args.schedules_command} needs the manifest: -c everystep.yaml")
@@ -769,6 +829,9 @@ def _schedules_database(args: argparse.Namespace) -> Iterator[psycopg.Connection
         except psycopg.errors.UndefinedTable:
             raise CliError("this database has no schedule table: run `everystep migrate` first",
                            EXIT_REFUSED) from None
+        except psycopg.errors.UndefinedColumn:
+            raise CliError("this database's schedule table is older than this everystep: run `everystep migrate` "
+                           "first", EXIT_REFUSED) from None
 
 
 _PLAN_MARKS = {"add": "+", "revive": "+", "change": "~", "unchanged": "=", "not_in_file": "!"}
@@ -777,19 +840,44 @@ _PLAN_WORDS = {"add": "to add", "revive": "to revive", "change": "to change", "u
 _APPLIED_WORDS = {**_PLAN_WORDS, "add": "added", "revive": "revived", "change": "changed"}
 
 
-def _print_plan(entries: list[scheduler.PlanEntry], done: bool) -> None:
-    for entry in entries:
+def _print_plan(args: argparse.Namespace, plan: scheduler.Plan, done: bool, expected_digest: str | None = None
+                ) -> None:
+    counts = {action: sum(e.action == action for e in plan.entries) for action in _PLAN_WORDS}
+    if args.output == "json":
+        document = {"source": plan.source, "digest": plan.digest, "entries": [_plan_entry_document(e)
+                                                                              for e in plan.entries],
+                    "counts": counts}
+        if args.schedules_command == "apply":
+            document = {"applied": done, "expected_digest": expected_digest, **document}
+        _print_json(document)
+        return
+    for entry in plan.entries:
         print(f"{_PLAN_MARKS[entry.action]} {entry.key}: {_describe_plan_entry(entry)}")
     words = _APPLIED_WORDS if done else _PLAN_WORDS
-    counts = [f"{sum(e.action == action for e in entries)} {word}" for action, word in words.items()
-              if any(e.action == action for e in entries)]
-    print(f"{'applied' if done else 'plan'}: {', '.join(counts) or 'no schedules in the file or the database'}")
+    summary = [f"{counts[action]} {word}" for action, word in words.items() if counts[action]]
+    print(f"{'applied' if done else 'plan'}: {', '.join(summary) or 'no schedules in the file or the database'}"
+          f" (source {plan.source})")
+    print(f"digest: {plan.digest}")
+
+
+def _plan_entry_document(entry: scheduler.PlanEntry) -> dict:
+    return {
+        "key": entry.key,
+        "action": entry.action,
+        "changes": {name: {"from": old, "to": new} for name, (old, new) in entry.changes.items()},
+        "next_fire_at": entry.next_fire_at,
+        "paused": entry.paused,
+        "version": entry.version,
+        "paused_reason": entry.paused_reason,
+    }
 
 
 def _describe_plan_entry(entry: scheduler.PlanEntry) -> str:
     changes = "; ".join(f"{name} {_plan_value(old)} -> {_plan_value(new)}" for name, (old, new) in
                         entry.changes.items())
     next_fire = " (paused)" if entry.paused else f" (next fire {scheduler.iso_utc(entry.next_fire_at)})"
+    if entry.paused_reason and entry.action in ("change", "unchanged"):
+        changes += f" [it {entry.paused_reason}]"
     if entry.action == "add":
         return f"add{next_fire}"
     if entry.action == "revive":
@@ -797,7 +885,7 @@ def _describe_plan_entry(entry: scheduler.PlanEntry) -> str:
     if entry.action == "change":
         return f"change {changes}{next_fire}"
     if entry.action == "unchanged":
-        return "unchanged"
+        return f"unchanged{' ' + changes.strip() if changes else ''}"
     still = "still there, paused," if entry.paused else "still live: it keeps firing"
     return f"not in the file, {still} until retired (everystep schedules retire {entry.key})"
 

@@ -40,7 +40,7 @@ from psycopg import conninfo
 from everystep import serde
 from everystep.errors import EverystepError
 from everystep.logs import first_line
-from everystep.scheduler import CATCHUP_POLICIES, OVERLAP_POLICIES, Schedule, next_fire_time
+from everystep.scheduler import CATCHUP_POLICIES, DEFAULT_SOURCE, OVERLAP_POLICIES, Manifest, Schedule, next_fire_time
 
 
 class ConfigError(Exception):
@@ -107,7 +107,7 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
-    schedules: dict[str, ScheduleConfig] = field(default_factory=dict)
+    schedules: Manifest = field(default_factory=Manifest)  # a dict by key, with its .source
     ui: UiConfig | None = None  # None: no `ui:` section, no UI served
 
 
@@ -115,6 +115,7 @@ class Config:
 # `claimed_by`: a dash and six digits.
 MAX_NAME = 248
 MAX_SCHEDULE_KEY = 200  # "schedule:<key>:<fire time>" must fit an idempotency key (255)
+MAX_SOURCE = 100  # the width of everystep_schedule.source
 _SCHEDULE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _A_LEAP_YEAR = datetime.datetime(2028, 1, 1, tzinfo=datetime.UTC)
 CRON_MACROS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
@@ -233,20 +234,40 @@ def _ui(file: str, raw: dict) -> UiConfig | None:
     return config
 
 
-def _schedules(file: str, raw: Any) -> dict[str, ScheduleConfig]:
+def _schedules(file: str, raw: Any) -> Manifest:
     if raw is None:
-        return {}
+        return Manifest()
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: schedules: must be a mapping of schedule keys, got {_show(raw)}")
-    schedules = {}
+    # `source:` names the manifest's owner; it is not a schedule key.
+    source = read_source(f"{file}: schedules.source", raw.get("source", DEFAULT_SOURCE))
+    schedules = Manifest(source=source)
     for key, entry in raw.items():
-        if not isinstance(key, str) or len(key) > MAX_SCHEDULE_KEY or not _SCHEDULE_KEY.fullmatch(key):
-            raise ConfigError(
-                f"{file}: schedules: the key {_show(key)} must be 1 to {MAX_SCHEDULE_KEY} letters, digits, "
-                "'.', '_' or '-', starting with a letter or digit"
-            )
-        schedules[key] = _schedule(_Section(file, f"schedules.{key}", entry, ScheduleConfig))
+        if key != "source":
+            schedules[key] = read_schedule(file, key, entry)
     return schedules
+
+
+def read_schedule(file: str, key: Any, entry: Any) -> ScheduleConfig:
+    """One schedule of the manifest, validated: the manifest's rules, which
+    everystep.schedules.put() follows too. `file` starts the error message."""
+    if not isinstance(key, str) or len(key) > MAX_SCHEDULE_KEY or not _SCHEDULE_KEY.fullmatch(key):
+        raise ConfigError(
+            f"{file}: schedules: the key {_show(key)} must be 1 to {MAX_SCHEDULE_KEY} letters, digits, "
+            "'.', '_' or '-', starting with a letter or digit"
+        )
+    if key == "source":
+        raise ConfigError(f"{file}: schedules: the key 'source' is reserved: it names the manifest's owner")
+    return _schedule(_Section(file, f"schedules.{key}", entry, ScheduleConfig))
+
+
+def read_source(label: str, source: Any) -> str:
+    """A schedule owner's name: like a key, at most MAX_SOURCE characters.
+    `label` starts the error message."""
+    if not isinstance(source, str) or len(source) > MAX_SOURCE or not _SCHEDULE_KEY.fullmatch(source):
+        raise ConfigError(f"{label}: must be 1 to {MAX_SOURCE} letters, digits, '.', '_' or '-', "
+                          f"starting with a letter or digit, got {_show(source)}")
+    return str(source)
 
 
 def _schedule(section: _Section) -> ScheduleConfig:
@@ -266,6 +287,8 @@ def _schedule(section: _Section) -> ScheduleConfig:
         overlap=section.choice("overlap", OVERLAP_POLICIES),
         max_lateness_seconds=section.number("max_lateness_seconds", above=0),
         paused=section.boolean("paused"),
+        auto_pause_after=None if section.get("auto_pause_after") is None
+        else section.integer("auto_pause_after", minimum=1),
     )
 
 

@@ -13,9 +13,11 @@ or swapping worker keeps its lock and is never mistaken for dead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 
 import psycopg
 
@@ -106,3 +108,19 @@ class DeadClaimerSweep:
             log.warning("claimer %s is dead: requeued %d runs", claimer, len(requeued), extra={"runner": claimer})
             metrics.RECOVERED.inc(len(requeued))
         return requeued
+
+
+@contextlib.contextmanager
+def dead_claimers_locked(conn: psycopg.Connection, claimers: Iterable[str | None]) -> Iterator[set[str | None]]:
+    """The claimers among `claimers` that are dead, found in one look (the
+    rule of `everystep requeue`, which cannot wait for a grace): a lock that
+    can be taken is a dead claimer's. Their locks are held until the block
+    ends, so no claimer comes back while its runs are requeued. None (a run
+    with no claimer) counts as dead."""
+    dead = {claimer for claimer in set(claimers) if claimer is None or store.try_lock(conn, claimer)}
+    try:
+        yield dead
+    finally:
+        for claimer in dead:
+            if claimer is not None:
+                store.unlock(conn, claimer)

@@ -56,6 +56,11 @@ POISONED = Counter(
     "everystep_poisoned_runs", "Runs failed because their worker kept dying on them (max_crashes)."
 )
 
+# Recurring schedules (the maintenance child's tick).
+SCHEDULES_AUTO_PAUSED = Counter(
+    "everystep_schedule_auto_pauses", "Schedules that paused themselves because their runs kept failing."
+)
+
 
 def declare_runner(runner: str) -> None:
     """Export the runner's counters at 0 before anything happens: Prometheus's

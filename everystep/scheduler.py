@@ -19,11 +19,22 @@ running or blocked: its due times wait, and are judged as above once the run
 has ended; then at most one run is made per tick. A paused schedule fires
 nothing; un-pausing it (or changing its cron or time zone) starts again from
 the next fire time after the apply.
+
+Owners. Every schedule belongs to a source: the `source:` of the manifest
+that applied it (default `deployment`), or the application's
+(everystep.schedules, default `api`). A plan covers the keys of its own
+source only, and refuses a key another source owns.
+
+Auto-pause. A schedule with `auto_pause_after: N` pauses itself, at a tick,
+once its latest N ended runs (made since its definition last changed) all
+failed; it says why in the log once and on its row (`paused_reason`).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import logging
 import uuid
 import zoneinfo
@@ -36,14 +47,17 @@ from croniter import croniter
 
 from everystep import registry, serde, store
 from everystep.ids import uuid7
+from everystep.metrics import SCHEDULES_AUTO_PAUSED
 
 log = logging.getLogger("everystep")
 
 # The fields that make a schedule's definition, in the order plans show them.
 DEFINITION = ("workflow", "args", "cron", "timezone", "catchup", "max_catchup", "overlap",
-              "max_lateness_seconds", "paused")
+              "max_lateness_seconds", "paused", "auto_pause_after")
 CATCHUP_POLICIES = ("skip", "fire_once", "fire_all")
 OVERLAP_POLICIES = ("allow", "forbid")
+DEFAULT_SOURCE = "deployment"  # the owner of a manifest that names none
+API_SOURCE = "api"  # the owner of what everystep.schedules writes, unless told otherwise
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,19 @@ class Schedule:
     overlap: str = "allow"  # allow | forbid
     max_lateness_seconds: float = 60.0  # a fire time reached later than this is missed
     paused: bool = False
+    auto_pause_after: int | None = None  # pause after this many failed runs in a row; None: never
+
+
+class Manifest(dict[str, Schedule]):
+    """The schedules of one source, by key: the `schedules:` section of
+    everystep.yaml. A dict, with the `source` that owns its keys."""
+
+    def __init__(self, schedules: Mapping[str, Schedule] | None = None, source: str = DEFAULT_SOURCE):
+        super().__init__(schedules or {})
+        self.source = source
+
+    def __repr__(self) -> str:
+        return f"Manifest({dict(self)!r}, source={self.source!r})"
 
 
 # ---------------------------------------------------------------- fire times
@@ -117,6 +144,15 @@ def idempotency_key(key: str, fire_time: datetime.datetime) -> str:
     return f"schedule:{key}:{iso_utc(fire_time)}"
 
 
+def state_of(row: Mapping[str, Any]) -> str:
+    """A schedule row's state: active, paused, auto-paused or retired."""
+    if row["retired_at"] is not None:
+        return "retired"
+    if row["paused"]:
+        return "auto-paused" if row["paused_reason"] else "paused"
+    return "active"
+
+
 def iso_utc(moment: datetime.datetime) -> str:
     """A moment as the idempotency keys, the log and the CLI write it."""
     return moment.astimezone(datetime.UTC).isoformat(timespec="seconds")
@@ -140,6 +176,8 @@ def tick(conn: psycopg.Connection) -> list[Fired]:
     with conn.transaction():
         if not store.try_lock_scheduler(conn):
             return fired  # another scheduler is ticking
+        for row in store.schedules_failing(conn):
+            _auto_pause(conn, row)
         now = store.database_now(conn)
         for row in store.due_schedules(conn):
             fired += _fire_due(conn, row, now)
@@ -184,6 +222,7 @@ def _fire(conn: psycopg.Connection, key: str, workflow: str, args_json: str, dec
     for fire_time in decision.fire:
         run_id, created = store.insert_run(conn, uuid7(), workflow, args_json, idempotency_key(key, fire_time))
         last_run_id = run_id
+        store.record_schedule_run(conn, key, fire_time, run_id)
         if created:
             fired.append(Fired(key, fire_time, run_id))
             log.info("schedule %s fired for %s: run %s", key, iso_utc(fire_time), run_id,
@@ -194,6 +233,16 @@ def _fire(conn: psycopg.Connection, key: str, workflow: str, args_json: str, dec
     last_fire_at = decision.fire[-1] if decision.fire else None
     store.advance_schedule(conn, key, decision.next_fire_at, last_fire_at, last_run_id)
     return fired
+
+
+def _auto_pause(conn: psycopg.Connection, row: dict) -> None:
+    """Pause a schedule whose runs keep failing, and say so once."""
+    runs = "run" if row["auto_pause_after"] == 1 else f"{row['auto_pause_after']} runs"
+    reason = f"auto-paused: its last {runs} failed (latest: run {row['last_run_id']})"
+    store.set_schedule_paused(conn, row["key"], True, None, reason)
+    SCHEDULES_AUTO_PAUSED.inc()
+    log.error("schedule %s %s; resume it with everystep.schedules.resume(%r) or an apply that un-pauses it",
+              row["key"], reason, row["key"], extra={"schedule": row["key"], "run": str(row["last_run_id"])})
 
 
 def _cannot_fire(conn: psycopg.Connection, row: dict, error: str, exc: BaseException) -> None:
@@ -213,53 +262,110 @@ class PlanEntry(NamedTuple):
     changes: dict[str, tuple[Any, Any]]  # field -> (in the database, in the file), for change
     next_fire_at: datetime.datetime  # the next fire time once applied
     paused: bool
+    version: int | None = None  # the version in the database now (None: no such key)
+    paused_reason: str | None = None  # why it paused itself, for a schedule auto-paused now
+
+    @property
+    def writes(self) -> bool:
+        return self.action in ("add", "revive", "change")
 
 
-def plan(conn: psycopg.Connection, manifest: Mapping[str, Schedule]) -> list[PlanEntry]:
+class Plan(NamedTuple):
+    source: str
+    entries: list[PlanEntry]
+    digest: str  # what the plan writes: see plan_digest()
+
+
+class PlanChanged(Exception):
+    """apply --plan-digest: the plan is no longer the one reviewed; nothing was written."""
+
+    def __init__(self, expected: str, plan: Plan):
+        super().__init__(f"the plan changed since it was reviewed: its digest is now {plan.digest}, not {expected}"
+                         "; nothing was written")
+        self.expected = expected
+        self.plan = plan
+
+
+def plan_entry(key: str, spec: Schedule, row: dict | None, now: datetime.datetime, source: str) -> PlanEntry:
+    """What writing `spec` under `key` would do to the database's `row`.
+    A key another source owns (and has not retired) is refused."""
+    if row is not None and row["retired_at"] is None and row["source"] != source:
+        raise store.ScheduleRefused(
+            f"schedule {key!r} belongs to source {row['source']!r}, not {source!r}: it is left alone "
+            "(use another key, or retire it from its own source first)")
+    wanted = definition(spec)
+    if row is None:
+        return PlanEntry(key, "add", {}, next_fire_time(spec.cron, spec.timezone, now), spec.paused)
+    changes = {name: (row[name], wanted[name]) for name in DEFINITION if row[name] != wanted[name]}
+    if row["retired_at"] is not None:
+        return PlanEntry(key, "revive", changes, next_fire_time(spec.cron, spec.timezone, now), spec.paused,
+                         row["version"])
+    if changes:
+        # A new cron, time zone or un-pausing starts from the next fire time
+        # after now: nothing is caught up for the old timing or the pause.
+        restart = "cron" in changes or "timezone" in changes or ("paused" in changes and not spec.paused)
+        next_fire_at = next_fire_time(spec.cron, spec.timezone, now) if restart else row["next_fire_at"]
+        return PlanEntry(key, "change", changes, next_fire_at, spec.paused, row["version"], row["paused_reason"])
+    return PlanEntry(key, "unchanged", {}, row["next_fire_at"], spec.paused, row["version"], row["paused_reason"])
+
+
+def plan(conn: psycopg.Connection, manifest: Mapping[str, Schedule]) -> Plan:
     """What `apply` would do (read-only): each key of the manifest, then the
-    live keys of the database that the manifest no longer has (apply leaves
-    them alone; they are retired explicitly)."""
+    live keys of its source that the manifest no longer has (apply leaves
+    them alone; they are retired explicitly). Keys of other sources are not
+    looked at, unless the manifest has one: that is refused
+    (store.ScheduleRefused), one line naming every such key."""
+    source = getattr(manifest, "source", DEFAULT_SOURCE)
     now = store.database_now(conn)
     rows = {row["key"]: row for row in store.load_schedules(conn)}
-    entries = []
-    for key in sorted(manifest):
-        spec = manifest[key]
-        wanted = definition(spec)
-        row = rows.get(key)
-        if row is None:
-            entries.append(PlanEntry(key, "add", {}, next_fire_time(spec.cron, spec.timezone, now), spec.paused))
-            continue
-        changes = {name: (row[name], wanted[name]) for name in DEFINITION if row[name] != wanted[name]}
-        if row["retired_at"] is not None:
-            entries.append(PlanEntry(key, "revive", changes, next_fire_time(spec.cron, spec.timezone, now),
-                                     spec.paused))
-        elif changes:
-            # A new cron, time zone or un-pausing starts from the next fire time
-            # after now: nothing is caught up for the old timing or the pause.
-            restart = "cron" in changes or "timezone" in changes or ("paused" in changes and not spec.paused)
-            next_fire_at = next_fire_time(spec.cron, spec.timezone, now) if restart else row["next_fire_at"]
-            entries.append(PlanEntry(key, "change", changes, next_fire_at, spec.paused))
-        else:
-            entries.append(PlanEntry(key, "unchanged", {}, row["next_fire_at"], spec.paused))
+    owned_elsewhere = [key for key in sorted(manifest) if key in rows and rows[key]["retired_at"] is None
+                       and rows[key]["source"] != source]
+    if owned_elsewhere:
+        owners = ", ".join(f"{key!r} ({rows[key]['source']})" for key in owned_elsewhere)
+        raise store.ScheduleRefused(
+            f"source {source!r} cannot apply {owners}: other sources own them; nothing was written "
+            "(use other keys, or retire them from their own source first)")
+    entries = [plan_entry(key, manifest[key], rows.get(key), now, source) for key in sorted(manifest)]
     for key, row in sorted(rows.items()):
-        if key not in manifest and row["retired_at"] is None:
-            entries.append(PlanEntry(key, "not_in_file", {}, row["next_fire_at"], row["paused"]))
-    return entries
+        if key not in manifest and row["retired_at"] is None and row["source"] == source:
+            entries.append(PlanEntry(key, "not_in_file", {}, row["next_fire_at"], row["paused"], row["version"],
+                                     row["paused_reason"]))
+    return Plan(source, entries, plan_digest(source, entries, manifest))
 
 
-def apply(conn: psycopg.Connection, manifest: Mapping[str, Schedule]) -> list[PlanEntry]:
-    """Write the manifest: add, revive and change schedules, in one
-    transaction, while no tick runs. Keys not in the manifest are left as they
-    are. Returns the plan it carried out."""
+def plan_digest(source: str, entries: list[PlanEntry], manifest: Mapping[str, Schedule]) -> str:
+    """A hash of exactly what apply would write: the source, and for each key
+    it writes, the action, the version it replaces and the definition. Fire
+    times are left out: they follow from the definition and the time of the
+    apply, so a plan reviewed a minute ago is still the same plan."""
+    writes = [{"key": e.key, "action": e.action, "replaces_version": e.version,
+               "definition": definition(manifest[e.key])} for e in entries if e.writes]
+    text = json.dumps({"source": source, "writes": writes}, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def apply(conn: psycopg.Connection, manifest: Mapping[str, Schedule], expected_digest: str | None = None) -> Plan:
+    """Write the manifest: add, revive and change its source's schedules, in
+    one transaction, while no tick runs. Keys not in the manifest are left as
+    they are. With `expected_digest`, only if the plan is still that one: else
+    PlanChanged, and nothing is written. Returns the plan it carried out."""
     with conn.transaction():
         store.lock_scheduler(conn)
-        entries = plan(conn, manifest)
-        for entry in entries:
-            if entry.action in ("add", "revive", "change"):
-                wanted = definition(manifest[entry.key])
-                store.put_schedule(conn, entry.key, {**wanted, "args": serde.dump_data(wanted["args"])},
-                                   entry.next_fire_at)
-    return entries
+        done = plan(conn, manifest)
+        if expected_digest is not None and expected_digest != done.digest:
+            raise PlanChanged(expected_digest, done)
+        for entry in done.entries:
+            if entry.writes:
+                write(conn, entry, manifest[entry.key], done.source)
+    return done
+
+
+def write(conn: psycopg.Connection, entry: PlanEntry, spec: Schedule, source: str) -> None:
+    """Carry out one planned add, revive or change."""
+    wanted = definition(spec)
+    store.put_schedule(conn, entry.key, {**wanted, "args": serde.dump_data(wanted["args"])}, entry.next_fire_at,
+                       source)
 
 
 def definition(spec: Schedule) -> dict[str, Any]:
@@ -274,5 +380,5 @@ def definition(spec: Schedule) -> dict[str, Any]:
         "overlap": spec.overlap,
         "max_lateness_seconds": float(spec.max_lateness_seconds),
         "paused": spec.paused,
+        "auto_pause_after": spec.auto_pause_after,
     }
-

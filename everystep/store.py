@@ -818,40 +818,106 @@ def due_schedules(conn: psycopg.Connection) -> list[dict]:
     until the transaction ends."""
     return _dicts(conn.execute(
         f"{_SCHEDULE_WITH_LAST_RUN} WHERE s.retired_at IS NULL AND NOT s.paused AND s.next_fire_at <= now()"
-        " ORDER BY s.next_fire_at, s.key FOR UPDATE OF s"
+        # SKIP LOCKED: a schedule an application transaction is changing
+        # (everystep.schedules) fires at the next tick, instead of stalling this one.
+        " ORDER BY s.next_fire_at, s.key FOR UPDATE OF s SKIP LOCKED"
     ))
 
 
-def put_schedule(conn: psycopg.Connection, key: str, definition: dict, next_fire_at: datetime.datetime) -> None:
+def load_schedule(conn: psycopg.Connection, key: str, lock: bool = False) -> dict | None:
+    """One schedule (retired or not) with its last run's status, or None;
+    with `lock`, its row stays locked until the transaction ends."""
+    rows = _dicts(conn.execute(
+        f"{_SCHEDULE_WITH_LAST_RUN} WHERE s.key = %s{' FOR UPDATE OF s' if lock else ''}", (key,)
+    ))
+    return rows[0] if rows else None
+
+
+def put_schedule(conn: psycopg.Connection, key: str, definition: dict, next_fire_at: datetime.datetime,
+                 source: str) -> None:
     """Write a schedule's definition (workflow, args as JSON text, cron,
-    timezone, catchup, max_catchup, overlap, max_lateness_seconds, paused) and
-    its next fire time, adding the schedule or reviving a retired one."""
+    timezone, catchup, max_catchup, overlap, max_lateness_seconds, paused,
+    auto_pause_after), its owner and its next fire time, adding the schedule
+    or reviving a retired one. Every write is a new version."""
     conn.execute(
         "INSERT INTO everystep_schedule (key, workflow, args, cron, timezone, catchup, max_catchup, overlap,"
-        " max_lateness_seconds, paused, next_fire_at)"
+        " max_lateness_seconds, paused, auto_pause_after, source, next_fire_at, created_at, updated_at)"
         " VALUES (%(key)s, %(workflow)s, %(args)s::jsonb, %(cron)s, %(timezone)s, %(catchup)s, %(max_catchup)s,"
-        " %(overlap)s, %(max_lateness_seconds)s, %(paused)s, %(next_fire_at)s)"
+        " %(overlap)s, %(max_lateness_seconds)s, %(paused)s, %(auto_pause_after)s, %(source)s, %(next_fire_at)s,"
+        " now(), now())"
         " ON CONFLICT (key) DO UPDATE SET workflow = EXCLUDED.workflow, args = EXCLUDED.args, cron = EXCLUDED.cron,"
         "  timezone = EXCLUDED.timezone, catchup = EXCLUDED.catchup, max_catchup = EXCLUDED.max_catchup,"
         "  overlap = EXCLUDED.overlap, max_lateness_seconds = EXCLUDED.max_lateness_seconds,"
-        "  paused = EXCLUDED.paused, version = everystep_schedule.version + 1, updated_at = now(),"
-        "  next_fire_at = EXCLUDED.next_fire_at, retired_at = NULL, last_error = NULL",
-        {**definition, "key": key, "next_fire_at": next_fire_at},
+        "  paused = EXCLUDED.paused, auto_pause_after = EXCLUDED.auto_pause_after, source = EXCLUDED.source,"
+        "  version = everystep_schedule.version + 1, updated_at = now(), next_fire_at = EXCLUDED.next_fire_at,"
+        "  retired_at = NULL, last_error = NULL, paused_reason = NULL",
+        {**definition, "key": key, "source": source, "next_fire_at": next_fire_at},
     )
 
 
-def retire_schedule(conn: psycopg.Connection, key: str) -> datetime.datetime:
-    """Retire a live schedule: it never fires again (its row stays). Returns when."""
-    with conn.transaction():
-        row = conn.execute("SELECT retired_at FROM everystep_schedule WHERE key = %s FOR UPDATE", (key,)).fetchone()
-        if row is None:
-            raise ScheduleRefused(f"no schedule {key!r}")
-        if row[0] is not None:
-            raise ScheduleRefused(f"schedule {key!r} was already retired at {row[0].isoformat(timespec='seconds')}")
-        return conn.execute(
-            "UPDATE everystep_schedule SET retired_at = now(), updated_at = now() WHERE key = %s RETURNING retired_at",
-            (key,),
-        ).fetchone()[0]
+def retire_schedule(conn: psycopg.Connection, key: str, source: str | None = None) -> datetime.datetime:
+    """Retire a live schedule: it never fires again (its row stays). Only
+    its owner may, unless `source` is None (forced). Returns when. One
+    statement, so it joins the caller's transaction or is its own."""
+    row = conn.execute(
+        "UPDATE everystep_schedule SET retired_at = now(), updated_at = now(), version = version + 1"
+        " WHERE key = %s AND retired_at IS NULL AND (%s::text IS NULL OR source = %s) RETURNING retired_at",
+        (key, source, source),
+    ).fetchone()
+    if row is not None:
+        return row[0]
+    row = conn.execute("SELECT retired_at, source FROM everystep_schedule WHERE key = %s", (key,)).fetchone()
+    if row is None:
+        raise ScheduleRefused(f"no schedule {key!r}")
+    if row[0] is not None:
+        raise ScheduleRefused(f"schedule {key!r} was already retired at {row[0].isoformat(timespec='seconds')}")
+    raise ScheduleRefused(f"schedule {key!r} belongs to source {row[1]!r}, not {source!r}: it is left alone")
+
+
+def set_schedule_paused(conn: psycopg.Connection, key: str, paused: bool, next_fire_at: datetime.datetime | None,
+                        reason: str | None = None) -> None:
+    """Pause (with the reason, when the schedule paused itself) or resume a
+    schedule, as a new version; resuming sets its next fire time."""
+    conn.execute(
+        "UPDATE everystep_schedule SET paused = %s, paused_reason = %s, next_fire_at = coalesce(%s, next_fire_at),"
+        " version = version + 1, updated_at = now() WHERE key = %s",
+        (paused, reason, next_fire_at, key),
+    )
+
+
+def record_schedule_run(conn: psycopg.Connection, key: str, fire_at: datetime.datetime, run_id: uuid.UUID) -> None:
+    """Remember the run a schedule made for a fire time."""
+    conn.execute(
+        "INSERT INTO everystep_schedule_run (schedule_key, fire_at, run_id, fired_at) VALUES (%s, %s, %s, now())"
+        " ON CONFLICT DO NOTHING",
+        (key, fire_at, run_id),
+    )
+
+
+def schedules_failing(conn: psycopg.Connection) -> list[dict]:
+    """Live, unpaused schedules with auto-pause whose latest `auto_pause_after`
+    ended runs, made since their definition last changed, all failed: key,
+    auto_pause_after and the latest failed run. Locked until the transaction ends."""
+    return _dicts(conn.execute(
+        "SELECT s.key, s.auto_pause_after, f.last_run_id FROM everystep_schedule s"
+        " CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE e.status = 'failed') AS failed,"
+        "   (array_agg(e.id ORDER BY e.fire_at DESC))[1] AS last_run_id"
+        "   FROM (SELECT w.id, w.status, r.fire_at FROM everystep_schedule_run r"
+        "     JOIN everystep_workflow w ON w.id = r.run_id"
+        "     WHERE r.schedule_key = s.key AND r.fired_at >= s.updated_at AND w.status = ANY(%s)"
+        "     ORDER BY r.fire_at DESC LIMIT s.auto_pause_after) e) f"
+        " WHERE s.auto_pause_after IS NOT NULL AND NOT s.paused AND s.retired_at IS NULL"
+        "  AND f.failed >= s.auto_pause_after"
+        " ORDER BY s.key FOR UPDATE OF s SKIP LOCKED",
+        (list(TERMINAL),),
+    ))
+
+
+def auto_paused_schedules(conn: psycopg.Connection) -> int:
+    """How many live schedules are paused because their runs kept failing."""
+    return conn.execute(
+        "SELECT count(*) FROM everystep_schedule WHERE paused AND paused_reason IS NOT NULL AND retired_at IS NULL"
+    ).fetchone()[0]
 
 
 def advance_schedule(
@@ -1051,8 +1117,9 @@ def ui_set_schedule_paused(conn: psycopg.Connection, key: str, paused: bool,
         if not rows:
             raise ScheduleRefused(f"no live schedule {key!r}")
         conn.execute(
+            # A new version, as every change is; any pause or resume clears the auto-pause reason.
             "UPDATE everystep_schedule SET paused = %s, next_fire_at = coalesce(%s, next_fire_at),"
-            " updated_at = now() WHERE key = %s",
+            " paused_reason = NULL, version = version + 1, updated_at = now() WHERE key = %s",
             (paused, next_fire_at(rows[0]) if next_fire_at and not paused else None, key),
         )
 

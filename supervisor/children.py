@@ -190,7 +190,7 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
                     applied = store.migrate(conn)
                     log.info("migrations: %s", f"applied {', '.join(applied)}" if applied else "up to date")
                 if config.schedules:
-                    for entry in scheduler.apply(conn, config.schedules):
+                    for entry in scheduler.apply(conn, config.schedules).entries:
                         if entry.action != "unchanged":
                             log.info("schedule %s: %s", entry.key, entry.action.replace("_", " "))
             outage.over()

@@ -185,6 +185,16 @@ class QueueCollector:
             "Age of the oldest scheduled run by the database's clock (0 when none is pending).",
             value=stats.oldest_pending_age_seconds,
         )
+        try:
+            auto_paused = self._database.call(store.auto_paused_schedules)
+        except (DatabaseUnavailable, psycopg.Error) as exc:  # e.g. a schema older than auto-pause
+            log.debug("metrics: no schedule gauge: %s", exc)
+            return
+        yield GaugeMetricFamily(
+            "everystep_schedules_auto_paused",
+            "Live schedules that paused themselves because their runs kept failing (resume them when fixed).",
+            value=auto_paused,
+        )
 
     def _report(self, up: bool, reason: str) -> None:
         """Log when the database goes away or comes back, not on every scrape."""

@@ -16,6 +16,7 @@ from psycopg_pool import ConnectionPool
 import everystep
 from everystep import store
 from everystep.runner import Runner
+from tests.apps import engine_flows
 
 LOCAL_SERVER = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeout=3"
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,9 +107,16 @@ class Database:
             return store.load_steps(conn, run_id)
 
 
+@pytest.fixture(autouse=True)
+def _reset_engine_flows():
+    """The counters of tests/apps/engine_flows.py start empty in every test."""
+    engine_flows.calls.clear()
+    engine_flows.seen.clear()
+
+
 @pytest.fixture
 def marks(tmp_path) -> str:
-    """A folder where the steps of tests/workflows.py mark their executions."""
+    """A folder where the steps of tests/apps/workflows.py mark their executions."""
     path = tmp_path / "marks"
     path.mkdir()
     return str(path)
@@ -117,8 +125,8 @@ def marks(tmp_path) -> str:
 @pytest.fixture
 def start_worker(db, tmp_path):
     """start_worker(name, **options) starts an `everystep worker` process on the
-    test's schema (see tests/processes.py); all are killed at the end of the test."""
-    from tests.processes import WorkerProcess  # noqa: PLC0415
+    test's schema (see tests/support/processes.py); all are killed at the end of the test."""
+    from tests.support.processes import WorkerProcess  # noqa: PLC0415
 
     started = []
 
@@ -135,8 +143,8 @@ def start_worker(db, tmp_path):
 @pytest.fixture
 def supervisors(tmp_path):
     """supervisors(document) starts an `everystep-supervisor` (see
-    tests/supervisor_process.py); all are stopped at the end of the test."""
-    from tests.supervisor_process import SupervisorProcess  # noqa: PLC0415
+    tests/support/supervisor_process.py); all are stopped at the end of the test."""
+    from tests.support.supervisor_process import SupervisorProcess  # noqa: PLC0415
 
     started = []
 
@@ -153,7 +161,7 @@ def supervisors(tmp_path):
 @pytest.fixture
 def private_server(tmp_path):
     """A PostgreSQL server of the test's own, to stop, restart or cut off."""
-    from tests.private_postgres import PrivatePostgres  # noqa: PLC0415  (needs the embedded server's binaries)
+    from tests.support.private_postgres import PrivatePostgres  # noqa: PLC0415  (needs the embedded server's binaries)
 
     server = PrivatePostgres(tmp_path / "pg")
     yield server

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from tests.processes import ROOT
+from tests.support.processes import ROOT
 
 FIGURES = {
     "limit": {"clients", "driver", "commits_per_s"},

@@ -17,9 +17,9 @@ from psycopg import conninfo
 
 import everystep
 from everystep import schedule, store
-from tests import cli_workflows
-from tests.cli_workflows import Crash, fails, greet, pays, stops
-from tests.processes import WorkerProcess, console_script, wait_for
+from tests.apps import cli_workflows
+from tests.apps.cli_workflows import Crash, fails, greet, pays, stops
+from tests.support.processes import WorkerProcess, console_script, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 UNREACHABLE = "host=127.0.0.1 port=1 user=postgres dbname=test connect_timeout=3"
@@ -132,11 +132,12 @@ def three_runs(db):
 def test_runs_list_is_a_table_newest_first(db):
     done, failed, waiting = three_runs(db)
     assert ok(cli(db, "runs", "list")) == (
-        "ID                                    STATUS     WORKFLOW                   CREATED"
+        "ID                                    STATUS     WORKFLOW                        CREATED"
         "               ENDED                 CLAIMED BY\n"
-        f"{waiting}  scheduled  tests.cli_workflows.greet  2026-01-02T05:00:00Z  -                     -\n"
-        f"{failed}  failed     tests.cli_workflows.fails  2026-01-02T04:00:00Z  2026-01-02T04:00:01Z  test-runner\n"
-        f"{done}  completed  tests.cli_workflows.greet  2026-01-02T03:04:05Z  2026-01-02T03:04:06Z  test-runner\n"
+        f"{waiting}  scheduled  tests.apps.cli_workflows.greet  2026-01-02T05:00:00Z  -                     -\n"
+        f"{failed}  failed     tests.apps.cli_workflows.fails  2026-01-02T04:00:00Z  2026-01-02T04:00:01Z"
+        "  test-runner\n"
+        f"{done}  completed  tests.apps.cli_workflows.greet  2026-01-02T03:04:05Z  2026-01-02T03:04:06Z  test-runner\n"
     )
 
 
@@ -148,8 +149,8 @@ def test_runs_list_filters_by_status_and_workflow_and_limits(db):
     done, failed, waiting = three_runs(db)
     assert first_column(ok(cli(db, "runs", "list", "--status", "failed"))) == [str(failed)]
     greets = [str(waiting), str(done)]
-    assert first_column(ok(cli(db, "runs", "list", "--workflow", "tests.cli_workflows.greet"))) == greets
-    assert first_column(ok(cli(db, "runs", "list", "--workflow", "tests.cli_workflows:greet"))) == greets
+    assert first_column(ok(cli(db, "runs", "list", "--workflow", "tests.apps.cli_workflows.greet"))) == greets
+    assert first_column(ok(cli(db, "runs", "list", "--workflow", "tests.apps.cli_workflows:greet"))) == greets
     assert first_column(ok(cli(db, "runs", "list", "--workflow", "greet"))) == []
     limited = ok(cli(db, "runs", "list", "--limit", "2")).splitlines()
     assert [line.split()[0] for line in limited[1:3]] == [str(waiting), str(failed)]
@@ -161,9 +162,9 @@ def test_runs_list_json(db):
     done, failed, waiting = three_runs(db)
     listed = json.loads(ok(cli(db, "runs", "list", "--json", "--limit", "2")))
     assert listed == [
-        {"id": str(waiting), "name": "tests.cli_workflows.greet", "status": "scheduled", "idempotency_key": None,
+        {"id": str(waiting), "name": "tests.apps.cli_workflows.greet", "status": "scheduled", "idempotency_key": None,
          "claimed_by": None, "created_at": "2026-01-02T05:00:00+00:00", "completed_at": None},
-        {"id": str(failed), "name": "tests.cli_workflows.fails", "status": "failed", "idempotency_key": None,
+        {"id": str(failed), "name": "tests.apps.cli_workflows.fails", "status": "failed", "idempotency_key": None,
          "claimed_by": "test-runner", "created_at": "2026-01-02T04:00:00+00:00",
          "completed_at": "2026-01-02T04:00:01+00:00"},
     ]
@@ -190,7 +191,7 @@ def test_runs_show_prints_the_run_and_its_steps(db):
     set_times(db, run.id)
     assert ok(cli(db, "runs", "show", str(run.id))) == (
         f"run             {run.id}\n"
-        "workflow        tests.cli_workflows.greet\n"
+        "workflow        tests.apps.cli_workflows.greet\n"
         "status          completed\n"
         "claimed by      test-runner\n"
         "idempotency key order:1\n"
@@ -199,8 +200,8 @@ def test_runs_show_prints_the_run_and_its_steps(db):
         'args            ["ada"]\n'
         'result          "hello ADA"\n'
         "\n"
-        "STEP  STATUS  FUNCTION                   ARGS     RESULT OR ERROR\n"
-        '1     done    tests.cli_workflows.shout  ["ada"]  "ADA"\n'
+        "STEP  STATUS  FUNCTION                        ARGS     RESULT OR ERROR\n"
+        '1     done    tests.apps.cli_workflows.shout  ["ada"]  "ADA"\n'
     )
 
 
@@ -211,8 +212,9 @@ def test_runs_show_prints_errors_and_how_to_resolve_a_blocked_run(db):
     blocked = blocked_run(db)
 
     out = ok(cli(db, "runs", "show", str(failed.id))).splitlines()
-    assert "error           tests.cli_workflows.Declined: declined 5" in out
-    assert out[-1] == "1     failed  tests.cli_workflows.decline  [5]   tests.cli_workflows.Declined: declined 5"
+    assert "error           tests.apps.cli_workflows.Declined: declined 5" in out
+    assert out[-1] == ("1     failed  tests.apps.cli_workflows.decline  [5]"
+                       "   tests.apps.cli_workflows.Declined: declined 5")
     assert not any(line.startswith("result") for line in out)
 
     out = ok(cli(db, "runs", "show", str(stopped.id))).splitlines()
@@ -221,7 +223,7 @@ def test_runs_show_prints_errors_and_how_to_resolve_a_blocked_run(db):
 
     out = ok(cli(db, "runs", "show", str(blocked.id))).splitlines()
     assert "status          blocked" in out
-    assert "1     started  tests.cli_workflows.send_money  [10]  (started; outcome unknown)" in out
+    assert "1     started  tests.apps.cli_workflows.send_money  [10]  (started; outcome unknown)" in out
     assert out[-1] == (f"blocked on step 1: resolve it with `everystep resolve-step {blocked.id} 1` and"
                        " --result JSON (it happened), --error MSG (it happened and failed) or --discard (it did not)")
 
@@ -242,10 +244,10 @@ def test_runs_show_json(db):
     started_at, finished_at = shown["steps"][0].pop("started_at"), shown["steps"][0].pop("finished_at")
     assert datetime.datetime.fromisoformat(started_at) <= datetime.datetime.fromisoformat(finished_at)
     assert shown == {
-        "id": str(run.id), "name": "tests.cli_workflows.greet", "args": ["ada"], "idempotency_key": None,
+        "id": str(run.id), "name": "tests.apps.cli_workflows.greet", "args": ["ada"], "idempotency_key": None,
         "status": "completed", "claimed_by": "test-runner", "result": "hello ADA", "error": None,
         "created_at": "2026-01-02T03:04:05+00:00", "completed_at": "2026-01-02T03:04:06+00:00",
-        "steps": [{"step_id": "1", "name": "tests.cli_workflows.shout", "args": ["ada"], "kwargs": {},
+        "steps": [{"step_id": "1", "name": "tests.apps.cli_workflows.shout", "args": ["ada"], "kwargs": {},
                    "status": "done", "result": "ADA", "error": None}],
     }
 
@@ -437,7 +439,7 @@ def test_prune_deletes_old_terminal_runs_only_with_their_steps(db):
 
 def test_prune_deletes_more_runs_than_one_batch(db):
     execute(db, "INSERT INTO everystep_workflow (id, name, args, status, created_at, completed_at)"
-             " SELECT gen_random_uuid(), 'tests.cli_workflows.greet', '[]', 'completed',"
+             " SELECT gen_random_uuid(), 'tests.apps.cli_workflows.greet', '[]', 'completed',"
              " now() - interval '9 days', now() - interval '8 days' FROM generate_series(1, 2500)")
     assert ok(cli(db, "prune", "--older-than", "7")) == (
         "deleted 2500 runs completed, failed or stopped more than 7 days ago, with their steps\n")
@@ -465,9 +467,9 @@ def scheduled_id(output: str, prefix: str = "created run ") -> uuid.UUID:
 
 
 def test_schedule_creates_a_run_that_workers_execute(db):
-    out = ok(cli(db, "schedule", "tests.cli_workflows:greet", '"ada"'))
+    out = ok(cli(db, "schedule", "tests.apps.cli_workflows:greet", '"ada"'))
     run_id = scheduled_id(out)
-    assert out == f"created run {run_id} of tests.cli_workflows.greet\n"
+    assert out == f"created run {run_id} of tests.apps.cli_workflows.greet\n"
     row = db.run(run_id)
     assert (row["status"], row["args"], row["idempotency_key"]) == ("scheduled", ["ada"], None)
     assert db.run_pending() == {run_id: "completed"}
@@ -475,46 +477,47 @@ def test_schedule_creates_a_run_that_workers_execute(db):
 
 
 def test_schedule_decodes_each_argument_as_extended_json(db):
-    out = ok(cli(db, "schedule", "tests.cli_workflows:describe",
+    out = ok(cli(db, "schedule", "tests.apps.cli_workflows:describe",
                  '{"$es": "date", "v": "2026-01-02"}', "[1, 2]", '{"a": null}', "-5", "1.5", "true"))
     run_id = scheduled_id(out)
     assert db.run(run_id)["args"] == [{"$es": "date", "v": "2026-01-02"}, [1, 2], {"a": None}, -5, 1.5, True]
     db.run_pending()
     assert db.run(run_id)["result"] == ["date", "list", "dict", "int", "float", "bool"]
-    assert scheduled_id(ok(cli(db, "schedule", "tests.cli_workflows:describe")))
+    assert scheduled_id(ok(cli(db, "schedule", "tests.apps.cli_workflows:describe")))
 
 
 def test_schedule_with_an_idempotency_key_returns_the_existing_run(db):
-    first = scheduled_id(ok(cli(db, "schedule", "tests.cli_workflows:greet", '"ada"', "--idempotency-key", "k1")))
-    again = ok(cli(db, "schedule", "--idempotency-key", "k1", "tests.cli_workflows:greet", '"bob"'))
-    assert again == (f"existing run {first} of tests.cli_workflows.greet has the idempotency key 'k1';"
+    first = scheduled_id(ok(cli(db, "schedule", "tests.apps.cli_workflows:greet", '"ada"', "--idempotency-key", "k1")))
+    again = ok(cli(db, "schedule", "--idempotency-key", "k1", "tests.apps.cli_workflows:greet", '"bob"'))
+    assert again == (f"existing run {first} of tests.apps.cli_workflows.greet has the idempotency key 'k1';"
                      " nothing scheduled\n")
     assert workflow_count(db) == 1
     assert db.run(first)["idempotency_key"] == "k1"
 
 
 @pytest.mark.parametrize("args, message", [
-    (["tests.cli_workflows.greet"],
-     "everystep: expected MODULE:FUNC (e.g. myapp.workflows:provision_vm), not 'tests.cli_workflows.greet'"),
+    (["tests.apps.cli_workflows.greet"],
+     "everystep: expected MODULE:FUNC (e.g. myapp.workflows:provision_vm), not 'tests.apps.cli_workflows.greet'"),
     (["tests.no_such_module:greet"],
      "everystep: cannot import tests.no_such_module: ModuleNotFoundError: No module named 'tests.no_such_module'"),
-    (["tests.cli_workflows:nope"], "everystep: module tests.cli_workflows has no 'nope'"),
-    (["tests.cli_workflows:not_a_workflow"], "everystep: tests.cli_workflows:not_a_workflow is not an @workflow"),
-    (["tests.cli_workflows:shout", '"x"'], "everystep: tests.cli_workflows:shout is not an @workflow"),
-    (["tests.cli_workflows:greet", "ada"],
+    (["tests.apps.cli_workflows:nope"], "everystep: module tests.apps.cli_workflows has no 'nope'"),
+    (["tests.apps.cli_workflows:not_a_workflow"],
+     "everystep: tests.apps.cli_workflows:not_a_workflow is not an @workflow"),
+    (["tests.apps.cli_workflows:shout", '"x"'], "everystep: tests.apps.cli_workflows:shout is not an @workflow"),
+    (["tests.apps.cli_workflows:greet", "ada"],
      "everystep schedule: argument JSON: 'ada' is not valid JSON (Expecting value: line 1 column 1 (char 0))"
      " (see everystep schedule --help)"),
-    (["tests.cli_workflows:greet", '{"$es": "nope", "v": 1}'],
+    (["tests.apps.cli_workflows:greet", '{"$es": "nope", "v": 1}'],
      "everystep schedule: argument JSON: '{\"$es\": \"nope\", \"v\": 1}' is not a valid everystep value"
      " (unknown stored type tag 'nope') (see everystep schedule --help)"),
-    (["tests.cli_workflows:greet", '"x"', "--idempotency-key", "k" * 256],
+    (["tests.apps.cli_workflows:greet", '"x"', "--idempotency-key", "k" * 256],
      "everystep: idempotency_key must be a string of at most 255 characters"),
-    (["tests.cli_workflows:greet", '"nul \\u0000"'],
+    (["tests.apps.cli_workflows:greet", '"nul \\u0000"'],
      "everystep: cannot store the string 'nul \\x00'...: it contains a NUL character"),
-    (["tests.cli_workflows:greet"],
-     "everystep: tests.cli_workflows:greet(name): missing a required argument: 'name' (given 0 values)"),
-    (["tests.cli_workflows:greet", '"ada"', '"bob"'],
-     "everystep: tests.cli_workflows:greet(name): too many positional arguments (given 2 values)"),
+    (["tests.apps.cli_workflows:greet"],
+     "everystep: tests.apps.cli_workflows:greet(name): missing a required argument: 'name' (given 0 values)"),
+    (["tests.apps.cli_workflows:greet", '"ada"', '"bob"'],
+     "everystep: tests.apps.cli_workflows:greet(name): too many positional arguments (given 2 values)"),
 ])
 def test_schedule_refuses_bad_input_and_writes_nothing(db, args, message):
     assert error_line(cli(db, "schedule", *args), 2) == message
@@ -568,7 +571,7 @@ def test_worker_refuses_bad_options_in_one_line(db, args, message):
 @pytest.mark.parametrize("args", [
     ["migrate"], ["runs", "list"], ["runs", "show", str(uuid.UUID(int=7))], ["requeue", str(uuid.UUID(int=7))],
     ["resolve-step", str(uuid.UUID(int=7)), "1", "--discard"], ["prune", "--older-than", "30"],
-    ["schedule", "tests.cli_workflows:greet", '"ada"'],
+    ["schedule", "tests.apps.cli_workflows:greet", '"ada"'],
 ])
 def test_an_unreachable_database_is_one_line_and_exit_3(args):
     line = error_line(everystep_cli("--database-url", UNREACHABLE, *args), 3)

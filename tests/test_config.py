@@ -448,7 +448,9 @@ def test_the_documented_manifest_example_is_valid(config_dir):
     assert schedules["nightly-cleanup"] == ScheduleConfig(
         workflow="myapp.maintenance.cleanup", args=({"older_than_days": 30},), cron="30 2 * * *",
         timezone="Europe/Paris", catchup="fire_once", overlap="forbid", max_lateness_seconds=3600.0,
+        auto_pause_after=3,
     )
+    assert schedules.source == "ops"
     assert schedules["hourly-report"] == ScheduleConfig(
         workflow="myapp.reports.hourly", args=("sales",), cron="@hourly", paused=True
     )

@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 
-from tests.processes import ROOT
+from tests.support.processes import ROOT
 
 
 def test_schedule_joins_the_django_transaction(db):
-    result = subprocess.run([sys.executable, "-m", "tests.django_scheduling", db.url], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "tests.apps.django_scheduling", db.url], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)

@@ -2,7 +2,7 @@
 writes that say why they matched nothing — real worker processes against a
 real PostgreSQL, crashed where a scenario needs it.
 
-Step executions are counted outside the database (tests/workflows.py marks a
+Step executions are counted outside the database (tests/apps/workflows.py marks a
 file), so a commit of the test's own cannot flush a lost claim back to disk."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 import everystep
 from everystep import schedule, store
-from tests import workflows
-from tests.processes import WorkerProcess, wait_for
+from tests.apps import workflows
+from tests.support.processes import WorkerProcess, wait_for
 
 
 def tags_of(marks, run_id) -> list[str]:
@@ -131,7 +131,7 @@ def test_a_step_row_written_by_another_execution_is_not_a_lost_claim(db, start_w
     (run,) = db.schedule_many(workflow, [(marks, str(release))])
     worker = start_worker(f"w-row-{db.schema}", threads=1, grace=60)
     wait_for(lambda: tags_of(marks, run.id) == ["held"], what="the step started")
-    insert_step_row(db, run.id, "1", "tests.workflows.hold_until", "done", "recorded elsewhere")
+    insert_step_row(db, run.id, "1", "tests.apps.workflows.hold_until", "done", "recorded elsewhere")
     release.touch()
     wait_for(lambda: db.run(run.id)["status"] in ("completed", "failed"), what="the run ended")
     ended = db.run(run.id)
@@ -148,7 +148,7 @@ def test_an_unsafe_steps_mark_from_another_execution_blocks_and_the_effect_never
     start_worker(f"w-unsafe-{db.schema}", threads=1, grace=60)
     wait_for(lambda: tags_of(marks, run.id) == ["held"], what="the first step started")
     # Another execution is (or was) in the effect.
-    insert_step_row(db, run.id, "2", "tests.workflows.unsafe_effect", "started")
+    insert_step_row(db, run.id, "2", "tests.apps.workflows.unsafe_effect", "started")
     release.touch()
     wait_for(lambda: db.run(run.id)["status"] == "blocked", what="the run blocked")
     assert "effect" not in tags_of(marks, run.id)  # the effect was not started a second time
@@ -162,7 +162,7 @@ def test_every_claim_gives_a_new_token_and_stale_tokens_write_nothing(db):
         (first,) = store.claim(conn, "w1", 1)
         (again,) = store.reclaim_held(conn, "w1")  # as a catchup does
         assert again.id == first.id and again.token != first.token
-        row = store.StepRow("1", "tests.workflows.work", "[]", "{}", "started", None, None, 1.0, None)
+        row = store.StepRow("1", "tests.apps.workflows.work", "[]", "{}", "started", None, None, 1.0, None)
         assert not store.record_step(conn, run.id, "w1", first.token, row)  # the stale execution writes nothing
         assert store.why_not_written(conn, run.id, "w1", first.token, "1", "started") == store.LOST
         assert store.record_step(conn, run.id, "w1", again.token, row)

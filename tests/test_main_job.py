@@ -10,7 +10,7 @@ import sys
 
 import yaml
 
-from tests.processes import ROOT, wait_for
+from tests.support.processes import ROOT, wait_for
 
 
 def test_the_shipped_config_runs_the_demo_on_the_embedded_database(tmp_path):

@@ -17,8 +17,8 @@ import everystep
 from everystep import schedule, scheduler, store
 from everystep.maintenance import Maintenance
 from everystep.scheduler import Schedule
-from tests.cli_workflows import greet
-from tests.processes import wait_for
+from tests.apps.cli_workflows import greet
+from tests.support.processes import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +72,7 @@ def dead_claimers_run(db) -> everystep.ScheduledRun:
 
 def due_schedule(db) -> None:
     """A schedule of greet('linus') whose fire time is now."""
-    every_minute = Schedule(workflow="tests.cli_workflows.greet", args=("linus",), cron="* * * * *")
+    every_minute = Schedule(workflow="tests.apps.cli_workflows.greet", args=("linus",), cron="* * * * *")
     with db.connect() as conn:
         scheduler.apply(conn, {"every-minute": every_minute})
         conn.execute("UPDATE everystep_schedule SET next_fire_at = date_trunc('minute', now())")
@@ -87,7 +87,7 @@ def test_the_command_recovers_a_dead_claimers_run_fires_a_due_schedule_and_stops
     run = dead_claimers_run(db)
     due_schedule(db)
     process = maintenance("--database-url", db.url, "--interval", "0.2", "--grace", "0",
-                          "--import", "tests.cli_workflows")
+                          "--import", "tests.apps.cli_workflows")
     wait_for(lambda: db.run(run.id)["status"] == "scheduled", timeout=30, what="the dead claimer's run requeued")
     assert db.run(run.id)["claimed_by"] is None
     wait_for(lambda: fired_runs(db) == [["linus"]], timeout=30, what="the due schedule fired")

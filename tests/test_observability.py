@@ -20,10 +20,11 @@ import psycopg
 import pytest
 import yaml
 
+import everystep
 from everystep import store
 from supervisor import http_server, metrics_dir, state_file
-from tests.processes import ROOT, wait_for
-from tests.scraping import (
+from tests.support.processes import ROOT, wait_for
+from tests.support.scraping import (
     PROMPTLY,
     UUID_SHAPED,
     Prometheus,
@@ -61,7 +62,7 @@ class HttpChild:
         self.application_name = f"everystep-observer-{uuid.uuid4().hex[:12]}"
         self.log = folders.logs / f"{self.application_name}.log"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.obs_serve", "127.0.0.1", "0", database_url,
+            [sys.executable, "-m", "tests.apps.obs_serve", "127.0.0.1", "0", database_url,
              str(folders.runtime), str(folders.metrics), self.application_name],
             cwd=ROOT, env=folders.env, stdout=subprocess.DEVNULL, stderr=self.log.open("w"),
         )
@@ -96,11 +97,11 @@ class HttpChild:
 
 
 class MetricsChild:
-    """A process that records worker metrics and stays alive (tests/obs_child.py)."""
+    """A process that records worker metrics and stays alive (tests/apps/obs_child.py)."""
 
     def __init__(self, folders: Folders, runner: str, claims: int, completed: int):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.obs_child", runner, str(claims), str(completed)],
+            [sys.executable, "-m", "tests.apps.obs_child", runner, str(claims), str(completed)],
             cwd=ROOT, env=folders.env, stdout=subprocess.PIPE, text=True,
         )
         assert self.process.stdout.readline().strip() == "ready"
@@ -207,7 +208,7 @@ def test_restarts_keep_the_folder_small_and_every_count(db, folders, start):
     scraper.start()
     try:
         arbiter = subprocess.Popen(
-            [sys.executable, "-m", "tests.obs_restarts", str(folders.metrics), str(restarts), str(runners)],
+            [sys.executable, "-m", "tests.apps.obs_restarts", str(folders.metrics), str(restarts), str(runners)],
             cwd=ROOT, env=folders.env,
         )
         assert arbiter.wait(120) == 0
@@ -266,6 +267,7 @@ def test_queue_gauges_match_the_tables(db, folders, start):
     assert value(scrape, "everystep_workflows_running") == 2
     assert value(scrape, "everystep_workflows_blocked") == 1
     assert 90 <= value(scrape, "everystep_workflows_oldest_pending_age_seconds") < 150
+    assert value(scrape, "everystep_schedules_auto_paused") == 0
 
     with db.connect() as conn:
         conn.execute("UPDATE everystep_workflow SET status = 'running', claimed_by = 'web-0-1'"
@@ -274,6 +276,12 @@ def test_queue_gauges_match_the_tables(db, folders, start):
     assert value(scrape, "everystep_workflows_pending") == 0
     assert value(scrape, "everystep_workflows_running") == 5
     assert value(scrape, "everystep_workflows_oldest_pending_age_seconds") == 0
+
+    with db.connect() as conn, everystep.transaction(conn):
+        everystep.schedules.put("sick", "tests.workflows.quick", ["/tmp"], cron="@daily")
+        everystep.schedules.put("resting", "tests.workflows.quick", ["/tmp"], cron="@daily", paused=True)
+        store.set_schedule_paused(conn, "sick", True, None, "auto-paused: its last 3 runs failed")
+    assert value(server.metrics(), "everystep_schedules_auto_paused") == 1  # not the one paused by hand
 
 
 def serving_pending_runs(db, start, count: int) -> HttpChild:
@@ -353,7 +361,7 @@ def test_a_database_that_never_answers_does_not_hang_a_scrape(folders, start):
 
 def test_label_values_never_hold_run_ids(db, folders, start, server_url):
     result = subprocess.run(
-        [sys.executable, "-m", "tests.obs_workload", server_url, db.schema],
+        [sys.executable, "-m", "tests.apps.obs_workload", server_url, db.schema],
         cwd=ROOT, env=folders.env, check=True, capture_output=True, text=True, timeout=120,
     )
     ended = json.loads(result.stdout.strip().splitlines()[-1])
@@ -365,10 +373,10 @@ def test_label_values_never_hold_run_ids(db, folders, start, server_url):
     status, body = server.get("/metrics")
     assert status == 200
     scrape = samples(body)
-    flow = "tests.obs_workflows.place_order"
+    flow = "tests.apps.obs_workflows.place_order"
     assert value(scrape, "everystep_workflow_runs_total", workflow=flow, status="completed") == 3
     assert value(scrape, "everystep_workflow_runs_total", workflow=flow, status="stopped") == 1
-    assert value(scrape, "everystep_step_runs_total", workflow=flow, step="tests.obs_workflows.notify",
+    assert value(scrape, "everystep_step_runs_total", workflow=flow, step="tests.apps.obs_workflows.notify",
                  status="done") == 7  # 3 x (mail, sms) + 1 refund
     label_values = {v for (_, labels) in scrape for _, v in labels}
     assert label_values, "no labels at all"
@@ -557,7 +565,8 @@ def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
         # The rules run on what was scraped: the blocked run is noticed (the
         # alert waits out its `for`), the worker's slots keep "no workers" quiet.
         expected = {"EverystepRunsBlocked": "pending", "EverystepNoWorkers": "inactive",
-                    "EverystepDatabaseDown": "inactive", "EverystepPendingTooOld": "inactive"}
+                    "EverystepDatabaseDown": "inactive", "EverystepPendingTooOld": "inactive",
+                    "EverystepScheduleAutoPaused": "inactive"}
 
         def rules_as_expected() -> list | None:
             rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
@@ -567,7 +576,7 @@ def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
         rules = wait_for(rules_as_expected, timeout=30, what=f"the alert rules to reach {expected}")
         assert {r["name"] for r in rules} == {
             "EverystepRunsBlocked", "EverystepPendingTooOld", "EverystepChildCrashLooping", "EverystepNoWorkers",
-            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns",
+            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns", "EverystepScheduleAutoPaused",
         }
         assert all(r["health"] == "ok" for r in rules), rules
     finally:

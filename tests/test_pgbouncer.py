@@ -21,9 +21,9 @@ from psycopg import conninfo
 import everystep
 from everystep import store
 from everystep.config import ConfigError, load
-from tests.processes import WorkerProcess, wait_for
-from tests.supervisor_process import config
-from tests.workflows import held, marks_of, quick, timed_steps
+from tests.apps.workflows import held, marks_of, quick, timed_steps
+from tests.support.processes import WorkerProcess, wait_for
+from tests.support.supervisor_process import config
 
 PGBOUNCER = shutil.which("pgbouncer") or ("/usr/sbin/pgbouncer" if os.path.exists("/usr/sbin/pgbouncer") else None)
 

@@ -13,8 +13,8 @@ import pytest
 import everystep
 from everystep import api, store
 from everystep.errors import EverystepError
-from tests import ui_workflows
-from tests.processes import ROOT
+from tests.apps import ui_workflows
+from tests.support.processes import ROOT
 from tests.test_ui import blocked_run
 
 
@@ -98,11 +98,11 @@ def test_a_worker_process_runs_as_the_worker_role(db, roles, tmp_path):
     """The whole engine under the worker role: claim, steps, forks, the end."""
     from psycopg import conninfo  # noqa: PLC0415
 
-    from tests.processes import WorkerProcess, wait_for  # noqa: PLC0415
+    from tests.support.processes import WorkerProcess, wait_for  # noqa: PLC0415
 
     url = conninfo.make_conninfo(db.url, options=f"-c search_path={db.schema} -c role={roles}worker")
     runs = db.schedule_many(ui_workflows.nested, [(n,) for n in range(3)])
-    worker = WorkerProcess(url, "role-worker", tmp_path / "logs", imports=("tests.ui_workflows",))
+    worker = WorkerProcess(url, "role-worker", tmp_path / "logs", imports=("tests.apps.ui_workflows",))
     try:
         wait_for(lambda: all(db.run(r.id)["status"] == "completed" for r in runs), 30, what="the runs to complete")
     finally:

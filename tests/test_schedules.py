@@ -62,7 +62,7 @@ class Clock:
 
     def apply(self, **schedules: Schedule) -> list[scheduler.PlanEntry]:
         with self.connect() as conn:
-            return scheduler.apply(conn, schedules)
+            return scheduler.apply(conn, schedules).entries
 
     def tick(self) -> list[scheduler.Fired]:
         with self.connect() as conn:
@@ -416,18 +416,20 @@ def test_plan_is_read_only_and_apply_writes_it(db, tmp_path):
     assert plan.returncode == 0, plan.stderr
     lines = plan.stdout.splitlines()
     assert lines[0].startswith("+ hourly: add (next fire ") and lines[1].startswith("+ nightly: add (next fire ")
-    assert lines[2:] == ["plan: 2 to add"]
+    assert lines[2] == "plan: 2 to add (source deployment)"
+    assert lines[3].startswith("digest: sha256:") and len(lines) == 4
     assert db.value("SELECT count(*) FROM everystep_schedule") == 0
 
     applied = cli("schedules", "apply", "-c", manifest, db=db)
     assert applied.returncode == 0, applied.stderr
-    assert applied.stdout.splitlines()[-1] == "applied: 2 added"
+    assert applied.stdout.splitlines()[-2] == "applied: 2 added (source deployment)"
     assert db.query("SELECT key, cron, timezone, args, version FROM everystep_schedule ORDER BY key") == [
         ("hourly", "@hourly", "Europe/Paris", ["hourly"], 1),
         ("nightly", "0 3 * * *", "UTC", ["nightly"], 1),
     ]
     again = cli("schedules", "plan", "-c", manifest, db=db)
-    assert again.stdout.splitlines() == ["= hourly: unchanged", "= nightly: unchanged", "plan: 2 unchanged"]
+    assert again.stdout.splitlines()[:3] == ["= hourly: unchanged", "= nightly: unchanged",
+                                             "plan: 2 unchanged (source deployment)"]
 
 
 def test_removed_keys_are_shown_and_kept_until_retired(db, tmp_path):
@@ -446,10 +448,10 @@ def test_removed_keys_are_shown_and_kept_until_retired(db, tmp_path):
                        f'{next_utc("30 4 * * *", db)})')
     assert plan[1] == ("! hourly: not in the file, still live: it keeps firing until retired "
                        "(everystep schedules retire hourly)")
-    assert plan[2] == "plan: 1 to change, 1 not in the file"
+    assert plan[2] == "plan: 1 to change, 1 not in the file (source deployment)"
 
     applied = cli("schedules", "apply", "-c", manifest, db=db)
-    assert applied.stdout.splitlines()[-1] == "applied: 1 changed, 1 not in the file"
+    assert applied.stdout.splitlines()[-2] == "applied: 1 changed, 1 not in the file (source deployment)"
     assert db.query("SELECT key, version, retired_at IS NULL FROM everystep_schedule ORDER BY key") == [
         ("hourly", 1, True),  # never pruned silently
         ("nightly", 2, True),
@@ -458,7 +460,8 @@ def test_removed_keys_are_shown_and_kept_until_retired(db, tmp_path):
     retired = cli("schedules", "retire", "hourly", "-c", manifest, db=db)
     assert retired.returncode == 0, retired.stderr
     assert retired.stdout.startswith("retired hourly at ")
-    assert cli("schedules", "plan", "-c", manifest, db=db).stdout.splitlines()[-1] == "plan: 1 unchanged"
+    assert cli("schedules", "plan", "-c", manifest, db=db).stdout.splitlines()[-2] == \
+        "plan: 1 unchanged (source deployment)"
 
     again = cli("schedules", "retire", "hourly", "-c", manifest, db=db)
     assert again.returncode == 1
@@ -482,9 +485,10 @@ def test_list_shows_state_and_last_run(db, clock, tmp_path):
     listing = cli("schedules", "list", "-c", write_manifest(tmp_path / "everystep.yaml", "{}"), db=db)
     assert listing.returncode == 0, listing.stderr
     header, *rows = listing.stdout.splitlines()
-    assert header.split() == ["KEY", "STATE", "CRON", "TIMEZONE", "WORKFLOW", "NEXT", "FIRE", "LAST", "FIRE", "LAST",
-                              "RUN"]
-    assert rows[0].split() == ["nightly", "active", "0", "3", "*", "*", "*", "UTC", "tests.test_schedules.report",
+    assert header.split() == ["KEY", "STATE", "SOURCE", "CRON", "TIMEZONE", "WORKFLOW", "NEXT", "FIRE", "LAST",
+                              "FIRE", "LAST", "RUN"]
+    assert rows[0].split() == ["nightly", "active", "deployment", "0", "3", "*", "*", "*", "UTC",
+                               "tests.test_schedules.report",
                                "2026-01-11T03:00:00+00:00", "2026-01-10T03:00:00+00:00", str(fired.run_id),
                                "scheduled"]
     assert rows[1].split()[:2] == ["paused_one", "paused"]

@@ -12,8 +12,8 @@ import pytest
 
 import everystep
 from everystep import EverystepError, schedule, schedule_many, store
-from tests.processes import wait_for
-from tests.workflows import held, quick
+from tests.apps.workflows import held, quick
+from tests.support.processes import wait_for
 
 
 @everystep.workflow

@@ -17,10 +17,10 @@ import yaml
 
 import everystep
 from supervisor import http_server
-from tests import obs_workflows, obs_workload, workflows
-from tests.processes import WorkerProcess, wait_for
-from tests.scraping import PROMPTLY, UUID_SHAPED, Prometheus, get, insert_runs, needs_prometheus, samples, value
-from tests.supervisor_process import SupervisorProcess, children_of, config, process_state, restart_workers
+from tests.apps import obs_workflows, obs_workload, workflows
+from tests.support.processes import WorkerProcess, wait_for
+from tests.support.scraping import PROMPTLY, UUID_SHAPED, Prometheus, get, insert_runs, needs_prometheus, samples, value
+from tests.support.supervisor_process import SupervisorProcess, children_of, config, process_state, restart_workers
 
 ROLES = ("worker", "http", "maintenance")
 
@@ -298,7 +298,7 @@ def test_queue_gauges_match_the_tables(db, supervisors, marks, tmp_path):
 
 
 def test_no_label_value_is_a_run_id(db, supervisors):
-    sup = supervisors(config(db.url, "lbl", imports=["tests.obs_workflows"]))
+    sup = supervisors(config(db.url, "lbl", imports=["tests.apps.obs_workflows"]))
     sup.wait_workers({"lbl-0", "lbl-1"})
     runs = schedule_runs(db.url, obs_workflows.place_order, obs_workload.ORDERS)
     wait_for(lambda: status_counts(db.url) == {"completed": 3, "failed": 1, "stopped": 1}, timeout=30,
@@ -306,14 +306,14 @@ def test_no_label_value_is_a_run_id(db, supervisors):
     # The run ids are in the results, so they would be at hand for a careless label.
     assert db.value("SELECT count(*) FROM everystep_workflow WHERE result::text ~ 'r-[0-9a-f]{8}-'") == 3
 
-    flow = "tests.obs_workflows.place_order"
+    flow = "tests.apps.obs_workflows.place_order"
     status, body = get(base(sup) + "/metrics")
     assert status == 200
     found = samples(body)
     label_values = {v for (_, labels) in found for _, v in labels}
     assert not [v for v in label_values if UUID_SHAPED.search(v)]
     assert not UUID_SHAPED.search(body)
-    assert {flow, "tests.obs_workflows.notify", "lbl-0", "lbl-1", "completed", "worker"} <= label_values
+    assert {flow, "tests.apps.obs_workflows.notify", "lbl-0", "lbl-1", "completed", "worker"} <= label_values
     assert total(found, "everystep_workflow_runs_total", workflow=flow) == len(runs)
 
 

@@ -14,9 +14,9 @@ import pytest
 
 from everystep import store
 from everystep.ui.core import Console
-from tests import ui_workflows
-from tests.processes import ROOT
-from tests.ui_process import Client, UiProcess
+from tests.apps import ui_workflows
+from tests.support.processes import ROOT
+from tests.support.ui_process import Client, UiProcess
 
 OPERATOR = "operator-token-0123456789abcdef"
 VIEWER = "viewer-token-0123456789abcdef"
@@ -42,9 +42,9 @@ def blocked_run(db, order: str = "o-1") -> uuid.UUID:
     run = uuid.uuid4()
     db.query("INSERT INTO everystep_workflow (id, name, args, status, claimed_by) VALUES (%s, %s, %s::jsonb,"
              " 'blocked', 'gone-1') RETURNING id",
-             (run, "tests.ui_workflows.charge_then_ship", json.dumps([order])))
+             (run, "tests.apps.ui_workflows.charge_then_ship", json.dumps([order])))
     db.query("INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status)"
-             " VALUES (%s, '1', 'tests.ui_workflows.charge', %s::jsonb, '{}', 'started') RETURNING id",
+             " VALUES (%s, '1', 'tests.apps.ui_workflows.charge', %s::jsonb, '{}', 'started') RETURNING id",
              (run, json.dumps([order])))
     return run
 
@@ -58,12 +58,12 @@ def test_list_filters_search_and_keyset_paging(db, ui):
     status, page = client.get("/api/runs?limit=3")
     assert status == 200 and [r["id"] for r in page["runs"]] == [str(typed.id), str(nested[6].id), str(nested[5].id)]
     seen = []
-    path = "/api/runs?limit=3&workflow=tests.ui_workflows.nested"
+    path = "/api/runs?limit=3&workflow=tests.apps.ui_workflows.nested"
     while path:
         status, page = client.get(path)
         assert status == 200
         seen += [r["id"] for r in page["runs"]]
-        path = page["next"] and f"/api/runs?limit=3&workflow=tests.ui_workflows.nested&before={page['next']}"
+        path = page["next"] and f"/api/runs?limit=3&workflow=tests.apps.ui_workflows.nested&before={page['next']}"
     assert seen == [str(run.id) for run in reversed(nested)]  # every run once, newest first
 
     assert [r["id"] for r in client.get("/api/runs?status=scheduled")[1]["runs"]] == [str(typed.id)]
@@ -177,7 +177,7 @@ def test_requeue_refuses_a_live_claimer_and_reschedule_copies_args(db, ui):
     assert answer["done"] == [str(run.id)] and db.run(run.id)["status"] == "scheduled"
 
     status, answer = client.request("POST", "/api/actions/reschedule",
-                                    {"filter": {"workflow": "tests.ui_workflows.nested"}}, headers=csrf)
+                                    {"filter": {"workflow": "tests.apps.ui_workflows.nested"}}, headers=csrf)
     assert status == 200 and len(answer["done"]) == 1
     assert db.run(uuid.UUID(answer["done"][0]))["args"] == [1]
     actions = [row[0] for row in db.query("SELECT action FROM everystep_audit ORDER BY id")]
@@ -206,7 +206,7 @@ def test_cli_actions_are_audited(db):
                               capture_output=True, text=True, timeout=60)
 
     assert cli("resolve-step", str(run), "1", "--result", '"charged"').returncode == 0
-    assert cli("schedule", "tests.ui_workflows:slow", "0.5").returncode == 0
+    assert cli("schedule", "tests.apps.ui_workflows:slow", "0.5").returncode == 0
     assert cli("prune", "--older-than", "30").returncode == 0
     rows = db.query("SELECT source, action, run_id, step_id, details FROM everystep_audit ORDER BY id")
     assert [(r[0], r[1]) for r in rows] == [("cli", "resolve-step"), ("cli", "schedule"), ("cli", "prune")]
@@ -249,7 +249,7 @@ def test_schedules_pause_resume_and_fire_now(db, ui):
     from everystep import scheduler  # noqa: PLC0415
 
     with db.connect() as conn:
-        scheduler.apply(conn, {"nightly": scheduler.Schedule(workflow="tests.ui_workflows.slow", cron="0 3 * * *",
+        scheduler.apply(conn, {"nightly": scheduler.Schedule(workflow="tests.apps.ui_workflows.slow", cron="0 3 * * *",
                                                              args=(0.0,))})
     client = Client(ui())
     csrf = {"X-CSRF-Token": client.csrf()}
@@ -274,7 +274,7 @@ def test_schedules_pause_resume_and_fire_now(db, ui):
 
 
 def test_failures_grouped_and_workers_listed(db, ui, tmp_path):
-    from tests.processes import WorkerProcess, wait_for  # noqa: PLC0415
+    from tests.support.processes import WorkerProcess, wait_for  # noqa: PLC0415
 
     for error_type, count in (("app.Timeout", 3), ("app.Refused", 1)):
         for _ in range(count):
@@ -288,7 +288,7 @@ def test_failures_grouped_and_workers_listed(db, ui, tmp_path):
     assert client.get("/api/failures?window=year")[0] == 400
 
     [run] = db.schedule_many(ui_workflows.slow, [(30.0,)])
-    worker = WorkerProcess(db.url, "ui-worker-1", tmp_path / "logs", threads=3, imports=("tests.ui_workflows",))
+    worker = WorkerProcess(db.url, "ui-worker-1", tmp_path / "logs", threads=3, imports=("tests.apps.ui_workflows",))
     try:
         wait_for(lambda: db.run(run.id)["status"] == "running", 30, what="the run to be claimed")
         workers = client.get("/api/workers")[1]["workers"]

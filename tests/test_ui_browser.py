@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import ui_workflows
-from tests.processes import ROOT, wait_for
-from tests.supervisor_process import config
+from tests.apps import ui_workflows
+from tests.support.processes import ROOT, wait_for
+from tests.support.supervisor_process import config
 from tests.test_ui import OPERATOR, VIEWER, blocked_run
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -44,7 +44,7 @@ def ui_url(db, supervisors, monkeypatch):
     """A supervisor with a `ui:` section whose tokens come from the environment; the UI's address."""
     monkeypatch.setenv("EVERYSTEP_UI_VIEWER_TOKEN", VIEWER)
     monkeypatch.setenv("EVERYSTEP_UI_OPERATOR_TOKEN", OPERATOR)
-    sup = supervisors(config(db.url, "uitest", imports=["tests.workflows", "tests.ui_workflows"],
+    sup = supervisors(config(db.url, "uitest", imports=["tests.apps.workflows", "tests.apps.ui_workflows"],
                              ui={"bind": "127.0.0.1", "port": 0, "viewer_token": "${EVERYSTEP_UI_VIEWER_TOKEN}",
                                  "operator_token": "${EVERYSTEP_UI_OPERATOR_TOKEN}"}))
     match = wait_for(lambda: re.search(r"ui: serving on (http://[^ ]+)/", sup.output()), 30, what="the UI to serve")
@@ -64,8 +64,12 @@ def open_page(browser, url: str, token: str, init_script: str | None = None) -> 
 
 
 def shot(page: Page, name: str, full_page: bool = False) -> None:
-    DOCS.mkdir(exist_ok=True)
-    page.screenshot(path=str(DOCS / f"ui-{name}.png"), full_page=full_page)
+    """The docs' screenshots, made again only on request (EVERYSTEP_SCREENSHOTS=1),
+    so a test run leaves the tree as it was."""
+    png = page.screenshot(full_page=full_page)
+    assert png.startswith(b"\x89PNG")
+    if os.environ.get("EVERYSTEP_SCREENSHOTS") == "1":
+        (DOCS / f"ui-{name}.png").write_bytes(png)
 
 
 def test_the_list_updates_live_when_a_run_completes(db, browser, ui_url):

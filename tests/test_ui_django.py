@@ -7,13 +7,13 @@ import json
 import subprocess
 import sys
 
-from tests.processes import ROOT
+from tests.support.processes import ROOT
 from tests.test_ui import blocked_run
 
 
 def test_the_ui_behind_djangos_auth(db):
     run = blocked_run(db)
-    result = subprocess.run([sys.executable, "-m", "tests.django_ui", db.url, str(run)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "tests.apps.django_ui", db.url, str(run)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)

@@ -12,8 +12,8 @@ import pytest
 
 import everystep
 from everystep import schedule
-from tests import workflows
-from tests.processes import WorkerProcess, wait_for
+from tests.apps import workflows
+from tests.support.processes import WorkerProcess, wait_for
 
 
 def statuses(db):

@@ -24,7 +24,7 @@ import time
 
 import everystep
 from tests.benchmarks import harness, workflows
-from tests.scraping import get, samples
+from tests.support.scraping import get, samples
 
 QUICK = {"runs": 1000, "trickle": 10}
 THREADS = 4

@@ -10,7 +10,7 @@ import argparse
 import time
 
 from tests.benchmarks import harness, workflows
-from tests.supervisor_process import children_of
+from tests.support.supervisor_process import children_of
 
 QUICK = {"runs": 200}
 

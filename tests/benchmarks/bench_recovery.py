@@ -13,7 +13,7 @@ import argparse
 import time
 
 from tests.benchmarks import harness, workflows
-from tests.processes import wait_for
+from tests.support.processes import wait_for
 
 QUICK = {"interval": 0.5, "grace": 1.5}
 

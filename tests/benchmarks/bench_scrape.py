@@ -33,7 +33,7 @@ RUNNERS = 4
 
 def restart_children(folder: Path, restarts: int, stock: bool) -> None:
     metrics_dir.prepare(folder)
-    command = [sys.executable, "-m", "tests.obs_restarts", str(folder), str(restarts), str(RUNNERS)]
+    command = [sys.executable, "-m", "tests.apps.obs_restarts", str(folder), str(restarts), str(RUNNERS)]
     subprocess.run(command + (["--stock"] if stock else []), cwd=ROOT, check=True,
                    env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)})
 

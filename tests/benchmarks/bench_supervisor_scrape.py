@@ -18,10 +18,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import workflows
+from tests.apps import workflows
 from tests.benchmarks import harness
-from tests.processes import wait_for
-from tests.supervisor_process import SupervisorProcess, config, restart_workers
+from tests.support.processes import wait_for
+from tests.support.supervisor_process import SupervisorProcess, config, restart_workers
 
 QUICK = {"restarts": 20, "scrapes": 20}
 

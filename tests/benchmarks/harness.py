@@ -29,7 +29,7 @@ from psycopg import conninfo
 import everystep
 from everystep import store
 from tests.conftest import Database, _find_server
-from tests.supervisor_process import SupervisorProcess, config
+from tests.support.supervisor_process import SupervisorProcess, config
 
 PROCESSES, THREADS = 2, 8  # the fleet under test: 2 worker processes x 8 threads
 CLIENTS = PROCESSES * THREADS  # the ceiling's concurrency: one connection per run slot

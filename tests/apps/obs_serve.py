@@ -1,5 +1,5 @@
 """The HTTP child, as a process of its own for the tests:
-python -m tests.obs_serve BIND PORT DATABASE_URL RUNTIME_DIR MULTIPROC_DIR APPLICATION_NAME"""
+python -m tests.apps.obs_serve BIND PORT DATABASE_URL RUNTIME_DIR MULTIPROC_DIR APPLICATION_NAME"""
 
 import logging
 import sys

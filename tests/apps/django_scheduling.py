@@ -11,10 +11,11 @@ from django.conf import settings
 from psycopg import conninfo
 
 import everystep
-from tests.workflows import quick
+from tests.apps.workflows import quick
 
 
-def main(url: str) -> None:
+def configure_django(url: str) -> None:
+    """Django with one database: the test's (its schema in the options)."""
     params = conninfo.conninfo_to_dict(url)
     settings.configure(DATABASES={"default": {
         "ENGINE": "django.db.backends.postgresql", "NAME": params["dbname"], "USER": params.get("user", ""),
@@ -22,6 +23,10 @@ def main(url: str) -> None:
         "OPTIONS": {"options": params.get("options", "")},
     }})
     django.setup()
+
+
+def main(url: str) -> None:
+    configure_django(url)
     from django.db import transaction  # noqa: PLC0415
 
     with transaction.atomic():

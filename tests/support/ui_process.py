@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from tests.processes import ROOT, wait_for
+from tests.support.processes import ROOT, wait_for
 
 SERVING = re.compile(r"ui: serving on http://([^ /]+)/")
 

@@ -15,8 +15,8 @@ import yaml
 
 import everystep
 from supervisor import state_file
-from tests import workflows
-from tests.processes import ROOT, wait_for
+from tests.apps import workflows
+from tests.support.processes import ROOT, wait_for
 
 
 def process_state(pid: int) -> str | None:
@@ -60,7 +60,7 @@ def config(url: str, name: str, **sections) -> dict:
     document = {
         "database": {"url": url},
         "name": name,
-        "imports": ["tests.workflows"],
+        "imports": ["tests.apps.workflows"],
         "workers": {"processes": 2, "threads": 4, "poll": 0.5, "drain": 10},
         "recovery": {"interval": 0.5, "grace": 1.5, "max_crashes": 3},
         "http": {"bind": "127.0.0.1", "port": 0},

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import wait_for
+from tests.support.processes import wait_for
 
 # An answer within this many seconds came from the HTTP child's deadlines (3 s
 # for the database), not from a hang; the margin is for a loaded machine.

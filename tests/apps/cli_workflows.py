@@ -1,5 +1,5 @@
 """Workflows for the CLI tests. The CLI runs as a subprocess and imports them
-as `tests.cli_workflows`; the tests execute them in-process."""
+as `tests.apps.cli_workflows`; the tests execute them in-process."""
 
 from __future__ import annotations
 

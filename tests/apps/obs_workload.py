@@ -1,5 +1,5 @@
 """Schedules a mix of workflows and runs them to their end in this process,
-the way a worker would: python -m tests.obs_workload SERVER_URL SCHEMA
+the way a worker would: python -m tests.apps.obs_workload SERVER_URL SCHEMA
 
 Run with PROMETHEUS_MULTIPROC_DIR set, so the engine's metrics land in the
 folder. Prints one JSON line: how many runs ended how."""
@@ -9,7 +9,7 @@ import json
 import sys
 
 import everystep
-from tests import obs_workflows
+from tests.apps import obs_workflows
 from tests.conftest import Database
 
 ORDERS = [("o-1", 10), ("o-2", 25), ("o-3", -5), ("out-of-stock", 7), ("o-4", 3)]

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 20.0, interval: float = 0.05, what: str = "") -> object:
@@ -36,7 +36,7 @@ class WorkerProcess:
     """`everystep worker` in a subprocess, logging to a file."""
 
     def __init__(self, url: str, name: str, log_dir: Path, threads: int = 4, poll: float = 0.5,
-                 drain: float = 10, grace: float = 2, max_crashes: int = 3, imports: tuple = ("tests.workflows",),
+                 drain: float = 10, grace: float = 2, max_crashes: int = 3, imports: tuple = ("tests.apps.workflows",),
                  command: tuple = (sys.executable, "-m", "everystep.cli"), cwd: Path = ROOT,
                  direct_url: str | None = None):
         self.name = name

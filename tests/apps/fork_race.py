@@ -1,6 +1,6 @@
 """A TERM sent to a child the instant it is forked, before it has put back
 the default handlers of the signals it inherits from the supervisor:
-python -m tests.fork_race DATABASE_URL
+python -m tests.apps.fork_race DATABASE_URL
 
 The child's first steps are slowed down here, so that the TERM lands in that
 window every time. Prints how the child ended."""

@@ -1,5 +1,5 @@
 """A child that records metrics the way a worker does, then stays alive
-until killed: python -m tests.obs_child RUNNER CLAIMS COMPLETED_RUNS
+until killed: python -m tests.apps.obs_child RUNNER CLAIMS COMPLETED_RUNS
 
 Run with PROMETHEUS_MULTIPROC_DIR set, as the supervisor's children are.
 Prints "ready" once everything is written."""

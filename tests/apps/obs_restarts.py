@@ -2,7 +2,7 @@
 metrics a worker records and exits, reap it, mark it dead. Run with
 PROMETHEUS_MULTIPROC_DIR set to the folder.
 
-python -m tests.obs_restarts FOLDER RESTARTS RUNNERS [--stock]
+python -m tests.apps.obs_restarts FOLDER RESTARTS RUNNERS [--stock]
 
 --stock marks children dead the way prometheus_client alone does (no archive),
 for comparison in the benchmark."""

@@ -19,7 +19,7 @@ if __name__ != "__main__":  # imported by Django as the URLconf, after settings.
 def main(url: str) -> None:
     params = conninfo.conninfo_to_dict(url)
     settings.configure(
-        DEBUG=False, SECRET_KEY="test-only", ROOT_URLCONF="tests.django_ui", ALLOWED_HOSTS=["testserver"],
+        DEBUG=False, SECRET_KEY="test-only", ROOT_URLCONF="tests.apps.django_ui", ALLOWED_HOSTS=["testserver"],
         EVERYSTEP_UI_DATABASE_URL=url, LOGIN_URL="/login/",
         INSTALLED_APPS=["django.contrib.auth", "django.contrib.contenttypes", "django.contrib.sessions"],
         MIDDLEWARE=["django.contrib.sessions.middleware.SessionMiddleware",

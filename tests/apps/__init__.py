@@ -1,0 +1,1 @@
+"""Workflow modules and child-process entry points that the tests start."""
