@@ -12,7 +12,7 @@ from typing import Any, TypeVar, overload
 
 import psycopg
 
-from everystep import registry, serde, store
+from everystep import registry, serde, store, tracing
 from everystep.context import current_scope, run_branches
 from everystep.errors import EverystepError, StepFailure
 from everystep.ids import uuid7, uuid7_many
@@ -112,7 +112,8 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     _check_key(idempotency_key)
     args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
     conn = transaction_connection(conn, "schedule()")
-    run_id, created = store.insert_run(conn, uuid7(), name, args_json, idempotency_key)
+    run_id, created = tracing.traced_schedule(
+        name, lambda trace_context: store.insert_run(conn, uuid7(), name, args_json, idempotency_key, trace_context))
     return ScheduledRun(run_id, name, created)
 
 

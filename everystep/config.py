@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import importlib.util
 import keyword
 import math
 import os
@@ -84,6 +85,23 @@ class HttpConfig:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    format: str = "text"  # text: one line per record; json: one JSON object per line
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    enabled: bool = False  # OpenTelemetry spans, exported with OTLP/HTTP as OTEL_* says (extra `otel`)
+
+
+@dataclass(frozen=True)
+class SentryConfig:
+    enabled: bool = False  # report failed and blocked runs to SENTRY_DSN (extra `sentry`)
+
+
+LOG_FORMATS = ("text", "json")
+
+@dataclass(frozen=True)
 class UiConfig:
     """The operators' web UI (`ui:`), served on its own port, never /metrics'."""
 
@@ -108,6 +126,9 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     schedules: Manifest = field(default_factory=Manifest)  # a dict by key, with its .source
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    sentry: SentryConfig = field(default_factory=SentryConfig)
     ui: UiConfig | None = None  # None: no `ui:` section, no UI served
 
 
@@ -152,6 +173,9 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
     workers = _Section(file, "workers", top.raw.get("workers"), WorkersConfig)
     recovery = _Section(file, "recovery", top.raw.get("recovery"), RecoveryConfig)
     http = _Section(file, "http", top.raw.get("http"), HttpConfig)
+    logging = _Section(file, "logging", top.raw.get("logging"), LoggingConfig)
+    tracing = _Section(file, "tracing", top.raw.get("tracing"), TracingConfig)
+    sentry = _Section(file, "sentry", top.raw.get("sentry"), SentryConfig)
     return Config(
         path=path,
         database=DatabaseConfig(url=_database_url(database), direct_url=_direct_url(database)),
@@ -171,8 +195,27 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         ),
         http=HttpConfig(bind=_bind_address(http), port=http.integer("port", minimum=0, maximum=65535)),
         schedules=_schedules(file, top.raw.get("schedules")),
+        logging=LoggingConfig(format=logging.choice("format", LOG_FORMATS)),
+        tracing=TracingConfig(enabled=_switch(tracing, "otel", "opentelemetry.sdk",
+                                              "opentelemetry.exporter.otlp.proto.http")),
+        sentry=SentryConfig(enabled=_switch(sentry, "sentry", "sentry_sdk")),
         ui=_ui(file, top.raw),
     )
+
+
+def _switch(section: _Section, extra: str, *modules: str) -> bool:
+    """An `enabled:` switch that needs an extra: refused at load when it is not installed."""
+    enabled = section.boolean("enabled")
+    if enabled:
+        for module in modules:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:
+                found = False
+            if not found:
+                raise section.error("enabled", f"needs {module}, which is not installed: "
+                                               f"pip install 'everystep[{extra}]'")
+    return enabled
 
 
 def _database_url(database: _Section, key: str = "url") -> str:

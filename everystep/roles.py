@@ -50,7 +50,7 @@ GRANT USAGE ON SCHEMA {s} TO {producer}, {worker}, {operator};
 
 -- producer: schedule() only. It inserts runs (only as scheduled, see the
 -- policy below) and reads back the columns an idempotency key needs.
-GRANT INSERT (id, name, args, idempotency_key, status) ON {workflow} TO {producer};
+GRANT INSERT (id, name, args, idempotency_key, status, trace_context) ON {workflow} TO {producer};
 GRANT SELECT (id, name, idempotency_key) ON {workflow} TO {producer};
 GRANT INSERT ON {s}.everystep_audit TO {producer};
 GRANT SELECT ON {s}.everystep_waiting TO {producer};  -- scheduling notifies only when a worker waits

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, registry, serde, store
+from everystep import metrics, observe, registry, serde, store
 from everystep.context import Outcome, RunContext, Scope, current_run, current_scope, run_branches
 from everystep.errors import (
     Drain,
@@ -151,6 +151,7 @@ class Runner:
         _late_outcomes.add(replay)
         extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
         try:
+            replay.trace = observe.run_started(replay)
             outcome = replay.run()
         except LostClaim as exc:
             log.warning("claim lost, run abandoned: %s", exc, extra=extra)
@@ -163,6 +164,7 @@ class Runner:
                 raise
             # The engine itself failed on this run.
             log.exception("engine error on run; marking it failed", extra=extra)
+            observe.run_ending(replay, "failed", exc)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
                 replay.end("failed", None, error, None)
@@ -179,6 +181,7 @@ class Runner:
     def _ended(run: store.ClaimedRun, replay: Replay, outcome: str, started: float) -> Execution:
         _late_outcomes.discard(replay)
         replay.release()
+        observe.run_ended(replay, outcome)
         runs, duration = _run_metrics(run.name, outcome)
         runs.inc()
         duration.observe(time.perf_counter() - started)
@@ -215,6 +218,7 @@ class Replay:
         self._unwritten: tuple[store.StepRow, float, float] | None = None
         self._outcome_lock = threading.Lock()
         self._late_failure_logged = False
+        self.trace: Any = None  # the tracing and error-report hooks' state (everystep.observe)
 
     # -------------------------------------------------------------- writes
 
@@ -322,6 +326,7 @@ class Replay:
                     extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
                     exc_info=exc,
                 )
+        observe.run_ending(self, status, exc)
         self.end(status, result, error, unwritten)
         return status
 
@@ -389,6 +394,7 @@ class Replay:
                 return serde.from_json(result)
             if status == "failed":
                 exc = serde.decode_exception(error)
+                observe.step_ended(self, None, name, "failed", exc)  # no span: served; the report's step tag
                 if isinstance(exc, Terminal):
                     raise self.stop_with(exc)
                 raise exc
@@ -412,9 +418,11 @@ class Replay:
             rerun_started = True
 
         scope_token = current_scope.set(None)  # a step called inside a step is a plain call
+        traced = observe.step_started(self, step_id, name)
         try:
             value = fn(*args, **kwargs)
         except Exception as exc:
+            observe.step_ended(self, traced, name, "failed", exc)
             error = serde.encode_exception(exc)
             self._record(step_id, name, args_json, kwargs_json, "failed", None, error, rerun_started, started)
             if isinstance(exc, Terminal):
@@ -422,6 +430,7 @@ class Replay:
             raise
         finally:
             current_scope.reset(scope_token)
+        observe.step_ended(self, traced, name, "done")
         result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
         self._record(step_id, name, args_json, kwargs_json, "done", result, None, rerun_started, started)
         return value

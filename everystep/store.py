@@ -99,19 +99,21 @@ def migrate(conn: psycopg.Connection) -> list[str]:
 # ---------------------------------------------------------------- scheduling
 
 def insert_run(
-    conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None
+    conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
+    trace_context: str | None = None,
 ) -> tuple[uuid.UUID, bool]:
-    """Insert a scheduled run into the caller's transaction and notify workers
-    (Postgres delivers the notification at commit). With an idempotency key, an
-    existing run of the same (name, key) is returned instead: (id, created)."""
+    """Insert a scheduled run into the caller's transaction and notify the
+    workers waiting for runs, if any (delivered at commit; see everystep_wake). With an idempotency key, an
+    existing run of the same (name, key) is returned instead: (id, created).
+    `trace_context`: the scheduling span's context as JSON, when tracing is on."""
     row = conn.execute(
         "WITH ins AS ("
-        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)"
-        " VALUES (%s, %s, %s::jsonb, %s, 'scheduled')"
+        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context)"
+        " VALUES (%s, %s, %s::jsonb, %s, 'scheduled', %s::jsonb)"
         " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
         " RETURNING id)"
         f" SELECT id, {_WAKE} FROM ins",
-        (run_id, name, args_json, idempotency_key),
+        (run_id, name, args_json, idempotency_key, trace_context),
     ).fetchone()
     if row is not None:
         return row[0], True
@@ -581,6 +583,27 @@ def finish_run(
     if done.get_value(0, 0) != b"t":
         return None
     return _claimed_runs(conn, done, first_column=1)
+
+
+# Counting one more traced execution of a held run, and reading the trace
+# context it continues: only with tracing on.
+_START_TRACED_EXECUTION = _hot("start_traced_execution", (
+    "UPDATE everystep_workflow SET trace_context = jsonb_set(coalesce(trace_context, '{}'), '{executions}',"
+    "  to_jsonb(coalesce((trace_context->>'executions')::integer, 0) + 1))"
+    f" WHERE {_HELD} RETURNING trace_context::text"
+), ("run", "runner", "token"))
+
+
+def start_traced_execution(conn: Executor, run: uuid.UUID, runner: str, token: int) -> tuple[dict, int] | None:
+    """Count one more traced execution of a held run and return (its stored
+    trace context, the number of this execution), or None if the run is not
+    held by this execution. On the hot path's libpq calls: it comes with every
+    traced execution."""
+    result = _run_hot(conn, _START_TRACED_EXECUTION, {"run": run, "runner": runner, "token": token})
+    if result.ntuples == 0:
+        return None
+    stored = json.loads(result.get_value(0, 0).decode())
+    return stored, stored["executions"]
 
 
 def requeue_held(conn: Executor, runner: str, claims: list[Claim]) -> list[uuid.UUID]:

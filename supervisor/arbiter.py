@@ -92,7 +92,7 @@ class Arbiter:
     # ---------------------------------------------------------------- life
 
     def run(self) -> int:
-        logs.configure()
+        logs.configure(format=self.config.logging.format)
         self._import_modules(self.config.imports)
         self.database_url = self._database_url()
         self._install_signals()

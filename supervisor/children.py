@@ -21,7 +21,7 @@ from pathlib import Path
 import psycopg
 from setproctitle import setproctitle
 
-from everystep import liveness, logs
+from everystep import liveness, logs, observe
 from everystep.signals import stop_on_signals
 
 log = logging.getLogger("everystep.supervisor")
@@ -59,7 +59,7 @@ def run_child(spec: ChildSpec, config, status_fd: int, parent_pid: int) -> None:
     status = _Status(status_fd)
     code = 0
     try:
-        _after_fork(spec, parent_pid)
+        _after_fork(spec, parent_pid, config)
         {"worker": _worker, "http": _http, "maintenance": _maintenance, "setup": _setup, "ui": _ui}[spec.role](
             spec, config, status
         )
@@ -69,6 +69,7 @@ def run_child(spec: ChildSpec, config, status_fd: int, parent_pid: int) -> None:
         log.exception("%s %s %s", spec.role, spec.name, "failed" if status.was_booted else "could not boot")
         code = 1 if status.was_booted else EXIT_BOOT_FAILED
     finally:
+        observe.shutdown()  # the spans and reports still buffered: os._exit skips exit handlers
         logging.shutdown()
         os._exit(code)
 
@@ -103,7 +104,7 @@ class _Status:
             pass  # the supervisor is gone: this child is on its way out (SIGTERM), nobody to tell
 
 
-def _after_fork(spec: ChildSpec, parent_pid: int) -> None:
+def _after_fork(spec: ChildSpec, parent_pid: int, config) -> None:
     # The parent's signal handling is not ours: back to the defaults. The
     # parent forked with its signals blocked, so one sent meanwhile (a TERM
     # right after the fork) waits, and takes effect when they are unblocked
@@ -116,7 +117,8 @@ def _after_fork(spec: ChildSpec, parent_pid: int) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # it died before prctl took effect
         os._exit(0)
-    logs.configure()
+    logs.configure(format=config.logging.format)
+    observe.setup(config.tracing.enabled, config.sentry.enabled)  # after the fork: their threads are per process
     setproctitle(f"everystep: {spec.role} {spec.name}" if spec.role != spec.name else f"everystep: {spec.role}")
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SUPERVISOR_SIGNALS)
 

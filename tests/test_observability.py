@@ -278,8 +278,8 @@ def test_queue_gauges_match_the_tables(db, folders, start):
     assert value(scrape, "everystep_workflows_oldest_pending_age_seconds") == 0
 
     with db.connect() as conn, everystep.transaction(conn):
-        everystep.schedules.put("sick", "tests.workflows.quick", ["/tmp"], cron="@daily")
-        everystep.schedules.put("resting", "tests.workflows.quick", ["/tmp"], cron="@daily", paused=True)
+        everystep.schedules.put("sick", "tests.apps.workflows.quick", ["/tmp"], cron="@daily")
+        everystep.schedules.put("resting", "tests.apps.workflows.quick", ["/tmp"], cron="@daily", paused=True)
         store.set_schedule_paused(conn, "sick", True, None, "auto-paused: its last 3 runs failed")
     assert value(server.metrics(), "everystep_schedules_auto_paused") == 1  # not the one paused by hand
 

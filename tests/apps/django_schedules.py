@@ -7,8 +7,8 @@ import json
 import sys
 
 import everystep
-from tests.django_scheduling import configure_django
-from tests.workflows import quick
+from tests.apps.django_scheduling import configure_django
+from tests.apps.workflows import quick
 
 
 def main(url: str) -> None:
