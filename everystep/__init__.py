@@ -1,7 +1,17 @@
 """everystep: durable workflows for Python on PostgreSQL."""
 
 from everystep import schedules  # the schedules API: everystep.schedules.put(...)
-from everystep.api import ScheduledRun, parallel, resolve_step, schedule, step, transaction, use, workflow
+from everystep.api import (
+    ScheduledRun,
+    parallel,
+    resolve_step,
+    schedule,
+    schedule_many,
+    step,
+    transaction,
+    use,
+    workflow,
+)
 from everystep.context import Outcome, RunContext, current
 from everystep.errors import (
     EffectUncertain,
@@ -29,6 +39,7 @@ __all__ = [
     "parallel",
     "resolve_step",
     "schedule",
+    "schedule_many",
     "schedules",
     "step",
     "transaction",
