@@ -57,6 +57,10 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class DatabaseConfig:
     url: str = ""  # empty: the supervisor starts an embedded PostgreSQL
+    # Set when `url` goes through PgBouncer in transaction mode: straight to
+    # PostgreSQL, for what needs a session (workers' control sessions,
+    # maintenance, migrations, the HTTP child); the workers' pools use `url`.
+    direct_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,7 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
     sentry = _Section(file, "sentry", top.raw.get("sentry"), SentryConfig)
     return Config(
         path=path,
-        database=DatabaseConfig(url=_database_url(database)),
+        database=DatabaseConfig(url=_database_url(database), direct_url=_direct_url(database)),
         name=_runner_base_name(top),
         imports=tuple(_module_names(top)),
         migrate=top.boolean("migrate"),
@@ -214,8 +218,8 @@ def _switch(section: _Section, extra: str, *modules: str) -> bool:
     return enabled
 
 
-def _database_url(database: _Section) -> str:
-    url = database.text("url")
+def _database_url(database: _Section, key: str = "url") -> str:
+    url = database.text(key)
     if url:
         try:
             conninfo.conninfo_to_dict(url)  # what libpq would refuse when a child connects
@@ -223,8 +227,15 @@ def _database_url(database: _Section) -> str:
             # libpq quotes the part it trips on, which may be a password: not in the logs.
             problem = re.sub(r'"[^"]*"', lambda quoted: quoted[0] if quoted[0] == '"="' else '"..."',
                              first_line(exc))
-            raise database.error("url", f"not a PostgreSQL URL or connection string: {problem}") from None
+            raise database.error(key, f"not a PostgreSQL URL or connection string: {problem}") from None
     return url
+
+
+def _direct_url(database: _Section) -> str:
+    direct_url = _database_url(database, "direct_url")
+    if direct_url and not database.text("url"):
+        raise database.error("direct_url", "needs database.url (the URL through PgBouncer) as well")
+    return direct_url
 
 
 def _runner_base_name(top: _Section) -> str:

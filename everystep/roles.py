@@ -54,17 +54,20 @@ GRANT USAGE ON SCHEMA {s} TO {producer}, {worker}, {operator};
 GRANT INSERT (id, name, args, idempotency_key, status, due_at, trace_context) ON {workflow} TO {producer};
 GRANT SELECT (id, name, idempotency_key) ON {workflow} TO {producer};
 GRANT INSERT ON {s}.everystep_audit TO {producer};
+GRANT SELECT ON {s}.everystep_waiting TO {producer};  -- scheduling notifies only when a worker waits
 
 -- worker: claim, record steps, end, requeue, count crashes, fire schedules.
 GRANT SELECT, INSERT, UPDATE ON {workflow}, {step}, {s}.everystep_crash TO {worker};
 GRANT SELECT, UPDATE ON {s}.everystep_schedule TO {worker};
 GRANT USAGE ON SEQUENCE {s}.everystep_claim_token TO {worker};  -- every claim takes a new execution token
+GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers while a slot is free
 
 -- operator: the CLI's and the UI's actions, and reading everything.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash, {s}.everystep_schedule
     TO {operator};
 GRANT SELECT, INSERT ON {s}.everystep_audit TO {operator};
 GRANT SELECT ON {s}.everystep_migration TO {operator};
+GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
 GRANT pg_read_all_stats TO {operator};
 
 -- Rows: a worker changes only runs that are scheduled, waiting or running

@@ -188,7 +188,8 @@ class Arbiter:
 
     def _spawn(self, slot: Slot) -> None:
         read_fd, write_fd = os.pipe()
-        spec = ChildSpec(slot.role, slot.name, self.database_url, str(self.runtime_dir))
+        spec = ChildSpec(slot.role, slot.name, self.database_url, str(self.runtime_dir),
+                         direct_url=self.config.database.direct_url)
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()

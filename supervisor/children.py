@@ -45,6 +45,12 @@ class ChildSpec:
     name: str  # the runner name of a worker; the role otherwise
     database_url: str
     runtime_dir: str
+    direct_url: str = ""  # database.direct_url: the workers' pools use database_url (PgBouncer)
+
+    @property
+    def session_url(self) -> str:
+        """The URL for what needs a session of its own (locks, LISTEN, psycopg's prepared statements)."""
+        return self.direct_url or self.database_url
 
 
 def run_child(spec: ChildSpec, config, status_fd: int, parent_pid: int) -> None:
@@ -129,7 +135,7 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
         spec.database_url, spec.name, threads=workers.threads, poll=workers.poll, drain=workers.drain,
         grace=config.recovery.grace, max_crashes=config.recovery.max_crashes, on_claim=status.claimed_work,
         on_load=lambda inflight, threads: setproctitle(f"everystep: worker {spec.name} [{inflight}/{threads}]"),
-        on_lock=status.lock,
+        on_lock=status.lock, direct_url=spec.direct_url or None,
     )
     metrics.declare_runner(spec.name)
     stop_on_signals(worker)
@@ -144,7 +150,7 @@ def _http(spec: ChildSpec, config, status: _Status) -> None:
         status.port(port)
         status.booted()
 
-    http_server.serve(config.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
+    http_server.serve(config.http.bind, config.http.port, spec.session_url, Path(spec.runtime_dir),
                       Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), on_ready=bound)
 
 
@@ -162,7 +168,7 @@ def _ui(spec: ChildSpec, config, status: _Status) -> None:
 def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
     from everystep.maintenance import Maintenance  # noqa: PLC0415
 
-    maintenance = Maintenance(spec.database_url, interval=config.recovery.interval, grace=config.recovery.grace,
+    maintenance = Maintenance(spec.session_url, interval=config.recovery.interval, grace=config.recovery.grace,
                               max_crashes=config.recovery.max_crashes)
     stop_on_signals(maintenance)
     status.booted()
@@ -181,7 +187,7 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
     outage = Outage("setup", first_wait=0.5)
     while True:
         try:
-            with psycopg.connect(spec.database_url, **liveness.connection_kwargs("everystep setup")) as conn:
+            with psycopg.connect(spec.session_url, **liveness.connection_kwargs("everystep setup")) as conn:
                 if config.migrate:
                     applied = store.migrate(conn)
                     log.info("migrations: %s", f"applied {', '.join(applied)}" if applied else "up to date")

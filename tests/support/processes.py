@@ -37,7 +37,8 @@ class WorkerProcess:
 
     def __init__(self, url: str, name: str, log_dir: Path, threads: int = 4, poll: float = 0.5,
                  drain: float = 10, grace: float = 2, max_crashes: int = 3, imports: tuple = ("tests.apps.workflows",),
-                 command: tuple = (sys.executable, "-m", "everystep.cli"), cwd: Path = ROOT):
+                 command: tuple = (sys.executable, "-m", "everystep.cli"), cwd: Path = ROOT,
+                 direct_url: str | None = None):
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
@@ -45,6 +46,8 @@ class WorkerProcess:
                 "--poll", str(poll), "--drain", str(drain), "--grace", str(grace), "--max-crashes", str(max_crashes)]
         for module in imports:
             args += ["--import", module]
+        if direct_url:
+            args += ["--direct-url", direct_url]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
