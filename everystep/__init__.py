@@ -11,6 +11,7 @@ from everystep.api import (
     patched,
     resolve_step,
     schedule,
+    schedule_many,
     send,
     set_event,
     sleep,
@@ -22,7 +23,7 @@ from everystep.api import (
     wait_for,
     workflow,
 )
-from everystep.context import Backoff, Outcome, RunContext, current
+from everystep.context import Outcome, RunContext, current
 from everystep.errors import (
     Cancelled,
     ChildFailed,
@@ -33,6 +34,7 @@ from everystep.errors import (
     Terminal,
     WorkflowCodeError,
 )
+from everystep.retries import Backoff
 from everystep.serde import decode_exception, encode_exception
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "patched",
     "resolve_step",
     "schedule",
+    "schedule_many",
     "schedules",
     "send",
     "set_event",

@@ -9,16 +9,17 @@ import functools
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar, overload
 
 import psycopg
 
-from everystep import registry, serde, store
-from everystep.context import SEGMENT, Backoff, RetryPolicy, current_scope, run_branches
+from everystep import registry, serde, store, tracing
+from everystep.context import SEGMENT, current_scope, run_branches
 from everystep.errors import EverystepError, StepFailure
-from everystep.ids import uuid7
+from everystep.ids import uuid7, uuid7_many
+from everystep.retries import Backoff, RetryPolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -182,16 +183,64 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     name = registry.workflow_name(workflow_fn)
     if name is None:
         raise TypeError(f"schedule() takes an @workflow function, not {workflow_fn!r}")
-    if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > 255):
-        raise EverystepError("idempotency_key must be a string of at most 255 characters")
+    _check_key(idempotency_key)
     if at is not None and after is not None:
         raise EverystepError("schedule() takes at= or after=, not both")
     at = None if at is None else _aware("schedule(at=...)", at)
     after = None if after is None else _seconds("schedule(after=...)", after)
     args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
     conn = transaction_connection(conn, "schedule()")
-    run_id, created = store.insert_run(conn, uuid7(), name, args_json, idempotency_key, at, after)
+    run_id, created = tracing.traced_schedule(
+        name, lambda trace_context: store.insert_run(conn, uuid7(), name, args_json, idempotency_key,
+                                                       trace_context, at, after))
     return ScheduledRun(run_id, name, created)
+
+
+def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
+                  idempotency_keys: Sequence[str | None] | None = None,
+                  conn: psycopg.Connection | None = None) -> list[ScheduledRun]:
+    """Insert one run of `workflow_fn(*args)` per element of `args_list` (a
+    tuple or list of positional arguments each) into the caller's
+    transaction, in one statement: for bulk. The same checks as `schedule()`,
+    all made before anything is inserted; `idempotency_keys`, when given, has
+    one key (or None) per run. Returns the runs in input order."""
+    name = registry.workflow_name(workflow_fn)
+    if name is None:
+        raise TypeError(f"schedule_many() takes an @workflow function, not {workflow_fn!r}")
+    if isinstance(args_list, (str, bytes)) or not isinstance(args_list, Iterable):
+        raise EverystepError("schedule_many() takes a list of argument tuples, one per run")
+    args_list = list(args_list)
+    args_jsons = []
+    for position, args in enumerate(args_list):
+        if not isinstance(args, (tuple, list)):
+            raise EverystepError(
+                f"schedule_many(): run {position} has arguments {args!r:.60}; each must be a tuple or list "
+                "of positional arguments, e.g. [(1,), (2,)]"
+            )
+        args_jsons.append(serde.dumps(list(args)))
+    if idempotency_keys is None:
+        keys: list[str | None] = [None] * len(args_list)
+    else:
+        if isinstance(idempotency_keys, (str, bytes)):
+            raise EverystepError("idempotency_keys must be a list with one key (or None) per run")
+        keys = list(idempotency_keys)
+        if len(keys) != len(args_list):
+            raise EverystepError(
+                f"idempotency_keys has {len(keys)} keys for {len(args_list)} runs; give one key (or None) per run"
+            )
+        for key in keys:
+            _check_key(key)
+    conn = transaction_connection(conn, "schedule_many()")
+    if not args_list:
+        return []
+    ids = uuid7_many(len(args_list))
+    return [ScheduledRun(run_id, name, created)
+            for run_id, created in store.insert_runs(conn, name, ids, args_jsons, keys)]
+
+
+def _check_key(idempotency_key: str | None) -> None:
+    if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > 255):
+        raise EverystepError("idempotency_key must be a string of at most 255 characters")
 
 
 def transaction_connection(conn: psycopg.Connection | None, caller: str, write: bool = True) -> Any:

@@ -285,9 +285,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     logs.configure(args.log_level)
     url = database_url(args)
+    direct_url = args.direct_url
+    if direct_url is None and getattr(args, "config", None):
+        direct_url = load_config(args.config).database.direct_url or None
     _import_modules(args.imports)
     worker = Worker(url, args.name, threads=args.threads, poll=args.poll, drain=args.drain, grace=args.grace,
-                    max_crashes=args.max_crashes, workflows=args.workflows)
+                    max_crashes=args.max_crashes, workflows=args.workflows, direct_url=direct_url)
     stop_on_signals(worker)
     worker.run()
     sys.stdout.flush()
@@ -708,6 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds without its lock before the worker abandons its runs (default 10)")
     worker.add_argument("--max-crashes", type=_whole_number(1), default=3,
                         help="claims that die without progress before a run fails (default 3)")
+    worker.add_argument("--direct-url", metavar="URL",
+                        help="when the database URL goes through PgBouncer (transaction pooling): a URL straight to "
+                        "PostgreSQL for the control session (default: -c FILE's database.direct_url)")
     worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     maintenance = add(commands, "maintenance", cmd_maintenance,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import importlib.util
 import keyword
 import math
 import os
@@ -56,6 +57,10 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class DatabaseConfig:
     url: str = ""  # empty: the supervisor starts an embedded PostgreSQL
+    # Set when `url` goes through PgBouncer in transaction mode: straight to
+    # PostgreSQL, for what needs a session (workers' control sessions,
+    # maintenance, migrations, the HTTP child); the workers' pools use `url`.
+    direct_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,23 @@ class HttpConfig:
     bind: str = "0.0.0.0"
     port: int = 9117  # 0: any free port (for tests)
 
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    format: str = "text"  # text: one line per record; json: one JSON object per line
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    enabled: bool = False  # OpenTelemetry spans, exported with OTLP/HTTP as OTEL_* says (extra `otel`)
+
+
+@dataclass(frozen=True)
+class SentryConfig:
+    enabled: bool = False  # report failed and blocked runs to SENTRY_DSN (extra `sentry`)
+
+
+LOG_FORMATS = ("text", "json")
 
 @dataclass(frozen=True)
 class UiConfig:
@@ -111,6 +133,9 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     schedules: Manifest = field(default_factory=Manifest)  # a dict by key, with its .source
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    sentry: SentryConfig = field(default_factory=SentryConfig)
     ui: UiConfig | None = None  # None: no `ui:` section, no UI served
     workflows: dict[str, WorkflowConfig] = field(default_factory=dict)
 
@@ -156,9 +181,12 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
     workers = _Section(file, "workers", top.raw.get("workers"), WorkersConfig)
     recovery = _Section(file, "recovery", top.raw.get("recovery"), RecoveryConfig)
     http = _Section(file, "http", top.raw.get("http"), HttpConfig)
+    logging = _Section(file, "logging", top.raw.get("logging"), LoggingConfig)
+    tracing = _Section(file, "tracing", top.raw.get("tracing"), TracingConfig)
+    sentry = _Section(file, "sentry", top.raw.get("sentry"), SentryConfig)
     return Config(
         path=path,
-        database=DatabaseConfig(url=_database_url(database)),
+        database=DatabaseConfig(url=_database_url(database), direct_url=_direct_url(database)),
         name=_runner_base_name(top),
         imports=tuple(_module_names(top)),
         migrate=top.boolean("migrate"),
@@ -176,6 +204,10 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         ),
         http=HttpConfig(bind=_bind_address(http), port=http.integer("port", minimum=0, maximum=65535)),
         schedules=_schedules(file, top.raw.get("schedules")),
+        logging=LoggingConfig(format=logging.choice("format", LOG_FORMATS)),
+        tracing=TracingConfig(enabled=_switch(tracing, "otel", "opentelemetry.sdk",
+                                              "opentelemetry.exporter.otlp.proto.http")),
+        sentry=SentryConfig(enabled=_switch(sentry, "sentry", "sentry_sdk")),
         ui=_ui(file, top.raw),
         workflows=_workflows(file, top.raw.get("workflows")),
     )
@@ -214,8 +246,23 @@ def _workflows(file: str, raw: Any) -> dict[str, WorkflowConfig]:
     return workflows
 
 
-def _database_url(database: _Section) -> str:
-    url = database.text("url")
+def _switch(section: _Section, extra: str, *modules: str) -> bool:
+    """An `enabled:` switch that needs an extra: refused at load when it is not installed."""
+    enabled = section.boolean("enabled")
+    if enabled:
+        for module in modules:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:
+                found = False
+            if not found:
+                raise section.error("enabled", f"needs {module}, which is not installed: "
+                                               f"pip install 'everystep[{extra}]'")
+    return enabled
+
+
+def _database_url(database: _Section, key: str = "url") -> str:
+    url = database.text(key)
     if url:
         try:
             conninfo.conninfo_to_dict(url)  # what libpq would refuse when a child connects
@@ -223,8 +270,15 @@ def _database_url(database: _Section) -> str:
             # libpq quotes the part it trips on, which may be a password: not in the logs.
             problem = re.sub(r'"[^"]*"', lambda quoted: quoted[0] if quoted[0] == '"="' else '"..."',
                              first_line(exc))
-            raise database.error("url", f"not a PostgreSQL URL or connection string: {problem}") from None
+            raise database.error(key, f"not a PostgreSQL URL or connection string: {problem}") from None
     return url
+
+
+def _direct_url(database: _Section) -> str:
+    direct_url = _database_url(database, "direct_url")
+    if direct_url and not database.text("url"):
+        raise database.error("direct_url", "needs database.url (the URL through PgBouncer) as well")
+    return direct_url
 
 
 def _runner_base_name(top: _Section) -> str:

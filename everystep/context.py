@@ -9,16 +9,16 @@ the name. A `parallel` call is a fork: branch i is the scope `<fork>.<i>`.
 from __future__ import annotations
 
 import contextvars
-import random
 import re
 import threading
 import uuid
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from everystep.errors import HALTS, EverystepError
+from everystep.retries import RetryPolicy
 
 MAX_STEP_ID = 300
 
@@ -29,29 +29,9 @@ _NAME = re.compile(r"(?!\d+$)[A-Za-z0-9_\-:]+")
 SEGMENT = _NAME
 
 
-class Backoff(NamedTuple):
-    """The wait before retry n (n = 1, 2, ...): min(maximum, initial *
-    factor ** (n - 1)), then multiplied by a random factor in [1 - jitter, 1]."""
-    initial: float = 1.0
-    factor: float = 2.0
-    maximum: float = 300.0
-    jitter: float = 0.2
-
-    def wait(self, retry: int) -> float:
-        base = min(self.maximum, self.initial * self.factor ** (retry - 1))
-        return base * (1 - self.jitter * random.random())
-
-
-class RetryPolicy(NamedTuple):
-    """How a step is retried (see `everystep.step`)."""
-    retries: int  # further attempts after the first
-    backoff: Backoff
-    retry_on: tuple[type[BaseException], ...] | None  # None: every Exception (safe steps only)
-
-
 @dataclass(frozen=True)
 class Outcome:
-    """A recorded step: `status` is done, failed or started."""
+    """A recorded step: `status` is done, failed, started or retrying."""
 
     name: str
     status: str

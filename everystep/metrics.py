@@ -34,6 +34,12 @@ INFLIGHT = Gauge(
     "everystep_worker_inflight", "Runs a worker is executing now.", ["runner"], multiprocess_mode="livesum"
 )
 CLAIMS = Counter("everystep_worker_claims", "Runs claimed by a worker (catchup included).", ["runner"])
+EMPTY_CLAIMS = Counter(
+    "everystep_worker_empty_claims", "Claim statements of a worker's control loop that found no run.", ["runner"]
+)
+WAKEUPS = Counter(
+    "everystep_worker_notifications", "Notifications of new runs a worker received.", ["runner"]
+)
 REQUEUED = Counter(
     "everystep_worker_requeued", "Runs a worker handed back to the queue (drain).", ["runner"]
 )
@@ -67,5 +73,5 @@ SCHEDULES_AUTO_PAUSED = Counter(
 def declare_runner(runner: str) -> None:
     """Export the runner's counters at 0 before anything happens: Prometheus's
     increase() only sees an increment of a series that it scraped before."""
-    for counter in (CLAIMS, REQUEUED, CLAIMS_LOST):
+    for counter in (CLAIMS, EMPTY_CLAIMS, WAKEUPS, REQUEUED, CLAIMS_LOST):
         counter.labels(runner)

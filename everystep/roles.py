@@ -48,11 +48,13 @@ DO $$ BEGIN
 END $$;
 GRANT USAGE ON SCHEMA {s} TO {producer}, {worker}, {operator};
 
--- producer: schedule() only. It inserts runs (only as scheduled or waiting, see the
--- policy below) and reads back the columns an idempotency key needs.
-GRANT INSERT (id, name, args, idempotency_key, status, due_at) ON {workflow} TO {producer};
+-- producer: schedule() only. It inserts runs (only as scheduled, or waiting
+-- for a delayed start, see the policy below) and reads back the columns an
+-- idempotency key needs. Cancelling (everystep.cancel) is the operator's.
+GRANT INSERT (id, name, args, idempotency_key, status, due_at, trace_context) ON {workflow} TO {producer};
 GRANT SELECT (id, name, idempotency_key) ON {workflow} TO {producer};
 GRANT INSERT ON {s}.everystep_audit TO {producer};
+GRANT SELECT ON {s}.everystep_waiting TO {producer};  -- scheduling notifies only when a worker waits
 -- send(): a message, counted on its run (which a wait parked on it wakes
 -- from); get_event(): what a run published.
 GRANT INSERT ON {s}.everystep_message TO {producer};
@@ -70,6 +72,7 @@ GRANT SELECT, UPDATE ON {s}.everystep_message TO {worker};
 GRANT SELECT, INSERT, UPDATE ON {s}.everystep_event, {s}.everystep_slot, {s}.everystep_route TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_limit TO {worker};
 GRANT DELETE ON {s}.everystep_slot TO {worker};
+GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers while a slot is free
 
 -- operator: the CLI's and the UI's actions, and reading everything.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash, {s}.everystep_schedule
@@ -78,11 +81,12 @@ GRANT SELECT, INSERT ON {s}.everystep_audit TO {operator};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_message, {s}.everystep_event, {s}.everystep_limit,
     {s}.everystep_slot, {s}.everystep_route TO {operator};
 GRANT SELECT ON {s}.everystep_migration TO {operator};
+GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
 GRANT pg_read_all_stats TO {operator};
 
--- Rows: a worker changes only runs that are scheduled or running (never a
--- blocked or finished one: resolving is the operator's), and step rows only
--- of a running run; a producer inserts only scheduled (or delayed, waiting) runs.
+-- Rows: a worker changes only runs that are scheduled, waiting or running
+-- (never a blocked or finished one: resolving is the operator's), and step
+-- rows only of a running run; a producer inserts only scheduled (or waiting) runs.
 ALTER TABLE {workflow} ENABLE ROW LEVEL SECURITY;
 ALTER TABLE {step} ENABLE ROW LEVEL SECURITY;
 {policy(f"{producer}_insert", workflow, "INSERT", producer, None, "status IN ('scheduled', 'waiting')")}

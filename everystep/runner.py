@@ -22,11 +22,10 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, registry, serde, store
+from everystep import metrics, observe, registry, serde, store
 from everystep.context import (
     MAX_STEP_ID,
     Outcome,
-    RetryPolicy,
     RunContext,
     Scope,
     current_run,
@@ -45,6 +44,7 @@ from everystep.errors import (
     WorkflowCodeError,
 )
 from everystep.ids import uuid7
+from everystep.retries import RetryPolicy
 
 log = logging.getLogger("everystep")
 
@@ -59,7 +59,6 @@ RESULT = "everystep.result"
 # A wait no longer than this (seconds) is waited on the run's thread; a longer
 # one parks the run (`waiting`), its slot given back.
 MOMENT = 1.0
-
 
 
 @functools.cache
@@ -185,6 +184,7 @@ class Runner:
         _late_outcomes.add(replay)
         extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
         try:
+            replay.trace = observe.run_started(replay)
             outcome = replay.run()
         except LostClaim as exc:
             log.warning("claim lost, run abandoned: %s", exc, extra=extra)
@@ -197,6 +197,7 @@ class Runner:
                 raise
             # The engine itself failed on this run.
             log.exception("engine error on run; marking it failed", extra=extra)
+            observe.run_ending(replay, "failed", exc)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
                 replay.end("failed", None, error, None)
@@ -213,6 +214,7 @@ class Runner:
     def _ended(run: store.ClaimedRun, replay: Replay, outcome: str, started: float) -> Execution:
         _late_outcomes.discard(replay)
         replay.release()
+        observe.run_ended(replay, outcome)
         runs, duration = _run_metrics(run.name, outcome)
         runs.inc()
         duration.observe(time.perf_counter() - started)
@@ -254,6 +256,7 @@ class Replay:
         self._unwritten: tuple[store.StepRow, float, float] | None = None
         self._outcome_lock = threading.Lock()
         self._late_failure_logged = False
+        self.trace: Any = None  # the tracing and error-report hooks' state (everystep.observe)
 
     # -------------------------------------------------------------- writes
 
@@ -347,7 +350,7 @@ class Replay:
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
             raise exc  # KeyboardInterrupt, SystemExit: not ours to record
-        if self.cancel_delivered and not isinstance(exc, EffectUncertain):
+        if self.cancel_delivered is not None:
             # Cancelled at a step call: the run ends `cancelled`, with what the
             # body returned, or with what it raised (the Cancelled itself when
             # it let it through), or with the Cancelled when it returned.
@@ -376,6 +379,7 @@ class Replay:
                     extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
                     exc_info=exc,
                 )
+        observe.run_ending(self, status, exc)
         return self.end(status, result, error, unwritten)
 
     def end(self, status: str, result: str | None, error: str | None,
@@ -448,6 +452,7 @@ class Replay:
                 return serde.from_json(result)
             if status == "failed":
                 exc = serde.decode_exception(error)
+                observe.step_ended(self, None, name, "failed", exc)  # no span: served; the report's step tag
                 if isinstance(exc, Terminal):
                     raise self.stop_with(exc)
                 if isinstance(exc, Cancelled) and self.cancel_delivered is None:
@@ -461,7 +466,7 @@ class Replay:
             # `started` of a step no longer unsafe (run it again), or `retrying`: the row is updated in place.
             rerun_started = True
 
-        self._boundary(step_id, name)
+        self._boundary(step_id, name, rerun_started)
         if attempts:  # retrying: the back-off recorded with the last failed attempt comes first
             self._wait(scope, attempts[-1]["retry_at"], self.claim.claimed_at)
         args_json = serde.dumps(list(args))
@@ -473,50 +478,60 @@ class Replay:
                 rerun_started = True
 
             scope_token = current_scope.set(None)  # a step called inside a step is a plain call
+            traced = observe.step_started(self, step_id, name)
             failure: Exception | None = None
             try:
                 value = fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001  (recorded, then re-raised or retried)
                 failure = exc
+                observe.step_ended(self, traced, name, "failed", exc)
             finally:
                 current_scope.reset(scope_token)
             if failure is None:
+                observe.step_ended(self, traced, name, "done")
                 result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
                 self._record(step_id, name, args_json, kwargs_json, "done", result, None, rerun_started, started)
                 return value
             error = serde.encode_exception(failure)
-            if not isinstance(failure, Terminal) and _retried(retry, unsafe, failure, len(attempts)):
+            retried = retry is not None and retry.retried(unsafe, failure, len(attempts))
+            if retried and not isinstance(failure, Terminal):
                 attempt = self._record_attempt(step_id, name, args_json, kwargs_json, error, len(attempts) + 1,
                                                retry.backoff.wait(len(attempts) + 1), started)
                 attempts.append(attempt)
                 rerun_started = True
                 self._wait(scope, attempt["retry_at"], attempt["at"])
+                self._deliver_cancel(step_id, name, update=True)  # a cancel request learnt meanwhile
                 continue
             self._record(step_id, name, args_json, kwargs_json, "failed", None, error, rerun_started, started)
             if isinstance(failure, Terminal):
                 raise self.stop_with(failure)
             raise failure
 
-    def _boundary(self, step_id: str, name: str) -> None:
+    def _boundary(self, step_id: str, name: str, update: bool = False) -> None:
         """Before a new step (or sleep) starts: stop here for a drain or a
         lost claim, write the previous step's outcome (its answer tells of a
-        cancel request), and deliver a known cancel request as `Cancelled`,
-        recorded as this step's failure so that a replay raises it at the
-        same call."""
+        cancel request), and deliver a known cancel request. `update`: the
+        step has a row already (`retrying`, or `started` by a step no longer
+        unsafe)."""
         try:
             self.runner.fence.check(self.claim)
         except (Drain, LostClaim) as exc:
             raise self.stop_with(exc) from None
         self._write_unwritten()  # the previous step's outcome is written before this step starts
-        if self.cancel_requested and self.cancel_delivered is None:
-            with self.cursor() as cur:
-                cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
-            self.cancel_delivered = cancelled
-            now = time.time()
-            self._record(step_id, name, "[]", "{}", "failed", None, serde.encode_exception(cancelled), False,
-                         (time.perf_counter(), now))
-            metrics.CANCELLATIONS.labels(self.workflow_name).inc()
-            raise cancelled
+        self._deliver_cancel(step_id, name, update)
+
+    def _deliver_cancel(self, step_id: str, name: str, update: bool) -> None:
+        """Raise a known cancel request as `Cancelled` (once), recorded as
+        this step's failure so that a replay raises it at the same call."""
+        if not self.cancel_requested or self.cancel_delivered is not None:
+            return
+        with self.cursor() as cur:
+            cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
+        self.cancel_delivered = cancelled
+        self._record(step_id, name, "[]", "{}", "failed", None, serde.encode_exception(cancelled), update,
+                     (time.perf_counter(), time.time()))
+        metrics.CANCELLATIONS.labels(self.workflow_name).inc()
+        raise cancelled
 
     def _record_attempt(self, step_id: str, name: str, args: str, kwargs: str, error: dict, attempt: int,
                         wait: float, started: tuple[float, float]) -> dict:
@@ -865,13 +880,3 @@ class Replay:
         if self.halt is not None:
             raise self.halt
         return results
-
-
-def _retried(policy: RetryPolicy | None, unsafe: bool, exc: Exception, failed_before: int) -> bool:
-    """Whether a step's attempt that raised `exc` is tried again: within the
-    count, and of a type retried (an unsafe step only on the types listed)."""
-    if policy is None or failed_before >= policy.retries:
-        return False
-    if policy.retry_on is None:
-        return not unsafe
-    return isinstance(exc, policy.retry_on)

@@ -30,6 +30,12 @@ from psycopg import errors, pq, sql
 # Notifications go to a channel per schema, so deployments sharing a database
 # (or test schemas) do not wake each other's workers.
 _NOTIFY = "pg_notify('everystep:' || current_schema(), '')"
+# What scheduling calls instead: notify only when a worker is waiting for
+# runs, once per transaction (0008_perf.sql says why).
+_WAKE = "everystep_wake()"
+# Taken shared by every scheduling transaction (in everystep_wake), and
+# exclusive by a worker registering as waiting.
+_WAKE_LOCK = "hashtextextended('everystep:wake:' || current_schema(), 0)"
 TERMINAL = ("completed", "failed", "stopped", "cancelled")
 
 # The 64-bit advisory-lock key of a runner name, scoped to the schema so two
@@ -103,24 +109,31 @@ def migrate(conn: psycopg.Connection) -> list[str]:
 
 def insert_run(
     conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
-    at: datetime.datetime | None = None, after: float | None = None,
+    trace_context: str | None = None, at: datetime.datetime | None = None, after: float | None = None,
 ) -> tuple[uuid.UUID, bool]:
-    """Insert a run into the caller's transaction and notify workers
-    (Postgres delivers the notification at commit). It is due `at` a time, or
+    """Insert a run into the caller's transaction and notify the
+    workers waiting for runs, if any (delivered at commit; see everystep_wake). It is due `at` a time, or
     `after` seconds from now by the database's clock, or at once; a run not
     due yet is `waiting`. With an idempotency key, an existing run of the same
-    (name, key) is returned instead: (id, created)."""
+    (name, key) is returned instead: (id, created).
+    `trace_context`: the scheduling span's context as JSON, when tracing is on."""
+    if at is None and after is None:  # due at once: due_at takes its default, now()
+        insert = (" INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context)"
+                  " VALUES (%(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb)")
+    else:
+        insert = (" INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at)"
+                  " SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,"
+                  "  CASE WHEN due.at > now() THEN 'waiting' ELSE 'scheduled' END, %(trace)s::jsonb,"
+                  "  greatest(due.at, now())"
+                  " FROM (SELECT coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(after)s::float8))"
+                  "  AS at) AS due")
     row = conn.execute(
-        "WITH due AS (SELECT coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(after)s::float8),"
-        "  now()) AS at),"
-        " ins AS ("
-        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, due_at)"
-        " SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,"
-        "  CASE WHEN due.at > now() THEN 'waiting' ELSE 'scheduled' END, greatest(due.at, now()) FROM due"
+        f"WITH ins AS ({insert}"
         " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
         " RETURNING id)"
-        f" SELECT id, {_NOTIFY} FROM ins",
-        {"id": run_id, "name": name, "args": args_json, "key": idempotency_key, "at": at, "after": after},
+        f" SELECT id, {_WAKE} FROM ins",
+        {"id": run_id, "name": name, "args": args_json, "key": idempotency_key, "at": at, "after": after,
+         "trace": trace_context},
     ).fetchone()
     if row is not None:
         return row[0], True
@@ -135,6 +148,67 @@ def insert_run(
             f"a run with idempotency key {idempotency_key!r} exists but is not visible to this transaction"
         )
     return existing[0], False
+
+
+def insert_runs(
+    conn: psycopg.Connection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
+    idempotency_keys: list[str | None],
+) -> list[tuple[uuid.UUID, bool]]:
+    """Insert many scheduled runs of one workflow in one statement (one
+    notification at most). Returns (id, created) in input order; a key that
+    exists already, or repeats within the batch, gives the first run's id.
+    The arrays go in binary (no array literal for the server to parse), and
+    only the ids of created runs with a key come back."""
+    p = "%b" if isinstance(conn, psycopg.Connection) else "%s"  # binary where psycopg 3 binds them
+    keyed_created = conn.execute(
+        "WITH ins AS ("
+        " INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)"
+        f" SELECT id, {p}, args::jsonb, key, 'scheduled'"
+        f" FROM unnest({p}::uuid[], {p}::text[], {p}::text[]) AS t(id, args, key)"
+        " ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
+        " RETURNING id, idempotency_key IS NOT NULL AS keyed)"
+        f" SELECT ARRAY(SELECT id FROM ins WHERE keyed), {_WAKE}",
+        (name, run_ids, args_jsons, idempotency_keys),
+    ).fetchone()[0]
+    if not keyed_created and all(key is None for key in idempotency_keys):
+        return [(run_id, True) for run_id in run_ids]
+    created = set(keyed_created)
+    missing = [key for run_id, key in zip(run_ids, idempotency_keys) if key is not None and run_id not in created]
+    existing = {}
+    if missing:
+        existing = dict(conn.execute(
+            "SELECT idempotency_key, id FROM everystep_workflow WHERE name = %s AND idempotency_key = ANY(%s)",
+            (name, missing),
+        ).fetchall())
+    runs = []
+    for run_id, key in zip(run_ids, idempotency_keys):
+        if key is None or run_id in created:
+            runs.append((run_id, True))
+        elif key in existing:
+            runs.append((existing[key], False))
+        else:
+            # Only possible when the conflicting row is invisible to this
+            # transaction's snapshot (REPEATABLE READ or SERIALIZABLE).
+            raise psycopg.errors.SerializationFailure(
+                f"a run with idempotency key {key!r} exists but is not visible to this transaction"
+            )
+    return runs
+
+
+def wait_for_runs(conn: psycopg.Connection, runner: str) -> None:
+    """Register a worker as waiting for runs (it has a free slot), so that
+    scheduling transactions notify. Taking the wake lock exclusively waits
+    for the scheduling transactions in flight: a claim after this returns
+    sees their runs, and every later one sees the registration. Own
+    transaction (the control connection is in autocommit)."""
+    with conn.transaction():
+        conn.execute(f"SELECT pg_advisory_xact_lock({_WAKE_LOCK})")
+        conn.execute("INSERT INTO everystep_waiting (runner) VALUES (%s) ON CONFLICT DO NOTHING", (runner,))
+
+
+def stop_waiting(conn: psycopg.Connection, runner: str) -> None:
+    """The worker's slots are full: scheduling needs not wake it."""
+    conn.execute("DELETE FROM everystep_waiting WHERE runner = %s", (runner,))
 
 
 # ---------------------------------------------------------------- liveness
@@ -157,6 +231,40 @@ def prepare_session(conn: psycopg.Connection) -> None:
     conn.execute(
         "SELECT set_config('synchronous_commit', 'on', false) WHERE current_setting('synchronous_commit') = 'off'"
     )
+
+
+# Inside a transaction: its commit waits for the WAL flush (see prepare_session).
+_DURABLE_TRANSACTION = (
+    "SELECT set_config('synchronous_commit', 'on', true) WHERE current_setting('synchronous_commit') = 'off'"
+)
+
+
+class _TransactionPooledCursor(psycopg.Cursor):
+    """Every statement outside a transaction runs in one of its own that
+    starts by making its commit synchronous; no statement is prepared."""
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                binary: bool | None = None) -> _TransactionPooledCursor:
+        conn = self.connection
+        if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+            with conn.transaction():
+                super().execute(_DURABLE_TRANSACTION, prepare=False)
+                return super().execute(query, params, prepare=False, binary=binary)
+        return super().execute(query, params, prepare=False, binary=binary)
+
+
+class TransactionPooledConnection(psycopg.Connection):
+    """A connection through a pooler in transaction mode (PgBouncer's
+    `pool_mode = transaction`): consecutive transactions may run on different
+    server sessions, so nothing may rely on session state. No prepared
+    statement (PgBouncer before 1.21 does not carry them across server
+    sessions), and no session setting: each write sets synchronous_commit for
+    its own transaction. The worker's pool uses it when the control session
+    has a direct URL of its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.cursor_factory = _TransactionPooledCursor
 
 
 def prepare_control_session(conn: psycopg.Connection, idle: int, interval: int, count: int) -> None:
@@ -399,12 +507,14 @@ class _Hot(NamedTuple):
     name: bytes  # of the prepared statement, on each connection that runs it
     sql: bytes  # with $1, $2, ... in the order of `params`
     params: tuple[str, ...]
+    query: str  # with %(param)s, for connections that cannot keep a prepared statement
 
 
 def _hot(name: str, query: str, params: tuple[str, ...]) -> _Hot:
+    numbered = query
     for position, param in enumerate(params, 1):
-        query = query.replace(f"%({param})s", f"${position}")
-    return _Hot(f"everystep_{name}".encode(), query.encode(), params)
+        numbered = numbered.replace(f"%({param})s", f"${position}")
+    return _Hot(f"everystep_{name}".encode(), numbered.encode(), params, query)
 
 
 # The hot statements prepared on each connection (gone with the connection).
@@ -414,6 +524,11 @@ _prepared: weakref.WeakKeyDictionary[psycopg.Connection, set[bytes]] = weakref.W
 def _run_hot(on: Executor, statement: _Hot, values: dict[str, Any]) -> pq.abc.PGresult:
     """Execute a hot statement, preparing it on first use on this connection."""
     conn = on.connection if isinstance(on, psycopg.Cursor) else on
+    if isinstance(conn, TransactionPooledConnection):
+        cursor = conn.cursor()
+        cursor.execute(statement.query, {param: None if (value := values[param]) is None else str(value)
+                                         for param in statement.params})
+        return cursor.pgresult
     pgconn = conn.pgconn
     prepared = _prepared.setdefault(conn, set())
     params = [None if (value := values[param]) is None else str(value).encode() for param in statement.params]
@@ -664,6 +779,27 @@ def finish_run(
     if ended is None:
         return None
     return Ended(ended.decode(), _claimed_runs(conn, done, first_column=1))
+
+
+# Counting one more traced execution of a held run, and reading the trace
+# context it continues: only with tracing on.
+_START_TRACED_EXECUTION = _hot("start_traced_execution", (
+    "UPDATE everystep_workflow SET trace_context = jsonb_set(coalesce(trace_context, '{}'), '{executions}',"
+    "  to_jsonb(coalesce((trace_context->>'executions')::integer, 0) + 1))"
+    f" WHERE {_HELD} RETURNING trace_context::text"
+), ("run", "runner", "token"))
+
+
+def start_traced_execution(conn: Executor, run: uuid.UUID, runner: str, token: int) -> tuple[dict, int] | None:
+    """Count one more traced execution of a held run and return (its stored
+    trace context, the number of this execution), or None if the run is not
+    held by this execution. On the hot path's libpq calls: it comes with every
+    traced execution."""
+    result = _run_hot(conn, _START_TRACED_EXECUTION, {"run": run, "runner": runner, "token": token})
+    if result.ntuples == 0:
+        return None
+    stored = json.loads(result.get_value(0, 0).decode())
+    return stored, stored["executions"]
 
 
 def requeue_held(conn: Executor, runner: str, claims: list[Claim]) -> list[uuid.UUID]:

@@ -100,10 +100,16 @@ class Worker(Successors):
         on_lock: Callable[[bool], None] | None = None,
         workflows: Sequence[str] | None = None,
         limits: Mapping[str, int | None] | None = None,
+        direct_url: str | None = None,
     ):
+        """`direct_url`: when `database_url` goes through a pooler in
+        transaction mode (PgBouncer), a URL straight to PostgreSQL for the
+        control session (its advisory lock, LISTEN and claims need a session
+        of their own); the pool then keeps no session state."""
         if not name or len(name) > 255:
             raise ValueError("a worker name must have 1 to 255 characters")
         self.database_url = database_url
+        self.direct_url = direct_url
         self.name = name
         self.threads = threads
         self.poll = poll
@@ -134,6 +140,9 @@ class Worker(Successors):
         self._escaped: set[store.Claim] = set()  # executions that escaped with a BaseException
         self._reconcile = False  # look for runs held under our name that no execution of ours holds
         self._conn: psycopg.Connection | None = None
+        # Registered in everystep_waiting, so scheduling notifies us (only
+        # while a slot is free: a full worker needs no notification).
+        self._waiting = False
         self._extra = {"runner": name}
 
     # ---------------------------------------------------------------- control
@@ -166,7 +175,7 @@ class Worker(Successors):
             self.database_url, min_size=1, max_size=2 * self.threads + 2,
             kwargs=liveness.connection_kwargs(f"everystep {self.name}"),
             timeout=2, reconnect_timeout=2, name=f"everystep-{self.name}", open=False,
-            configure=store.prepare_session,  # step rows and run ends commit synchronously
+            **self._pool_session(),
         )
         self.pool.open(wait=False)
         self.runner = Runner(self.pool, self.name, self.fence, successors=self)
@@ -180,6 +189,13 @@ class Worker(Successors):
         finally:
             self._shutdown()
 
+    def _pool_session(self) -> dict:
+        """Step rows and run ends commit synchronously: set once per session,
+        or per transaction through a transaction-pooling PgBouncer."""
+        if self.direct_url:
+            return {"connection_class": store.TransactionPooledConnection}
+        return {"configure": store.prepare_session}
+
     # ---------------------------------------------------------------- the lock
 
     def _take_lock(self, catchup: bool) -> bool:
@@ -191,7 +207,7 @@ class Worker(Successors):
         waiting_logged = False
         while True:
             try:
-                conn = control_connection(self.database_url, self.name)
+                conn = control_connection(self.direct_url or self.database_url, self.name)
                 try:
                     while not store.try_lock(conn, self.name):
                         if not waiting_logged:
@@ -206,6 +222,7 @@ class Worker(Successors):
                     store.listen(conn)
                     store.publish_route(conn, self.name, self.routes)
                     self._conn = conn
+                    self._waiting = False
                     if catchup:
                         store.apply_limits(conn, self.concurrency_limits())
                         self._catchup(conn)
@@ -348,6 +365,9 @@ class Worker(Successors):
             store.requeue_held(conn, self.name, escaped)
         free = self.threads - len(self._executing)
         if free <= 0:
+            if self._waiting:
+                store.stop_waiting(conn, self.name)
+                self._waiting = False
             return False
         with self._lock:
             reconcile = self._reconcile and not self._claiming  # claims in flight wake us when they land
@@ -367,6 +387,9 @@ class Worker(Successors):
         if self._backlog:
             self._start_backlog(free)
             return False
+        if not self._waiting:
+            store.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
+            self._waiting = True
         runs = store.claim(conn, self.name, free, self.routes)
         if runs:
             metrics.CLAIMS.labels(self.name).inc(len(runs))
@@ -374,6 +397,8 @@ class Worker(Successors):
                 self._start(run)
             if self.on_claim:
                 self.on_claim(len(runs))
+        else:
+            metrics.EMPTY_CLAIMS.labels(self.name).inc()
         notified = self._drain_notifications(conn)
         return notified and len(runs) < free
 
@@ -385,9 +410,11 @@ class Worker(Successors):
                 os.read(self._wake_r, 4096)
         return self._drain_notifications(conn)
 
-    @staticmethod
-    def _drain_notifications(conn: psycopg.Connection) -> bool:
-        return bool(list(conn.notifies(timeout=0)))
+    def _drain_notifications(self, conn: psycopg.Connection) -> bool:
+        received = len(list(conn.notifies(timeout=0)))
+        if received:
+            metrics.WAKEUPS.labels(self.name).inc(received)
+        return received > 0
 
     def _sleep(self, seconds: float) -> None:
         readable, _, _ = select.select([self._wake_r], [], [], seconds)
@@ -533,6 +560,7 @@ class Worker(Successors):
                 leftover = store.requeue_claimer(self._conn, self.name)
                 if leftover:
                     log.warning("requeued %d runs left under %s", len(leftover), self.name, extra=self._extra)
+                store.stop_waiting(self._conn, self.name)
                 store.unlock(self._conn, self.name)
             except psycopg.Error:
                 pass

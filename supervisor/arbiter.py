@@ -92,7 +92,7 @@ class Arbiter:
     # ---------------------------------------------------------------- life
 
     def run(self) -> int:
-        logs.configure()
+        logs.configure(format=self.config.logging.format)
         self._import_modules(self.config.imports)
         self.database_url = self._database_url()
         self._install_signals()
@@ -188,7 +188,8 @@ class Arbiter:
 
     def _spawn(self, slot: Slot) -> None:
         read_fd, write_fd = os.pipe()
-        spec = ChildSpec(slot.role, slot.name, self.database_url, str(self.runtime_dir))
+        spec = ChildSpec(slot.role, slot.name, self.database_url, str(self.runtime_dir),
+                         direct_url=self.config.database.direct_url)
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()

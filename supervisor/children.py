@@ -21,7 +21,7 @@ from pathlib import Path
 import psycopg
 from setproctitle import setproctitle
 
-from everystep import liveness, logs
+from everystep import liveness, logs, observe
 from everystep.signals import stop_on_signals
 
 log = logging.getLogger("everystep.supervisor")
@@ -45,6 +45,12 @@ class ChildSpec:
     name: str  # the runner name of a worker; the role otherwise
     database_url: str
     runtime_dir: str
+    direct_url: str = ""  # database.direct_url: the workers' pools use database_url (PgBouncer)
+
+    @property
+    def session_url(self) -> str:
+        """The URL for what needs a session of its own (locks, LISTEN, psycopg's prepared statements)."""
+        return self.direct_url or self.database_url
 
 
 def run_child(spec: ChildSpec, config, status_fd: int, parent_pid: int) -> None:
@@ -53,7 +59,7 @@ def run_child(spec: ChildSpec, config, status_fd: int, parent_pid: int) -> None:
     status = _Status(status_fd)
     code = 0
     try:
-        _after_fork(spec, parent_pid)
+        _after_fork(spec, parent_pid, config)
         {"worker": _worker, "http": _http, "maintenance": _maintenance, "setup": _setup, "ui": _ui}[spec.role](
             spec, config, status
         )
@@ -63,6 +69,7 @@ def run_child(spec: ChildSpec, config, status_fd: int, parent_pid: int) -> None:
         log.exception("%s %s %s", spec.role, spec.name, "failed" if status.was_booted else "could not boot")
         code = 1 if status.was_booted else EXIT_BOOT_FAILED
     finally:
+        observe.shutdown()  # the spans and reports still buffered: os._exit skips exit handlers
         logging.shutdown()
         os._exit(code)
 
@@ -97,7 +104,7 @@ class _Status:
             pass  # the supervisor is gone: this child is on its way out (SIGTERM), nobody to tell
 
 
-def _after_fork(spec: ChildSpec, parent_pid: int) -> None:
+def _after_fork(spec: ChildSpec, parent_pid: int, config) -> None:
     # The parent's signal handling is not ours: back to the defaults. The
     # parent forked with its signals blocked, so one sent meanwhile (a TERM
     # right after the fork) waits, and takes effect when they are unblocked
@@ -110,7 +117,8 @@ def _after_fork(spec: ChildSpec, parent_pid: int) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # it died before prctl took effect
         os._exit(0)
-    logs.configure()
+    logs.configure(format=config.logging.format)
+    observe.setup(config.tracing.enabled, config.sentry.enabled)  # after the fork: their threads are per process
     setproctitle(f"everystep: {spec.role} {spec.name}" if spec.role != spec.name else f"everystep: {spec.role}")
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SUPERVISOR_SIGNALS)
 
@@ -129,6 +137,7 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
         on_load=lambda inflight, threads: setproctitle(f"everystep: worker {spec.name} [{inflight}/{threads}]"),
         on_lock=status.lock, workflows=workers.workflows,
         limits={name: settings.concurrency for name, settings in config.workflows.items()},
+        direct_url=spec.direct_url or None,
     )
     metrics.declare_runner(spec.name)
     stop_on_signals(worker)
@@ -143,7 +152,7 @@ def _http(spec: ChildSpec, config, status: _Status) -> None:
         status.port(port)
         status.booted()
 
-    http_server.serve(config.http.bind, config.http.port, spec.database_url, Path(spec.runtime_dir),
+    http_server.serve(config.http.bind, config.http.port, spec.session_url, Path(spec.runtime_dir),
                       Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), on_ready=bound)
 
 
@@ -161,7 +170,7 @@ def _ui(spec: ChildSpec, config, status: _Status) -> None:
 def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
     from everystep.maintenance import Maintenance  # noqa: PLC0415
 
-    maintenance = Maintenance(spec.database_url, interval=config.recovery.interval, grace=config.recovery.grace,
+    maintenance = Maintenance(spec.session_url, interval=config.recovery.interval, grace=config.recovery.grace,
                               max_crashes=config.recovery.max_crashes)
     stop_on_signals(maintenance)
     status.booted()
@@ -180,7 +189,7 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
     outage = Outage("setup", first_wait=0.5)
     while True:
         try:
-            with psycopg.connect(spec.database_url, **liveness.connection_kwargs("everystep setup")) as conn:
+            with psycopg.connect(spec.session_url, **liveness.connection_kwargs("everystep setup")) as conn:
                 if config.migrate:
                     applied = store.migrate(conn)
                     log.info("migrations: %s", f"applied {', '.join(applied)}" if applied else "up to date")

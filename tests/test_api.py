@@ -73,6 +73,7 @@ def test_schedule_refuses_a_function_that_is_not_a_workflow(db):
 def test_schedule_notifies_listeners_at_commit(db):
     with db.connect() as listener:
         store.listen(listener)
+        store.wait_for_runs(listener, "a listener")  # scheduling notifies only when a worker waits
         with db.connect() as conn, everystep.transaction(conn):
             schedule(echo_workflow, 1)
             assert list(listener.notifies(timeout=0.2)) == []  # not before commit

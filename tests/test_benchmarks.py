@@ -16,16 +16,22 @@ FIGURES = {
     "w1": {"runs_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "not_completed"},
     "w3": {"runs_per_s", "steps_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "not_completed"},
     "latency": {"runs", "p50_ms", "p95_ms", "p99_ms", "target_p50_ms", "target_p99_ms", "not_completed"},
+    "enqueue": {"limit_commits_per_s", "runs_per_s", "ratio", "runs_per_s_notified", "schedule_many_runs_per_s",
+                "target_schedule_many_runs_per_s"},
+    "fleet": {"runs_per_s_one_supervisor", "runs_per_s", "fleet_over_one", "empty_claims_per_run",
+              "notifications_per_schedule", "not_completed"},
+    "growth": {"runs_per_s_empty", "runs_per_s_with_history", "with_history_over_empty", "prune_s",
+               "runs_per_s_during_prune", "left_after_prune", "not_completed"},
     "recovery": {"interval_s", "grace_s", "running_again_s", "completed_s", "target_s", "not_completed"},
     "memory": {"rss_mb_at_rest", "rss_mb_peak_under_w3", "worker_at_rest_max_mb", "target_worker_at_rest_mb"},
     "scrape": {"restarts", "scrape_ms_p50", "scrape_ms_p50_without_archive"},
     "supervisor_scrape": {"restarts", "scrape_ms_p50_before", "scrape_ms_p50", "files_before", "files",
                           "restarts_counted"},
+    "ui": {"runs", "first_page_ms", "filtered_page_ms", "page_21_ms", "args_search_ms", "run_detail_ms",
+           "live_poll_ms", "target_ms", "db_queries_per_s", "events_received"},
     "sleep": {"delayed_start_late_p50_ms", "delayed_start_late_p99_ms", "sleep_wake_late_p50_ms",
               "sleep_wake_late_p99_ms", "target_p99_ms", "sleeping_runs", "fleet_cpu_s_per_s_idle",
               "fleet_cpu_s_per_s_sleeping", "db_commits_per_s_idle", "db_commits_per_s_sleeping", "not_completed"},
-    "ui": {"runs", "first_page_ms", "filtered_page_ms", "page_21_ms", "args_search_ms", "run_detail_ms",
-           "live_poll_ms", "target_ms", "db_queries_per_s", "events_received"},
     "flow": {"messages", "send_to_resume_p50_ms", "send_to_resume_p95_ms", "send_to_resume_p99_ms", "runs",
              "unlimited_runs_per_s", "limited_16_runs_per_s", "limited_16_vs_unlimited", "limited_4_runs_per_s",
              "not_completed", "leftover"},
@@ -35,7 +41,7 @@ FIGURES = {
 def test_every_benchmark_prints_its_figures_in_quick_mode(server_url):
     done = subprocess.run(
         [sys.executable, "-m", "tests.benchmarks", "--quick"], cwd=ROOT, capture_output=True, text=True,
-        timeout=180, env={**os.environ, "EVERYSTEP_TEST_DATABASE_URL": server_url},
+        timeout=600, env={**os.environ, "EVERYSTEP_TEST_DATABASE_URL": server_url},
     )
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]

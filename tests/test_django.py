@@ -14,6 +14,9 @@ def test_schedule_joins_the_django_transaction(db):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    rows = db.query("SELECT id::text, idempotency_key, status FROM everystep_workflow")
-    assert rows == [(out["committed"], "django:1", "scheduled")]  # the rolled-back one left nothing
+    rows = db.query("SELECT id::text, idempotency_key, status FROM everystep_workflow ORDER BY idempotency_key")
+    (third, third_created) = out["many"][1]
+    # The rolled-back one left nothing; schedule_many found django:1 and created django:3.
+    assert rows == [(out["committed"], "django:1", "scheduled"), (third, "django:3", "scheduled")]
     assert out["again"] == out["committed"] and out["again_created"] is False
+    assert out["many"][0] == [out["committed"], False] and third_created is True

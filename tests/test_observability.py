@@ -582,8 +582,8 @@ def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
         rules = wait_for(rules_as_expected, timeout=30, what=f"the alert rules to reach {expected}")
         assert {r["name"] for r in rules} == {
             "EverystepRunsBlocked", "EverystepPendingTooOld", "EverystepChildCrashLooping", "EverystepNoWorkers",
-            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns", "EverystepStepRetrying",
-            "EverystepRunsUnserved", "EverystepScheduleAutoPaused",
+            "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns", "EverystepRunsUnserved",
+            "EverystepScheduleAutoPaused", "EverystepStepRetrying",
         }
         assert all(r["health"] == "ok" for r in rules), rules
     finally:

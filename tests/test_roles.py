@@ -14,7 +14,7 @@ import everystep
 from everystep import api, store
 from everystep.errors import EverystepError
 from tests.apps import ui_workflows
-from tests.support.processes import ROOT
+from tests.support.processes import ROOT, wait_for
 from tests.test_ui import blocked_run
 
 
@@ -108,3 +108,14 @@ def test_a_worker_process_runs_as_the_worker_role(db, roles, tmp_path):
     finally:
         worker.signal(15)
         worker.proc.wait(30)
+
+
+def test_producer_schedules_a_delayed_run_that_a_worker_claims_when_due(db, roles):
+    with as_role(db, f"{roles}producer") as conn, everystep.transaction(conn):
+        run = everystep.schedule(ui_workflows.slow, 0.0, after=0.5)
+    assert db.run(run.id)["status"] == "waiting"
+    with as_role(db, f"{roles}worker") as conn:
+        assert store.claim(conn, "role-runner", 10) == []  # not due yet
+        deadline = db.run(run.id)["due_at"]
+        wait_for(lambda: db.value("SELECT now()") >= deadline, timeout=10)
+        assert [c.id for c in store.claim(conn, "role-runner", 10)] == [run.id]

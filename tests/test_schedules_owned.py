@@ -444,7 +444,7 @@ def test_a_database_of_the_previous_version_migrates_in_place(db):
 
 
 def test_the_api_joins_the_django_transaction(db):
-    result = subprocess.run([sys.executable, "-m", "tests.django_schedules", db.url], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "tests.apps.django_schedules", db.url], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"put": ["active", 1, ["/tmp"]], "paused": ["paused", 2],

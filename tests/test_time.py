@@ -361,3 +361,25 @@ def test_the_cancel_command_and_the_listings(db, marks, tmp_path):
     listed = json.loads(ok(cli(db, "runs", "list", "--status", "cancelled", "--json")))
     assert {run["id"] for run in listed} == {str(waiting.id), str(sleeping.id)}
     assert "no run" in error_line(cli(db, "cancel", "0190e1f4-0000-7000-8000-000000000000"), 2)
+
+
+def test_a_cancel_learnt_at_the_claim_of_a_retried_step_ends_it(db, marks):
+    """A run claimed again for its next attempt, with a cancel request on it:
+    the body gets Cancelled at that step, recorded over its `retrying` row."""
+    from everystep.runner import Runner  # noqa: PLC0415
+
+    run = schedule_one(db, tw.retrying_slowly, marks, 5)
+    assert db.run_pending() == {run.id: "sleeping"}  # the 2 s back-off parks it
+    wait_for(lambda: db_now(db) >= db.run(run.id)["due_at"], timeout=10)
+    with db.connect() as conn:
+        (claimed,) = store.claim(conn, "w-manual", 1)
+        with everystep.transaction(conn):
+            assert everystep.cancel(run.id, "stop retrying") == "running"
+        (claimed,) = store.reclaim_held(conn, "w-manual")  # the claim carries the request
+    assert claimed.cancel_requested
+    assert Runner(db.pool, "w-manual").execute(claimed).outcome == "cancelled"
+    (step,) = db.steps(run.id)
+    assert (step["status"], step["error"]["type"], len(step["attempts"])) == (
+        "failed", "everystep.errors.Cancelled", 1)
+    assert tags(marks, run.id).count("slow") == 1  # no second attempt
+    assert db.run(run.id)["error"]["message"] == "stop retrying"

@@ -29,7 +29,7 @@ from everystep.ui.hub import Hub
 
 log = logging.getLogger("everystep")
 
-STATUSES = ("scheduled", "running", "blocked", "completed", "failed", "stopped")
+STATUSES = ("scheduled", "waiting", "running", "blocked", "completed", "failed", "stopped", "cancelled")
 PAGE_SIZE = 50
 MAX_PAGE_SIZE = 500
 BULK_LIMIT = 10_000  # runs one bulk action on a filter may touch

@@ -1,5 +1,5 @@
 """Run by tests/test_django.py in a process of its own (Django's settings are
-global): schedule() inside and outside Django transactions."""
+global): schedule() inside and outside Django transactions, and schedule_many()."""
 
 from __future__ import annotations
 
@@ -38,7 +38,10 @@ def main(url: str) -> None:
             raise RuntimeError("roll back")
     except RuntimeError:
         pass
-    print(json.dumps({"committed": str(committed.id), "again": str(again.id), "again_created": again.created}))
+    with transaction.atomic():
+        many = everystep.schedule_many(quick, [("/tmp",)] * 2, idempotency_keys=["django:1", "django:3"])
+    print(json.dumps({"committed": str(committed.id), "again": str(again.id), "again_created": again.created,
+                      "many": [[str(run.id), run.created] for run in many]}))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ("limit", "w1", "w3", "latency", "recovery", "memory", "scrape", "supervisor_scrape", "sleep", "ui",
-              "flow")
+BENCHMARKS = (
+    "limit", "w1", "w3", "latency", "enqueue", "fleet", "growth", "recovery", "memory", "scrape", "supervisor_scrape",
+    "ui", "sleep", "flow",
+)
 
 
 def main() -> int:

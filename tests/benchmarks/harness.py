@@ -31,6 +31,8 @@ from everystep import store
 from tests.conftest import Database, _find_server
 from tests.support.supervisor_process import SupervisorProcess, config
 
+# EVERYSTEP_BENCH_TRACING=1: the supervisor's workers trace every run and step.
+TRACING = os.environ.get("EVERYSTEP_BENCH_TRACING") == "1"
 PROCESSES, THREADS = 2, 8  # the fleet under test: 2 worker processes x 8 threads
 CLIENTS = PROCESSES * THREADS  # the ceiling's concurrency: one connection per run slot
 PGBENCH = shutil.which("pgbench") or next(
@@ -112,8 +114,17 @@ def failures(db: Database) -> int:
 def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[SupervisorProcess]:
     """A real supervisor (2 workers x 8 threads) on the schema, its workers
     holding their locks; drained and stopped afterwards."""
-    document = config(db.url, name, imports=["tests.benchmarks.workflows"],
-                      workers={"processes": PROCESSES, "threads": THREADS, "poll": 1.0, "drain": 10}, **sections)
+    receiver = None
+    if TRACING:
+        # Spans of every run and step, exported with OTLP/HTTP to a receiver
+        # in this process that acknowledges them.
+        from tests.support.otlp_receiver import Receiver  # noqa: PLC0415  (needs the otel extra)
+
+        receiver = Receiver(decode=False)
+        os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_SERVICE_NAME="everystep-bench")
+        sections = {**sections, "tracing": {"enabled": True}}
+    workers = {"processes": PROCESSES, "threads": THREADS, "poll": 1.0, "drain": 10, **sections.pop("workers", {})}
+    document = config(db.url, name, imports=["tests.benchmarks.workflows"], workers=workers, **sections)
     process = SupervisorProcess(document, folder)
     try:
         process.wait_logged("holding the lock of", count=PROCESSES)
@@ -126,6 +137,8 @@ def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[Su
             except subprocess.TimeoutExpired:
                 pass
         process.close()
+        if receiver is not None:
+            receiver.close()
 
 
 @contextlib.contextmanager

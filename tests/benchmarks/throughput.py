@@ -42,4 +42,5 @@ def main(benchmark: str, workflow: Callable, steps_per_run: int, runs: int, targ
         "runs_per_s_each": [round(r, 1) for r in runs_per_s],
         "limit_each": [round(x, 1) for x in limits],
         "not_completed": failed,
+        "tracing": harness.TRACING,
     })

@@ -37,7 +37,8 @@ class WorkerProcess:
 
     def __init__(self, url: str, name: str, log_dir: Path, threads: int = 4, poll: float = 0.5,
                  drain: float = 10, grace: float = 2, max_crashes: int = 3, imports: tuple = ("tests.apps.workflows",),
-                 workflows: tuple = (), command: tuple = (sys.executable, "-m", "everystep.cli"), cwd: Path = ROOT):
+                 workflows: tuple = (), command: tuple = (sys.executable, "-m", "everystep.cli"), cwd: Path = ROOT,
+                 direct_url: str | None = None):
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
@@ -47,6 +48,8 @@ class WorkerProcess:
             args += ["--import", module]
         for pattern in workflows:
             args += ["--workflows", pattern]
+        if direct_url:
+            args += ["--direct-url", direct_url]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -5,7 +5,7 @@ const meta = (name) => document.querySelector(`meta[name="everystep-${name}"]`).
 const BASE = meta("base");
 const ROLE = meta("role");
 const CSRF = { [meta("csrf-header")]: meta("csrf-token") };
-const STATUSES = ["scheduled", "running", "blocked", "completed", "failed", "stopped"];
+const STATUSES = ["scheduled", "waiting", "running", "blocked", "completed", "failed", "stopped", "cancelled"];
 const main = document.getElementById("main");
 
 // ------------------------------------------------------------------ helpers
