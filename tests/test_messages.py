@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import signal
 
+import psycopg
 import pytest
 
 import everystep
 from everystep import EverystepError, store
 from tests.apps.flow_workflows import mailbox, publisher
 from tests.apps.workflows import marks_of
-from tests.support.processes import wait_for
+from tests.support.processes import WorkerProcess, wait_for
 
 IMPORTS = ("tests.apps.workflows", "tests.apps.flow_workflows")
 
@@ -143,3 +144,36 @@ def test_messages_across_a_worker_sigkill_are_consumed_exactly_once(db, marks, s
         assert [m["consumed_by"] for m in store.load_messages(conn, run)] == ["1", "3", "5"]
     handled = [tag for r, tag, _pid in marks_of(marks) if r == str(run)]
     assert handled.count("got0") >= 1 and handled[-1] == "got2:end"
+
+
+def test_messages_across_a_server_crash_are_consumed_exactly_once(private_server, marks, tmp_path):
+    """PostgreSQL crashes (and comes back) between two messages: the worker
+    weathers it, and every message is consumed by exactly one wait."""
+    url = private_server.url
+    with psycopg.connect(url, autocommit=True) as conn, everystep.transaction(conn):
+        run = everystep.schedule(mailbox, marks, 3).id
+    worker = WorkerProcess(url, "w-crash", tmp_path / "logs", imports=IMPORTS, grace=60)
+    try:
+        def run_status():
+            with psycopg.connect(url, autocommit=True) as conn:
+                return store.load_run(conn, run)["status"]
+
+        def send_one(payload):
+            with psycopg.connect(url, autocommit=True) as conn, everystep.transaction(conn):
+                everystep.send(run, "in", payload)
+
+        wait_for(lambda: run_status() == "waiting", 20, what="the run parked")
+        send_one(0)
+        send_one(1)
+        wait_for(lambda: any(tag == "got1:end" for _r, tag, _p in marks_of(marks)), 20,
+                 what="the second message handled")
+        private_server.crash()
+        send_one(2)
+        wait_for(lambda: run_status() == "completed", 60, what="the run completed after the crash")
+        with psycopg.connect(url, autocommit=True) as conn:
+            assert store.load_run(conn, run)["result"] == [0, 1, 2]
+            consumed = [m["consumed_by"] for m in store.load_messages(conn, run)]
+        assert len(consumed) == 3 and len(set(consumed)) == 3 and None not in consumed
+        assert worker.alive()
+    finally:
+        worker.close()
