@@ -11,6 +11,7 @@ from supervisor.http_server import Database, QueueCollector
 from tests.apps.flow_workflows import cpu_job, gpu_job, unlimited
 from tests.apps.workflows import marks_of
 from tests.support.processes import wait_for
+from tests.support.supervisor_process import config as supervisor_config
 
 IMPORTS = ("tests.apps.workflows", "tests.apps.flow_workflows")
 
@@ -86,3 +87,16 @@ def test_routing_and_limit_mistakes(tmp_path, text, message):
     with pytest.raises(ConfigError) as error:
         config.load(write(tmp_path, text))
     assert message in str(error.value)
+
+
+def test_a_supervisor_runs_only_its_configured_workflows(db, marks, supervisors):
+    gpu = db.schedule_many(gpu_job, [(marks,) for _ in range(3)])
+    cpu = db.schedule_many(cpu_job, [(marks,) for _ in range(2)])
+    sup = supervisors(supervisor_config(db.url, "gpu-node", imports=list(IMPORTS),
+                                        workers={"workflows": ["tests.apps.flow_workflows.gpu_*"]}))
+    sup.wait_workers({"gpu-node-0", "gpu-node-1"})
+    ids = [r.id for r in gpu]
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE id = ANY(%s) AND status = 'completed'",
+                              (ids,)) == 3, 60, what="the GPU runs completed")
+    assert {db.run(r.id)["status"] for r in cpu} == {"scheduled"}  # nobody here serves them
+    assert unserved_gauge(db) == {cpu_job.__everystep_workflow__: 2}
