@@ -58,6 +58,8 @@ GRANT SELECT ON {s}.everystep_waiting TO {producer};  -- scheduling notifies onl
 -- send(): a message, counted on its run (which a wait parked on it wakes
 -- from); get_event(): what a run published.
 GRANT INSERT ON {s}.everystep_message TO {producer};
+-- ON CONFLICT on the idempotency key reads the arbiter's columns.
+GRANT SELECT (run_id, idempotency_key) ON {s}.everystep_message TO {producer};
 GRANT SELECT (status, wakes, waiting_on, due_at) ON {workflow} TO {producer};
 GRANT UPDATE (wakes, due_at) ON {workflow} TO {producer};
 GRANT SELECT ON {s}.everystep_event TO {producer};

@@ -14,6 +14,7 @@ import everystep
 from everystep import api, store
 from everystep.errors import EverystepError
 from tests.apps import ui_workflows
+from tests.apps.flow_workflows import mailbox, publisher
 from tests.support.processes import ROOT, wait_for
 from tests.test_ui import blocked_run
 
@@ -119,3 +120,17 @@ def test_producer_schedules_a_delayed_run_that_a_worker_claims_when_due(db, role
         deadline = db.run(run.id)["due_at"]
         wait_for(lambda: db.value("SELECT now()") >= deadline, timeout=10)
         assert [c.id for c in store.claim(conn, "role-runner", 10)] == [run.id]
+
+
+def test_producer_sends_messages_and_reads_events(db, roles, marks):
+    [published] = db.schedule_many(publisher, [(marks,)])
+    db.run_pending()  # publishes "stage" twice
+    [waiting] = db.schedule_many(mailbox, [(marks, 1)])  # not started: a message waits for it
+    with as_role(db, f"{roles}producer") as conn:
+        with everystep.transaction(conn):
+            everystep.send(waiting.id, "in", {"hello": 1}, idempotency_key="m-1")
+        with everystep.transaction(conn):
+            everystep.send(waiting.id, "in", {"hello": 1}, idempotency_key="m-1")  # the same key sends once
+        assert everystep.get_event(published.id, "stage", 1, conn=conn) == "second"
+    with db.connect() as conn:
+        assert [m["payload"] for m in store.load_messages(conn, waiting.id)] == [{"hello": 1}]
