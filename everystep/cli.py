@@ -505,6 +505,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             if finished:
                 raise CliError("; ".join(finished) + ("; nothing was cancelled" if len(run_ids) > 1 else ""),
                                EXIT_REFUSED)
+            for run_id, status in statuses.items():
+                _audit(conn, "cancel", run_id, details={"reason": args.reason, "status": status})
     for run_id, status in statuses.items():
         if status == "running":
             print(f"asked run {run_id} to stop: it is running; it ends cancelled at its next step")

@@ -357,6 +357,8 @@ def test_the_cancel_command_and_the_listings(db, marks, tmp_path):
     assert status(db, waiting.id) == "waiting"  # all or nothing
     out = ok(cli(db, "cancel", str(waiting.id), str(sleeping.id), "--reason", "no longer needed"))
     assert out == f"cancelled run {waiting.id}\ncancelled run {sleeping.id}\n"
+    audited = db.query("SELECT run_id FROM everystep_audit WHERE action = 'cancel' ORDER BY id")
+    assert audited == [(waiting.id,), (sleeping.id,)]  # the refused attempt left no record
     assert "cancel          requested " in ok(cli(db, "runs", "show", str(waiting.id)))
     listed = json.loads(ok(cli(db, "runs", "list", "--status", "cancelled", "--json")))
     assert {run["id"] for run in listed} == {str(waiting.id), str(sleeping.id)}

@@ -184,6 +184,27 @@ def test_requeue_refuses_a_live_claimer_and_reschedule_copies_args(db, ui):
     assert actions == ["requeue", "schedule-again"]
 
 
+def test_cancel_ends_a_scheduled_run_asks_a_running_one_and_reports_an_ended_one(db, ui):
+    claimed, queued, ended = db.schedule_many(ui_workflows.nested, [(1,), (2,), (3,)])
+    with db.connect() as conn:
+        store.claim(conn, "some-runner", 1)  # the oldest, `claimed`, is running now
+    db.query("UPDATE everystep_workflow SET status = 'completed' WHERE id = %s RETURNING id", (ended.id,))
+    base = ui(EVERYSTEP_UI_VIEWER_TOKEN=VIEWER, EVERYSTEP_UI_OPERATOR_TOKEN=OPERATOR)
+    runs = [str(r.id) for r in (claimed, queued, ended)]
+    status, answer = Client(base, VIEWER).request("POST", "/api/actions/cancel", {"runs": runs})
+    assert status == 403 and db.run(queued.id)["status"] == "scheduled"
+    status, answer = Client(base, OPERATOR).request("POST", "/api/actions/cancel",
+                                                    {"runs": runs, "reason": "not needed"})
+    assert status == 200, answer
+    assert set(answer["done"]) == set(runs[:2])
+    assert answer["refused"] == [f"{ended.id}: already completed"]
+    assert db.run(queued.id)["status"] == "cancelled"  # not running: cancelled at once
+    assert db.run(claimed.id)["status"] == "running"  # asked: it stops at its next step
+    assert db.value("SELECT cancel_reason FROM everystep_workflow WHERE id = %s", (claimed.id,)) == "not needed"
+    actions = [row[0] for row in db.query("SELECT action FROM everystep_audit ORDER BY id")]
+    assert actions == ["cancel", "cancel", "cancel"]
+
+
 def test_non_loopback_bind_without_credentials_is_refused(db, tmp_path):
     result = subprocess.run([sys.executable, "-m", "everystep.cli", "--database-url", db.url, "ui", "--bind",
                              "0.0.0.0", "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60,

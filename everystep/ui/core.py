@@ -408,6 +408,31 @@ class Console:
                     created.append(new)
         return {"message": f"scheduled {len(created)} new run(s) with the same args", "done": created}
 
+    def _cancel(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
+        """Cancel runs as `everystep cancel` does: at once if not running, at
+        the next step boundary if running; a run that has ended is reported."""
+        reason = body.get("reason") or None
+        if reason is not None and not isinstance(reason, str):
+            raise Problem(400, "reason must be a string")
+        done, asked, refused = [], [], []
+        for run in self._target_runs(conn, body):
+            try:
+                with conn.transaction():
+                    status = api.cancel(run, reason, conn=conn)
+                    store.audit(conn, who.name, "ui", "cancel", run=run, details={"reason": reason, "status": status})
+            except EverystepError as unknown:
+                refused.append(f"{run}: {unknown}")
+                continue
+            if status == "cancelled":
+                done.append(run)
+            elif status == "running":
+                asked.append(run)
+            else:
+                refused.append(f"{run}: already {status}")
+        message = f"cancelled {len(done)} run(s)" + (f"; asked {len(asked)} running run(s) to stop" if asked else "")
+        return {"message": message + (f"; refused {len(refused)}" if refused else ""), "done": done + asked,
+                "refused": refused}
+
     def _schedule_action(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
         key, verb = body.get("key"), body.get("verb")
         if not isinstance(key, str) or verb not in ("pause", "resume", "fire"):
@@ -429,5 +454,6 @@ _ACTIONS = {
     "resolve": Console._resolve,
     "requeue": Console._requeue,
     "reschedule": Console._reschedule,
+    "cancel": Console._cancel,
     "schedule": Console._schedule_action,
 }

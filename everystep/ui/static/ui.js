@@ -255,6 +255,8 @@ async function buildRunsPage() {
     h("button", { onclick: () => bulkAct("reschedule", "Schedule the selected runs again with the same args?", false) }, "Schedule selected again"),
     h("button", { onclick: () => bulkAct("requeue", "Requeue EVERY run matching the filter whose claimer is dead?", true) }, "Requeue all matching"),
     h("button", { onclick: () => bulkAct("reschedule", "Schedule EVERY run matching the filter again?", true) }, "Schedule all matching again"),
+    h("button", { onclick: () => bulkAct("cancel", "Cancel the selected runs?", false) }, "Cancel selected"),
+    h("button", { onclick: () => bulkAct("cancel", "Cancel EVERY run matching the filter?", true) }, "Cancel all matching"),
   ) : null;
   fill(main, 
     h("section", { id: "counts", class: "counts" }),
@@ -352,7 +354,10 @@ async function showRun(quiet) {
     h("button", { onclick: async () => {
       const answer = await confirmed(`Schedule a new run of ${run.name} with the same args?`, "reschedule", { runs: [run.id] });
       if (answer && answer.done.length) location.hash = `run/${answer.done[0]}`;
-    } }, "Schedule again")) : null;
+    } }, "Schedule again"),
+    ["scheduled", "waiting", "running", "blocked"].includes(run.status)
+      ? h("button", { onclick: () => confirmed(`Cancel run ${run.id}?` + (run.status === "running" ? " It stops at its next step." : ""), "cancel", { runs: [run.id] }) }, "Cancel")
+      : null) : null;
   const page = h("article", { class: "run", "data-status": run.status },
     h("h2", {}, "run ", h("span", { class: "mono" }, run.id), " ", badge(run.status)),
     run.resolve ? resolvePanel(run) : null,
