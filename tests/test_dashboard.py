@@ -12,6 +12,7 @@ import yaml
 
 import everystep
 from tests.apps import tracing_workflows as flows
+from tests.apps import workflows
 from tests.support.processes import ROOT, wait_for
 from tests.support.scraping import Prometheus, get, needs_prometheus
 from tests.support.supervisor_process import config
@@ -55,13 +56,16 @@ def test_the_dashboard_is_importable_as_is():
 
 @needs_prometheus("prometheus")
 def test_every_expression_of_the_dashboard_and_the_rules_returns_series(db, supervisors, tmp_path):
-    sup = supervisors(config(db.url, "dash", imports=["tests.apps.tracing_workflows"]))
-    # The workload: completed runs, a failing step, a retried step, a worker restarted.
+    sup = supervisors(config(db.url, "dash", imports=["tests.apps.tracing_workflows"],
+                             workers={"workflows": ["tests.apps.tracing_workflows.*"]}))
+    # The workload: completed runs, a failing step, a retried step, a run no
+    # worker serves, a worker restarted.
     with db.connect() as conn, everystep.transaction(conn):
         for i in range(5):
             everystep.schedule(flows.fan_out, i)
         everystep.schedule(flows.fails, "out of stock")
         everystep.schedule(flows.retried_once, "rates")  # a step retried once
+        everystep.schedule(workflows.quick, str(tmp_path))  # routed nowhere: unserved
     wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status IN ('completed', 'failed')")
              == 7, timeout=60, what="the workload's runs to end")
     sup.kill_worker("dash-0")
