@@ -683,33 +683,40 @@ class Replay:
         with the message (consumed by this wait in the same statement) or the
         timeout. While nothing comes the run is parked `waiting`, its slot
         given back; a send on the topic makes it due at once."""
+        result = self._recorded_wait(scope, WAIT, "waits for a message", topic, f"message:{topic}", timeout,
+                                     store.take_message, topic)
+        return serde.from_json(result["message"]) if "message" in result else None
+
+    def _recorded_wait(self, scope: Scope, name: str, doing: str, topic: str, waiting_on: str,
+                       timeout: float | None, take: Callable, what: Any) -> dict:
+        """A wait recorded like a step (`name`: WAIT or RESULT): its `started`
+        row with `topic` and the deadline, then, once something came or the
+        deadline passed, its result (parked meanwhile, see _wait_until_done)."""
         step_id = scope.next_id(None)
         if self.halt is not None:
             raise self.halt
         recorded = self.recorded.get(step_id)
-        if recorded is not None and recorded[0] != WAIT:
+        if recorded is not None and recorded[0] != name:
             raise self.stop_with(WorkflowCodeError(
-                f"step {step_id!r} was recorded as {recorded[0]} but the workflow now waits for a message there; "
+                f"step {step_id!r} was recorded as {recorded[0]} but the workflow now {doing} there; "
                 "the workflow code changed in a way that breaks replay"
             ))
         if recorded is None:
-            self._boundary(step_id, WAIT)
-            begun = self._fenced(store.begin_wait, (step_id, WAIT, topic, timeout), step_id, "started", "a wait")
+            self._boundary(step_id, name)
+            begun = self._fenced(store.begin_wait, (step_id, name, topic, timeout), step_id, "started", "a wait")
             if begun is None:  # written by this execution's earlier try: its answer was lost
                 self.look_again = True
                 raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
-            recorded = self.recorded[step_id] = [WAIT, "started", begun.result, None, None]
+            recorded = self.recorded[step_id] = [name, "started", begun.result, None, None]
         if recorded[1] == "failed":
             exc = serde.decode_exception(recorded[3])
             if isinstance(exc, Cancelled) and self.cancel_delivered is None:
                 self.cancel_delivered = exc
             raise exc
         if recorded[1] == "started":
-            recorded[2] = self._wait_until_done(scope, step_id, store.take_message, topic, f"message:{topic}",
-                                                recorded[2].get("deadline"))
+            recorded[2] = self._wait_until_done(scope, step_id, take, what, waiting_on, recorded[2].get("deadline"))
             recorded[1] = "done"
-        result = recorded[2]
-        return serde.from_json(result["message"]) if "message" in result else None
+        return recorded[2]
 
     def _wait_until_done(self, scope: Scope, step_id: str, take: Callable, what: Any, waiting_on: str,
                          deadline: float | None) -> dict:
@@ -768,33 +775,8 @@ class Replay:
         """Wait (parked) until the child run ends: its result, or ChildFailed
         for a child that failed, stopped or was cancelled; TimeoutError after
         `timeout` seconds. Recorded like a step."""
-        step_id = scope.next_id(None)
-        if self.halt is not None:
-            raise self.halt
-        recorded = self.recorded.get(step_id)
-        if recorded is not None and recorded[0] != RESULT:
-            raise self.stop_with(WorkflowCodeError(
-                f"step {step_id!r} was recorded as {recorded[0]} but the workflow now waits for a child there; "
-                "the workflow code changed in a way that breaks replay"
-            ))
-        if recorded is None:
-            self._boundary(step_id, RESULT)
-            begun = self._fenced(store.begin_wait, (step_id, RESULT, f"child:{child}", timeout), step_id,
-                                 "started", "a wait")
-            if begun is None:
-                self.look_again = True
-                raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
-            recorded = self.recorded[step_id] = [RESULT, "started", begun.result, None, None]
-        if recorded[1] == "failed":
-            exc = serde.decode_exception(recorded[3])
-            if isinstance(exc, Cancelled) and self.cancel_delivered is None:
-                self.cancel_delivered = exc
-            raise exc
-        if recorded[1] == "started":
-            recorded[2] = self._wait_until_done(scope, step_id, store.take_child, child, f"child:{child}",
-                                                recorded[2].get("deadline"))
-            recorded[1] = "done"
-        end = recorded[2]
+        end = self._recorded_wait(scope, RESULT, "waits for a child", f"child:{child}", f"child:{child}", timeout,
+                                  store.take_child, child)
         if end.get("timeout"):
             raise TimeoutError(f"child run {child} did not end within the timeout")
         if end["status"] == "completed":
