@@ -20,6 +20,7 @@ from everystep.context import SEGMENT, current_scope, run_branches
 from everystep.errors import EverystepError, StepFailure
 from everystep.ids import uuid7, uuid7_many
 from everystep.retries import Backoff, RetryPolicy
+from everystep.schema import MAX_KEY, MAX_NAME, StepStatus
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -67,8 +68,8 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
         return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat, retries=retries, backoff=backoff,
                                  retry_on=retry_on)
     name = registry.qualified_name(fn)
-    if len(name) > registry.MAX_NAME:
-        raise EverystepError(f"step name {name[:60]}... is longer than {registry.MAX_NAME} characters")
+    if len(name) > MAX_NAME:
+        raise EverystepError(f"step name {name[:60]}... is longer than {MAX_NAME} characters")
 
     @functools.wraps(fn)
     def call(*args: Any, everystep_id: str | None = None, **kwargs: Any) -> Any:
@@ -239,8 +240,8 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
 
 
 def _check_key(idempotency_key: str | None) -> None:
-    if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > 255):
-        raise EverystepError("idempotency_key must be a string of at most 255 characters")
+    if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > MAX_KEY):
+        raise EverystepError(f"idempotency_key must be a string of at most {MAX_KEY} characters")
 
 
 def transaction_connection(conn: psycopg.Connection | None, caller: str, write: bool = True) -> Any:
@@ -313,8 +314,8 @@ def _run_id(what: str, run_id: Any) -> uuid.UUID:
 
 
 def _name(what: str, kind: str, text: Any) -> str:
-    if not isinstance(text, str) or not 1 <= len(text) <= 255:
-        raise EverystepError(f"{what} takes a {kind} of 1 to 255 characters, not {text!r}")
+    if not isinstance(text, str) or not 1 <= len(text) <= MAX_KEY:
+        raise EverystepError(f"{what} takes a {kind} of 1 to {MAX_KEY} characters, not {text!r}")
     return text
 
 
@@ -508,9 +509,9 @@ def resolve_step(conn: psycopg.Connection, run_id: uuid.UUID | str, step_id: str
         status, result_json, error_json = None, None, None
     elif error is not None:
         failure = StepFailure(error, type="everystep.errors.StepFailure", args=[error])
-        status, result_json, error_json = "failed", None, serde.dumps(serde.encode_exception(failure))
+        status, result_json, error_json = StepStatus.FAILED, None, serde.dumps(serde.encode_exception(failure))
     else:
-        status, result_json, error_json = "done", serde.dumps(result), None
+        status, result_json, error_json = StepStatus.DONE, serde.dumps(result), None
     try:
         store.resolve_step(conn, run_id, step_id, status, result_json, error_json)
     except store.ResolveRefused as refused:

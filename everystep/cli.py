@@ -50,6 +50,7 @@ import psycopg
 from everystep import api, liveness, registry, scheduler, serde, store
 from everystep.errors import EverystepError
 from everystep.logs import first_line
+from everystep.schema import MAX_KEY
 
 log = logging.getLogger("everystep")
 
@@ -60,7 +61,7 @@ EXIT_PLAN_CHANGED = 4
 
 STATUSES = ("scheduled", "waiting", "running", "completed", "failed", "stopped", "blocked", "cancelled")
 MAX_DAYS = 36500  # 100 years: the bound of --older-than
-MAX_RUNNER_NAME = 255  # the width of claimed_by
+MAX_RUNNER_NAME = MAX_KEY  # the width of claimed_by
 PRUNE_BATCH = 1000  # runs deleted per transaction, so prune never holds locks for long
 
 

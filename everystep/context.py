@@ -19,8 +19,7 @@ from typing import Any, Protocol
 
 from everystep.errors import HALTS, EverystepError
 from everystep.retries import RetryPolicy
-
-MAX_STEP_ID = 300
+from everystep.schema import MAX_STEP_ID
 
 # A name is one dotpath segment: no dots, no spaces, and not all digits
 # (those are the positional ids, so a name could never collide with one).

@@ -12,6 +12,7 @@ from typing import Any
 
 from everystep import sentry, tracing
 from everystep.errors import LostClaim
+from everystep.schema import RunStatus, StepStatus
 
 log = logging.getLogger("everystep")
 
@@ -68,16 +69,16 @@ def run_ended(replay: Any, outcome: str) -> None:
 @_never_fails
 def _report_end(replay: Any, execution: Execution, outcome: str) -> None:
     exc = execution.exc if execution.status == outcome else None
-    blocked_on = _started_step(replay) if outcome == "blocked" else None
+    blocked_on = _started_step(replay) if outcome == RunStatus.BLOCKED else None
     if execution.span is not None:
         tracing.run_ended(execution.span, outcome, exc, blocked_on and blocked_on[0])
     if not execution.report:
         return
     # Reported only once the end is written (outcome == status): a run fails once.
-    if outcome == "failed" and exc is not None:
+    if outcome == RunStatus.FAILED and exc is not None:
         step = next((name for failed, name in reversed(execution.failed_steps) if _caused(exc, failed)), None)
         sentry.report_failed(replay.run_id, replay.workflow_name, replay.runner.name, step, exc, execution.attempt)
-    elif outcome == "blocked":
+    elif outcome == RunStatus.BLOCKED:
         step_id, step = blocked_on or (None, None)
         sentry.report_blocked(replay.run_id, replay.workflow_name, replay.runner.name, step_id, step,
                               execution.attempt)
@@ -119,7 +120,7 @@ def _caused(exc: BaseException, failed: BaseException) -> bool:
 def _started_step(replay: Any) -> tuple[str, str] | None:
     """The (id, name) of the started step a blocked run waits on."""
     for step_id, (name, status, _result, _error, _attempts) in list(replay.recorded.items()):
-        if status == "started":
+        if status == StepStatus.STARTED:
             return step_id, name
     return None
 

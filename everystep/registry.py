@@ -14,11 +14,11 @@ from typing import Any
 
 from everystep.errors import EverystepError
 from everystep.logs import first_line
+from everystep.schema import MAX_NAME
 
 # Workflows by name, filled by @workflow at import time.
 WORKFLOWS: dict[str, Callable] = {}
 
-MAX_NAME = 300  # characters of a workflow or step name (everystep_workflow.name, everystep_step.name)
 
 
 def qualified_name(fn: Callable) -> str:

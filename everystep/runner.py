@@ -45,6 +45,7 @@ from everystep.errors import (
 )
 from everystep.ids import uuid7
 from everystep.retries import RetryPolicy
+from everystep.schema import RunStatus, StepStatus
 
 log = logging.getLogger("everystep")
 
@@ -197,11 +198,11 @@ class Runner:
                 raise
             # The engine itself failed on this run.
             log.exception("engine error on run; marking it failed", extra=extra)
-            observe.run_ending(replay, "failed", exc)
+            observe.run_ending(replay, RunStatus.FAILED, exc)
             try:
                 error = serde.dumps(serde.encode_exception(exc))
-                replay.end("failed", None, error, None)
-                outcome = "failed"
+                replay.end(RunStatus.FAILED, None, error, None)
+                outcome = RunStatus.FAILED
             except LostClaim:
                 outcome = "abandoned"
             except Exception:
@@ -345,7 +346,7 @@ class Replay:
             if unwritten is not None:
                 self._write_step(unwritten[0], unwritten[1], update=False)  # recorded before the requeue
             self._fenced(lambda cur, run, runner, token: store.requeue_held(cur, runner, [store.Claim(run, token)]),
-                         (), None, "scheduled", "requeueing the run")
+                         (), None, RunStatus.SCHEDULED, "requeueing the run")
             metrics.REQUEUED.labels(self.runner.name).inc()
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
@@ -354,7 +355,7 @@ class Replay:
             # Cancelled at a step call: the run ends `cancelled`, with what the
             # body returned, or with what it raised (the Cancelled itself when
             # it let it through), or with the Cancelled when it returned.
-            status, result, error = "cancelled", None, None
+            status, result, error = RunStatus.CANCELLED, None, None
             if exc is None:
                 error = serde.dumps(serde.encode_exception(self.cancel_delivered))
                 try:
@@ -365,15 +366,16 @@ class Replay:
                 error = serde.dumps(serde.encode_exception(exc))
         elif exc is None:
             try:
-                status, result, error = "completed", serde.dumps(value), None
+                status, result, error = RunStatus.COMPLETED, serde.dumps(value), None
             except EverystepError as bad:
-                status, result, error = "failed", None, serde.dumps(serde.encode_exception(bad))
+                status, result, error = RunStatus.FAILED, None, serde.dumps(serde.encode_exception(bad))
         else:
             status = (
-                "stopped" if isinstance(exc, Terminal) else "blocked" if isinstance(exc, EffectUncertain) else "failed"
+                RunStatus.STOPPED if isinstance(exc, Terminal)
+                else RunStatus.BLOCKED if isinstance(exc, EffectUncertain) else RunStatus.FAILED
             )
             result, error = None, serde.dumps(serde.encode_exception(exc))
-            if status == "failed":
+            if status == RunStatus.FAILED:
                 log.warning(
                     "run failed: %s: %s", type(exc).__name__, exc,
                     extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
@@ -424,8 +426,8 @@ class Replay:
         self._write_unwritten()
         return {
             step_id: Outcome(
-                name, status, serde.from_json(result) if status == "done" else None,
-                serde.decode_exception(error) if status == "failed" else None,
+                name, status, serde.from_json(result) if status == StepStatus.DONE else None,
+                serde.decode_exception(error) if status == StepStatus.FAILED else None,
             )
             for step_id, (name, status, result, error, _) in list(self.recorded.items())
         }
@@ -448,17 +450,17 @@ class Replay:
                     f"step {step_id!r} was recorded as {rec_name} but the workflow now calls {name} there; "
                     "the workflow code changed in a way that breaks replay"
                 ))
-            if status == "done":
+            if status == StepStatus.DONE:
                 return serde.from_json(result)
-            if status == "failed":
+            if status == StepStatus.FAILED:
                 exc = serde.decode_exception(error)
-                observe.step_ended(self, None, name, "failed", exc)  # no span: served; the report's step tag
+                observe.step_ended(self, None, name, StepStatus.FAILED, exc)  # no span: served; the report's step tag
                 if isinstance(exc, Terminal):
                     raise self.stop_with(exc)
                 if isinstance(exc, Cancelled) and self.cancel_delivered is None:
                     self.cancel_delivered = exc  # delivered here by an earlier execution
                 raise exc
-            if status == "started" and unsafe:  # no outcome: the effect may or may not have happened
+            if status == StepStatus.STARTED and unsafe:  # no outcome: the effect may or may not have happened
                 raise self.stop_with(EffectUncertain(
                     f"step {step_id!r} ({name}) is unsafe to repeat and was started without a recorded "
                     "outcome; resolve it with `everystep resolve-step`"
@@ -474,7 +476,8 @@ class Replay:
         while True:
             started = (time.perf_counter(), time.time())
             if unsafe:
-                self._record(step_id, name, args_json, kwargs_json, "started", None, None, rerun_started, started)
+                self._record(step_id, name, args_json, kwargs_json, StepStatus.STARTED, None, None, rerun_started,
+                             started)
                 rerun_started = True
 
             scope_token = current_scope.set(None)  # a step called inside a step is a plain call
@@ -484,13 +487,14 @@ class Replay:
                 value = fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001  (recorded, then re-raised or retried)
                 failure = exc
-                observe.step_ended(self, traced, name, "failed", exc)
+                observe.step_ended(self, traced, name, StepStatus.FAILED, exc)
             finally:
                 current_scope.reset(scope_token)
             if failure is None:
-                observe.step_ended(self, traced, name, "done")
+                observe.step_ended(self, traced, name, StepStatus.DONE)
                 result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
-                self._record(step_id, name, args_json, kwargs_json, "done", result, None, rerun_started, started)
+                self._record(step_id, name, args_json, kwargs_json, StepStatus.DONE, result, None, rerun_started,
+                             started)
                 return value
             error = serde.encode_exception(failure)
             retried = retry is not None and retry.retried(unsafe, failure, len(attempts))
@@ -502,7 +506,7 @@ class Replay:
                 self._wait(scope, attempt["retry_at"], attempt["at"])
                 self._deliver_cancel(step_id, name, update=True)  # a cancel request learnt meanwhile
                 continue
-            self._record(step_id, name, args_json, kwargs_json, "failed", None, error, rerun_started, started)
+            self._record(step_id, name, args_json, kwargs_json, StepStatus.FAILED, None, error, rerun_started, started)
             if isinstance(failure, Terminal):
                 raise self.stop_with(failure)
             raise failure
@@ -528,7 +532,7 @@ class Replay:
         with self.cursor() as cur:
             cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
         self.cancel_delivered = cancelled
-        self._record(step_id, name, "[]", "{}", "failed", None, serde.encode_exception(cancelled), update,
+        self._record(step_id, name, "[]", "{}", StepStatus.FAILED, None, serde.encode_exception(cancelled), update,
                      (time.perf_counter(), time.time()))
         metrics.CANCELLATIONS.labels(self.workflow_name).inc()
         raise cancelled
@@ -537,11 +541,11 @@ class Replay:
                         wait: float, started: tuple[float, float]) -> dict:
         """Record a failed attempt that will be retried after `wait` seconds;
         returns the attempt as recorded (its times by the database's clock)."""
-        row = store.StepRow(step_id, name, args, kwargs, "retrying", None, serde.dump_data(error), started[1],
+        row = store.StepRow(step_id, name, args, kwargs, StepStatus.RETRYING, None, serde.dump_data(error), started[1],
                             time.time())
         self._write_unwritten()
         try:
-            done = self._fenced(store.record_attempt, (row, attempt, wait), step_id, "retrying",
+            done = self._fenced(store.record_attempt, (row, attempt, wait), step_id, StepStatus.RETRYING,
                                 f"attempt {attempt} of step {step_id!r}")
         except LostClaim as lost:
             raise self.stop_with(lost) from None
@@ -550,8 +554,8 @@ class Replay:
             raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
         self._cancel_known(done)
         metrics.STEP_RETRIES.labels(self.workflow_name, name).inc()
-        attempts = self.recorded.setdefault(step_id, [name, "retrying", None, None, []])
-        attempts[1], attempts[4] = "retrying", (attempts[4] or []) + [done.attempt]
+        attempts = self.recorded.setdefault(step_id, [name, StepStatus.RETRYING, None, None, []])
+        attempts[1], attempts[4] = StepStatus.RETRYING, (attempts[4] or []) + [done.attempt]
         return done.attempt
 
     # -------------------------------------------------------------- time
@@ -568,7 +572,7 @@ class Replay:
                     f"step {step_id!r} was recorded as {recorded[0]} but the workflow now sleeps there; "
                     "the workflow code changed in a way that breaks replay"
                 ))
-            if recorded[1] == "failed":
+            if recorded[1] == StepStatus.FAILED:
                 exc = serde.decode_exception(recorded[3])
                 if isinstance(exc, Cancelled) and self.cancel_delivered is None:
                     self.cancel_delivered = exc
@@ -576,11 +580,11 @@ class Replay:
             self._wait(scope, float(recorded[2]), self.claim.claimed_at)
             return
         self._boundary(step_id, SLEEP)
-        done = self._fenced(store.record_sleep, (step_id, SLEEP, seconds, until), step_id, "done", "a sleep")
+        done = self._fenced(store.record_sleep, (step_id, SLEEP, seconds, until), step_id, StepStatus.DONE, "a sleep")
         if done is None:  # written by this execution's earlier try: its answer was lost
             self.look_again = True
             raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
-        self.recorded[step_id] = [SLEEP, "done", done.wake_at, None, None]
+        self.recorded[step_id] = [SLEEP, StepStatus.DONE, done.wake_at, None, None]
         self._wait(scope, done.wake_at, done.now)
 
     def _wait(self, scope: Scope, wake_at: float, now: float) -> None:
@@ -594,7 +598,7 @@ class Replay:
             return
         if remaining > MOMENT and scope.prefix == "" and threading.get_ident() == self._owner:
             self._write_unwritten()
-            parking = self._fenced(store.park_run, (wake_at,), None, "waiting", "parking the run")
+            parking = self._fenced(store.park_run, (wake_at,), None, RunStatus.WAITING, "parking the run")
             if parking is None or parking.parked:
                 raise self.stop_with(Parked())
             if parking.cancel_requested:
@@ -619,12 +623,12 @@ class Replay:
         mark of an unsafe step, and its outcome, are written at once.
         `started`: (perf_counter, time) when the step started."""
         row = store.StepRow(step_id, name, args, kwargs, status,
-                            None if status != "done" else serde.dump_data(result),
+                            None if status != StepStatus.DONE else serde.dump_data(result),
                             None if error is None else serde.dump_data(error),
-                            started[1], None if status == "started" else time.time())
+                            started[1], None if status == StepStatus.STARTED else time.time())
         attempts = self.recorded.get(step_id, [None] * 5)[4]
         self.recorded[step_id] = [name, status, result, error, attempts]
-        if status != "started" and not update and threading.get_ident() == self._owner:
+        if status != StepStatus.STARTED and not update and threading.get_ident() == self._owner:
             with self._outcome_lock:
                 self._unwritten = (row, started[0], time.perf_counter())
         else:
@@ -666,7 +670,7 @@ class Replay:
         except LostClaim as lost:
             raise self.stop_with(lost) from None
         self._cancel_known(written)
-        if row.status != "started":
+        if row.status != StepStatus.STARTED:
             self._count(row.name, row.status, started)
 
     def _count(self, name: str, status: str, started: float) -> None:
@@ -703,19 +707,20 @@ class Replay:
             ))
         if recorded is None:
             self._boundary(step_id, name)
-            begun = self._fenced(store.begin_wait, (step_id, name, topic, timeout), step_id, "started", "a wait")
+            begun = self._fenced(store.begin_wait, (step_id, name, topic, timeout), step_id, StepStatus.STARTED,
+                                 "a wait")
             if begun is None:  # written by this execution's earlier try: its answer was lost
                 self.look_again = True
                 raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
-            recorded = self.recorded[step_id] = [name, "started", begun.result, None, None]
-        if recorded[1] == "failed":
+            recorded = self.recorded[step_id] = [name, StepStatus.STARTED, begun.result, None, None]
+        if recorded[1] == StepStatus.FAILED:
             exc = serde.decode_exception(recorded[3])
             if isinstance(exc, Cancelled) and self.cancel_delivered is None:
                 self.cancel_delivered = exc
             raise exc
-        if recorded[1] == "started":
+        if recorded[1] == StepStatus.STARTED:
             recorded[2] = self._wait_until_done(scope, step_id, take, what, waiting_on, recorded[2].get("deadline"))
-            recorded[1] = "done"
+            recorded[1] = StepStatus.DONE
         return recorded[2]
 
     def _wait_until_done(self, scope: Scope, step_id: str, take: Callable, what: Any, waiting_on: str,
@@ -726,7 +731,7 @@ class Replay:
         parks = scope.prefix == "" and threading.get_ident() == self._owner
         pause = 0.02
         while True:
-            took = self._fenced(take, (step_id, what, deadline), step_id, "done", "a wait")
+            took = self._fenced(take, (step_id, what, deadline), step_id, StepStatus.DONE, "a wait")
             if took is None:
                 self.look_again = True
                 raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
@@ -735,7 +740,7 @@ class Replay:
             remaining = None if deadline is None else deadline - took.now
             if parks and (remaining is None or remaining > MOMENT):
                 parking = self._fenced(store.park_waiting, (deadline, waiting_on, took.wakes), None,
-                                       "waiting", "parking the run")
+                                       RunStatus.WAITING, "parking the run")
                 if parking is None or parking.parked:
                     raise self.stop_with(Parked())
                 if parking.cancel_requested:
@@ -757,17 +762,17 @@ class Replay:
         if recorded is None:
             self._boundary(step_id, START)
             result = self._fenced(store.start_child, (step_id, START, uuid7(), child_name, args_json), step_id,
-                                  "done", "starting a child")
+                                  StepStatus.DONE, "starting a child")
             if result is None:
                 self.look_again = True
                 raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
-            recorded = self.recorded[step_id] = [START, "done", result, None, None]
+            recorded = self.recorded[step_id] = [START, StepStatus.DONE, result, None, None]
         elif recorded[0] != START:
             raise self.stop_with(WorkflowCodeError(
                 f"step {step_id!r} was recorded as {recorded[0]} but the workflow now starts a child there; "
                 "the workflow code changed in a way that breaks replay"
             ))
-        if recorded[1] == "failed":
+        if recorded[1] == StepStatus.FAILED:
             raise serde.decode_exception(recorded[3])
         return uuid.UUID(recorded[2]["child"])
 
@@ -779,7 +784,7 @@ class Replay:
                                   store.take_child, child)
         if end.get("timeout"):
             raise TimeoutError(f"child run {child} did not end within the timeout")
-        if end["status"] == "completed":
+        if end["status"] == RunStatus.COMPLETED:
             return serde.from_json(end["result"])
         raise ChildFailed(child, end["status"], None if end["error"] is None else serde.decode_exception(end["error"]))
 
@@ -790,7 +795,7 @@ class Replay:
         with self.cursor() as cur:
             cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
         self.cancel_delivered = cancelled
-        self._record(step_id, WAIT, "[]", "{}", "failed", None, serde.encode_exception(cancelled), True,
+        self._record(step_id, WAIT, "[]", "{}", StepStatus.FAILED, None, serde.encode_exception(cancelled), True,
                      (time.perf_counter(), time.time()))
         metrics.CANCELLATIONS.labels(self.workflow_name).inc()
         raise cancelled
@@ -810,8 +815,8 @@ class Replay:
                 ))
             return
         self._boundary(step_id, EVENT)
-        self._fenced(store.set_event, (step_id, EVENT, key, value_json), step_id, "done", "an event")
-        self.recorded[step_id] = [EVENT, "done", None, None, None]
+        self._fenced(store.set_event, (step_id, EVENT, key, value_json), step_id, StepStatus.DONE, "an event")
+        self.recorded[step_id] = [EVENT, StepStatus.DONE, None, None, None]
 
     # -------------------------------------------------------------- patches
 
@@ -847,7 +852,7 @@ class Replay:
             raise self.stop_with(exc) from None
         self._write_unwritten()
         now = (time.perf_counter(), time.time())
-        self._record(step_id, PATCH_STEP, "[]", "{}", "done", not went_further, None, False, now)
+        self._record(step_id, PATCH_STEP, "[]", "{}", StepStatus.DONE, not went_further, None, False, now)
         return not went_further
 
     # -------------------------------------------------------------- parallel

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg import errors, pq, sql
 
+from everystep.schema import TERMINAL, RunStatus, StepStatus
+
 # Notifications go to a channel per schema, so deployments sharing a database
 # (or test schemas) do not wake each other's workers.
 _NOTIFY = "pg_notify('everystep:' || current_schema(), '')"
@@ -36,7 +38,6 @@ _WAKE = "everystep_wake()"
 # Taken shared by every scheduling transaction (in everystep_wake), and
 # exclusive by a worker registering as waiting.
 _WAKE_LOCK = "hashtextextended('everystep:wake:' || current_schema(), 0)"
-TERMINAL = ("completed", "failed", "stopped", "cancelled")
 
 # The 64-bit advisory-lock key of a runner name, scoped to the schema so two
 # deployments sharing a database (or two test schemas) never collide.
@@ -1248,14 +1249,14 @@ def resolve_step(
         ).fetchone()
         if row is None:
             raise ResolveRefused(f"no run {run}")
-        if row[0] != "blocked":
+        if row[0] != RunStatus.BLOCKED:
             raise ResolveRefused(f"run {run} is {row[0]}, not blocked; only a blocked run can be resolved")
         step = conn.execute(
             "SELECT status FROM everystep_step WHERE workflow_id = %s AND step_id = %s", (run, step_id)
         ).fetchone()
         if step is None:
             raise ResolveRefused(f"run {run} has no step {step_id!r}")
-        if step[0] != "started":
+        if step[0] != StepStatus.STARTED:
             raise ResolveRefused(f"step {step_id!r} of run {run} is {step[0]}; only its started step can be resolved")
         if status is None:
             conn.execute("DELETE FROM everystep_step WHERE workflow_id = %s AND step_id = %s", (run, step_id))

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from everystep import store
+from everystep.schema import RunStatus
 
 log = logging.getLogger("everystep")
 
@@ -140,13 +141,13 @@ def run_ended(run: RunSpan, outcome: str, exc: BaseException | None, blocked_on:
 
     span, status = run.span, run.trace.StatusCode
     span.set_attribute("everystep.outcome", outcome)
-    if exc is not None and outcome in ("failed", "stopped", "blocked"):
+    if exc is not None and outcome in (RunStatus.FAILED, RunStatus.STOPPED, RunStatus.BLOCKED):
         span.record_exception(exc)
-    if outcome == "failed":
+    if outcome == RunStatus.FAILED:
         span.set_status(status.ERROR, f"{type(exc).__name__}: {exc}" if exc is not None else "failed")
-    elif outcome == "stopped":
+    elif outcome == RunStatus.STOPPED:
         span.set_status(status.ERROR, f"stopped: {exc}")
-    elif outcome == "blocked":
+    elif outcome == RunStatus.BLOCKED:
         span.set_attribute("everystep.blocked_step", blocked_on or "")
         span.set_status(status.ERROR, f"blocked on step {blocked_on}: resolve it with `everystep resolve-step`")
     elif outcome == "requeued":

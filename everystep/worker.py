@@ -32,6 +32,7 @@ from everystep import liveness, metrics, registry, store
 from everystep.errors import Drain, LostClaim
 from everystep.logs import first_line
 from everystep.runner import Execution, Fence, Runner, Successors
+from everystep.schema import MAX_KEY
 
 log = logging.getLogger("everystep")
 
@@ -106,8 +107,8 @@ class Worker(Successors):
         transaction mode (PgBouncer), a URL straight to PostgreSQL for the
         control session (its advisory lock, LISTEN and claims need a session
         of their own); the pool then keeps no session state."""
-        if not name or len(name) > 255:
-            raise ValueError("a worker name must have 1 to 255 characters")
+        if not name or len(name) > MAX_KEY:
+            raise ValueError(f"a worker name must have 1 to {MAX_KEY} characters")
         self.database_url = database_url
         self.direct_url = direct_url
         self.name = name
