@@ -947,6 +947,18 @@ def begin_wait(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id:
     return False if row is None else Wait(row[0], 0, float(row[1]))
 
 
+# How a wait's statement ends, once its `outcome` CTE says what came (NULL:
+# nothing yet): the started step row gets it, and the run stops waiting.
+_END_WAIT = (
+    " done AS (UPDATE everystep_step s SET status = 'done', result = outcome.result, finished_at = now(),"
+    "  claim_token = w.claim_token FROM w, outcome WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s"
+    "  AND s.status = 'started' AND outcome.result IS NOT NULL RETURNING s.result),"
+    " cleared AS (UPDATE everystep_workflow SET waiting_on = NULL"
+    "  WHERE id = %(run)s AND waiting_on IS NOT NULL AND EXISTS (SELECT FROM done))"
+    " SELECT (SELECT result FROM done), (SELECT wakes FROM seen), extract(epoch FROM now()) FROM w"
+)
+
+
 def take_message(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id: str, topic: str,
                  deadline: float | None) -> Wait | bool:
     """End a started wait if it can end: with the oldest message on its topic
@@ -965,12 +977,7 @@ def take_message(conn: Executor, run: uuid.UUID, runner: str, token: int, step_i
         " outcome AS (SELECT CASE WHEN EXISTS (SELECT FROM taken) THEN"
         "  jsonb_build_object('message', (SELECT payload FROM taken))"
         "  WHEN now() >= to_timestamp(%(deadline)s::float8) THEN '{\"timeout\": true}'::jsonb END AS result),"
-        " done AS (UPDATE everystep_step s SET status = 'done', result = outcome.result, finished_at = now(),"
-        "  claim_token = w.claim_token FROM w, outcome WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s"
-        "  AND s.status = 'started' AND outcome.result IS NOT NULL RETURNING s.result),"
-        " cleared AS (UPDATE everystep_workflow SET waiting_on = NULL"
-        "  WHERE id = %(run)s AND waiting_on IS NOT NULL AND EXISTS (SELECT FROM done))"
-        " SELECT (SELECT result FROM done), (SELECT wakes FROM seen), extract(epoch FROM now()) FROM w",
+        + _END_WAIT,
         {"run": run, "runner": runner, "token": token, "step_id": step_id, "topic": topic, "deadline": deadline},
     ).fetchone()
     return False if row is None else Wait(row[0], int(row[1]), float(row[2]))
@@ -1014,12 +1021,7 @@ def take_child(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id:
         "  jsonb_build_object('status', c.status, 'result', c.result, 'error', c.error)"
         "  WHEN now() >= to_timestamp(%(deadline)s::float8) THEN '{\"timeout\": true}'::jsonb END AS result"
         "  FROM (SELECT) AS one LEFT JOIN c ON true),"
-        " done AS (UPDATE everystep_step s SET status = 'done', result = outcome.result, finished_at = now(),"
-        "  claim_token = w.claim_token FROM w, outcome WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s"
-        "  AND s.status = 'started' AND outcome.result IS NOT NULL RETURNING s.result),"
-        " cleared AS (UPDATE everystep_workflow SET waiting_on = NULL"
-        "  WHERE id = %(run)s AND waiting_on IS NOT NULL AND EXISTS (SELECT FROM done))"
-        " SELECT (SELECT result FROM done), (SELECT wakes FROM seen), extract(epoch FROM now()) FROM w",
+        + _END_WAIT,
         {"run": run, "runner": runner, "token": token, "step_id": step_id, "child": child, "deadline": deadline},
     ).fetchone()
     return False if row is None else Wait(row[0], int(row[1]), float(row[2]))

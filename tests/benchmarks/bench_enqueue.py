@@ -16,11 +16,9 @@ Prints one JSON line."""
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import subprocess
 import tempfile
-import threading
 import time
 
 import psycopg
@@ -47,39 +45,12 @@ def set_waiting(db, waiting: bool) -> None:
 
 def python_clients(db, seconds: float) -> float:
     """Runs/s of 2 processes x 8 threads, each scheduling one run per transaction."""
-    context = multiprocessing.get_context("fork")
-    start, counts = context.Event(), context.Queue()
-    processes = [context.Process(target=_schedule_for, args=(db.url, seconds, start, counts))
-                 for _ in range(harness.PROCESSES)]
-    for process in processes:
-        process.start()
-    start.set()
-    total = sum(counts.get(timeout=seconds + 60) for _ in processes)
-    for process in processes:
-        process.join()
-    return total / seconds
 
+    def schedule_one(client: int, conn: psycopg.Connection) -> None:
+        with everystep.transaction(conn):
+            everystep.schedule(workflows.one_step, client)
 
-def _schedule_for(url: str, seconds: float, start, counts) -> None:
-    done = [0] * harness.THREADS
-
-    def client(thread: int, conn: psycopg.Connection, until: float) -> None:
-        while time.monotonic() < until:
-            with everystep.transaction(conn):
-                everystep.schedule(workflows.one_step, thread)
-            done[thread] += 1
-
-    connections = [psycopg.connect(url, autocommit=True) for _ in range(harness.THREADS)]
-    start.wait()
-    until = time.monotonic() + seconds
-    threads = [threading.Thread(target=client, args=(i, conn, until)) for i, conn in enumerate(connections)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for conn in connections:
-        conn.close()
-    counts.put(sum(done))
+    return harness.clients_rate(db.url, seconds, schedule_one)
 
 
 def pgbench_clients(db, seconds: float) -> float:

@@ -196,10 +196,21 @@ def _pgbench_ceiling(db: Database, seconds: float) -> float:
 def _python_ceiling(db: Database, seconds: float) -> float:
     """PROCESSES processes of THREADS threads, one connection each (the
     workers' shape), for when pgbench is not installed."""
+    statement = _INSERT_STEP.format(*STEP_ROW, client="%s", step="%s")
+
+    def insert(client: int, conn: psycopg.Connection) -> None:
+        conn.execute(statement, (client, str(uuid.uuid4().int)), prepare=True)
+
+    return clients_rate(db.url, seconds, insert)
+
+
+def clients_rate(url: str, seconds: float, commit: Callable[[int, psycopg.Connection], None]) -> float:
+    """Commits/s of PROCESSES forked processes x THREADS threads, each on a
+    connection of its own calling `commit(client, conn)` (one transaction)
+    in a loop for `seconds`; `client` numbers the threads of all processes."""
     context = multiprocessing.get_context("fork")
-    start = context.Event()
-    counts = context.Queue()
-    processes = [context.Process(target=_insert_for, args=(db.url, i, seconds, start, counts))
+    start, counts = context.Event(), context.Queue()
+    processes = [context.Process(target=_clients_for, args=(url, i, seconds, commit, start, counts))
                  for i in range(PROCESSES)]
     for process in processes:
         process.start()
@@ -210,20 +221,19 @@ def _python_ceiling(db: Database, seconds: float) -> float:
     return total / seconds
 
 
-def _insert_for(url: str, process_index: int, seconds: float, start, counts) -> None:
+def _clients_for(url: str, process_index: int, seconds: float, commit: Callable, start, counts) -> None:
     done = [0] * THREADS
-    statement = _INSERT_STEP.format(*STEP_ROW, client="%s", step="%s")
 
-    def insert(thread: int, conn: psycopg.Connection, until: float) -> None:
+    def loop(thread: int, conn: psycopg.Connection, until: float) -> None:
         client = process_index * THREADS + thread
         while time.monotonic() < until:
-            conn.execute(statement, (client, str(uuid.uuid4().int)), prepare=True)
+            commit(client, conn)
             done[thread] += 1
 
     connections = [psycopg.connect(url, autocommit=True) for _ in range(THREADS)]
     start.wait()
     until = time.monotonic() + seconds
-    threads = [threading.Thread(target=insert, args=(i, conn, until)) for i, conn in enumerate(connections)]
+    threads = [threading.Thread(target=loop, args=(i, conn, until)) for i, conn in enumerate(connections)]
     for thread in threads:
         thread.start()
     for thread in threads:
