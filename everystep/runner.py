@@ -46,6 +46,7 @@ from everystep.errors import (
 from everystep.ids import uuid7
 from everystep.retries import RetryPolicy
 from everystep.schema import RunStatus, StepStatus
+from everystep.writer import GroupWriter
 
 log = logging.getLogger("everystep")
 
@@ -176,6 +177,12 @@ class Runner:
         self.name = name
         self.fence = fence or Fence()
         self.successors = successors or Successors()
+        # Step rows and run ends of all this runner's executions share commits.
+        self.writer = GroupWriter(pool, name, lambda: self.successors.routes)
+
+    def close(self) -> None:
+        """Stop the writer (once no execution writes any more)."""
+        self.writer.close()
 
     def execute(self, run: store.ClaimedRun) -> Execution:
         """Replay one held run to an end and say what happened: how it ended,
@@ -284,21 +291,27 @@ class Replay:
             self.runner.pool.putconn(self._conn)
             self._conn = self._cursor = None
 
-    def _fenced(self, write: Callable[..., Any], args: tuple, step_id: str | None, status: str, what: str) -> Any:
+    def _fenced(self, write: Callable[..., Any], args: tuple, step_id: str | None, status: str, what: str,
+                grouped: bool = False) -> Any:
         """Run a fenced store write about this execution and return what it
         returned, retrying connection errors as the fence allows. A write that
         matches nothing is explained (store.why_not_written): this execution's
         own earlier attempt wrote it (its answer was lost): None is returned;
         the run is no longer held by this execution, or another execution
-        wrote the row: `LostClaim`."""
+        wrote the row: `LostClaim`. `grouped`: a write of the runner's writer,
+        which takes no cursor."""
         attempt = 0
         while True:
             try:
                 self.runner.fence.before_write(self.claim)
+                if grouped:
+                    done = write(self.run_id, self.runner.name, self.token, *args)
+                else:
+                    with self.cursor() as cur:
+                        done = write(cur, self.run_id, self.runner.name, self.token, *args)
+                if done is not None and done is not False:
+                    return done
                 with self.cursor() as cur:
-                    done = write(cur, self.run_id, self.runner.name, self.token, *args)
-                    if done is not None and done is not False:
-                        return done
                     why = store.why_not_written(cur, self.run_id, self.runner.name, self.token, step_id, status)
                 if why == store.WRITTEN:
                     return None
@@ -393,10 +406,18 @@ class Replay:
         row = None if unwritten is None else unwritten[0]
         if self.claim_successor is None:
             self.claim_successor = self.runner.successors.reserve(self.claim)
+
+        def write_end(run: uuid.UUID, runner: str, token: int, last_step: store.StepRow | None) -> str | None:
+            done = self.runner.writer.finish_run(run, token, status, result, error, last_step,
+                                                 self.claim_successor and self.successor is None)
+            if done.successor is not None:
+                self.successor = done.successor  # this slot's next run, whatever became of this end
+            if done.step_exists:
+                raise psycopg.errors.UniqueViolation(f"step {last_step.step_id!r} of run {run} exists")
+            return done.status
+
         try:
-            claimed = self._fenced(store.finish_run, (status, result, error, row, self.claim_successor,
-                                                     self.runner.successors.routes), None,
-                                   status, "ending the run")
+            ended = self._fenced(write_end, (row,), None, status, "ending the run", grouped=True)
         except psycopg.errors.UniqueViolation:
             # The last step's row is there already: written by this execution's
             # earlier attempt (then end without it), or by another execution.
@@ -405,15 +426,12 @@ class Replay:
             if why != store.WRITTEN:
                 self.look_again = self.look_again or why == store.OTHER
                 raise LostClaim(f"run {self.run_id}: step {row.step_id!r} was written by another execution") from None
-            claimed = self._fenced(store.finish_run, (status, result, error, None, self.claim_successor,
-                                                     self.runner.successors.routes), None,
-                                   status, "ending the run")
+            ended = self._fenced(write_end, (None,), None, status, "ending the run", grouped=True)
         # None: an earlier attempt ended it, and its claim, if any, is found
         # by the worker looking again (look_again is set by the retry).
-        self.successor = claimed.claimed[0] if claimed and claimed.claimed else None
         if unwritten is not None:
             self._count(row.name, row.status, unwritten[1])
-        return claimed.status if claimed else status
+        return ended or status
 
     def stop_with(self, exc: BaseException) -> BaseException:
         """Set the run's halt (the first one wins) and return it to raise."""
@@ -665,8 +683,12 @@ class Replay:
 
     def _write_step(self, row: store.StepRow, started: float, update: bool) -> None:
         try:
-            written = self._fenced(store.complete_started_step if update else store.record_step, (row,),
-                                   row.step_id, row.status, f"step {row.step_id!r}")
+            if update:
+                written = self._fenced(store.complete_started_step, (row,), row.step_id, row.status,
+                                       f"step {row.step_id!r}")
+            else:
+                written = self._fenced(self.runner.writer.record_step, (row,), row.step_id, row.status,
+                                       f"step {row.step_id!r}", grouped=True)
         except LostClaim as lost:
             raise self.stop_with(lost) from None
         self._cancel_known(written)

@@ -16,6 +16,7 @@ claim, a step row and a run's end are on disk before anyone acts on them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import uuid
@@ -42,16 +43,30 @@ _WAKE_LOCK = "hashtextextended('everystep:wake:' || current_schema(), 0)"
 # The 64-bit advisory-lock key of a runner name, scoped to the schema so two
 # deployments sharing a database (or two test schemas) never collide.
 _LOCK_KEY = "hashtextextended('everystep:' || current_schema() || ':' || %s, 0)"
-_HELD = "id = %(run)s AND status = 'running' AND claimed_by = %(runner)s AND claim_token = %(token)s::bigint"
+# A run held by one execution, found by its primary key. "Running" is written
+# so that no index on status can serve it: seeing few running rows, the
+# planner would otherwise walk the running entries of the status index — dead
+# ones included, thousands of them between two vacuums under load — rather
+# than look the run up.
+_RUNNING = "(status = 'running') IS TRUE"
+_HELD = f"id = %(run)s AND {_RUNNING} AND claimed_by = %(runner)s AND claim_token = %(token)s::bigint"
 # A new execution token, for every claim.
 _NEW_TOKEN = "nextval('everystep_claim_token')"
 # Which runs a claim may take, and in which order: the one place of the claim
 # predicate, shared by `claim` and the successor claim of `finish_run`. Ready
-# (`scheduled`) and `waiting` runs alike, once due by the database's clock;
-# the partial index everystep_workflow_due makes it a range scan that never
-# reads a run not due yet.
+# (`scheduled`) and `waiting` runs alike, once due by the database's clock,
+# in (due_at, id) order: the partial index everystep_workflow_ready makes it a
+# range scan that never reads a run not due yet, and stops at the first
+# unlocked one.
 _CLAIMABLE = "status IN ('scheduled', 'waiting') AND due_at <= now()"
-_CLAIM_ORDER = "ORDER BY due_at"
+_CLAIM_ORDER = "ORDER BY due_at, w.id"
+# The claimable runs of one workflow ({name}), for the claims of limited
+# workflows: _CLAIMABLE with the due time compared as (name, due_at), which
+# only everystep_workflow_due_by_name (name, due_at, id) can serve. Given a
+# name, the planner cannot tell how many claimable runs are that workflow's;
+# walking the ready index for them would read every claimable run of every
+# other workflow first, at every claim.
+_CLAIMABLE_OF = "status IN ('scheduled', 'waiting') AND w.name = {name} AND (w.name, w.due_at) <= ({name}, now())"
 
 # What the writes about a held run execute on: a connection, or a cursor of
 # one (the runner reuses one cursor for all the writes of an execution).
@@ -234,6 +249,31 @@ def prepare_session(conn: psycopg.Connection) -> None:
     )
 
 
+# The planner settings of the sessions that claim runs: a worker's control
+# session, and its writer's (everystep.writer), which claims successors.
+# Their claim statements (the CTEs of _PICK) take PostgreSQL 2-3 ms to plan,
+# several times what they take to run, and under plan_cache_mode `auto` it
+# plans them afresh at every execution: they are planned once (generic).
+# A generic plan is made with the statistics of the moment, which may say
+# that a few runs are claimable when thousands are: then fetching them all
+# through a bitmap and sorting them looks cheaper than walking the ready index
+# in order to the first unlocked one, and every claim pays for it. Without
+# bitmap scans the index walk is the plan. (Turning sorts off instead makes
+# the small sorts of _PICK's window functions look dear, with worse plans.)
+_CLAIMING_SETTINGS = {"plan_cache_mode": "force_generic_plan", "enable_bitmapscan": "off"}
+
+
+def prepare_claiming_session(conn: psycopg.Connection) -> None:
+    conn.execute("SELECT " + ", ".join(f"set_config('{name}', '{value}', false)"
+                                       for name, value in _CLAIMING_SETTINGS.items()))
+
+
+def reset_claiming_session(conn: psycopg.Connection) -> None:
+    """Back to the defaults, before the session goes back to a pool."""
+    for name in _CLAIMING_SETTINGS:
+        conn.execute(f"RESET {name}")
+
+
 # Inside a transaction: its commit waits for the WAL flush (see prepare_session).
 _DURABLE_TRANSACTION = (
     "SELECT set_config('synchronous_commit', 'on', true) WHERE current_setting('synchronous_commit') = 'off'"
@@ -273,7 +313,8 @@ def prepare_control_session(conn: psycopg.Connection, idle: int, interval: int, 
 
     Server-side TCP keepalives make the server drop the session of a vanished
     host, and so free its lock, in seconds (no effect over a Unix socket).
-    Its commits are synchronous like every engine session's (`prepare_session`)."""
+    Its commits are synchronous like every engine session's (`prepare_session`),
+    and it plans like a claiming session (`prepare_claiming_session`)."""
     user_timeout_ms = (idle + interval * count) * 1000
     conn.execute(
         "SELECT set_config('tcp_keepalives_idle', %s, false), set_config('tcp_keepalives_interval', %s, false),"
@@ -281,6 +322,7 @@ def prepare_control_session(conn: psycopg.Connection, idle: int, interval: int, 
         (str(idle), str(interval), str(count), str(user_timeout_ms)),
     )
     prepare_session(conn)
+    prepare_claiming_session(conn)
 
 
 def listen(conn: psycopg.Connection) -> str:
@@ -319,8 +361,11 @@ _RUN_WITH_STEPS = (
 # Which claimable runs a claim takes, and the slots of limited workflows it
 # takes with them: the CTEs `free` .. `picked` that end in `picked(id, slot,
 # token)`, shared by `claim` and the successor claim of `finish_run`.
-# Claimable runs are those of _CLAIMABLE, in _CLAIM_ORDER (then by id: runs
-# scheduled in one transaction are due at the same time). {gate}: a condition
+# Claimable runs are those of _CLAIMABLE, in _CLAIM_ORDER. The OFFSET 0 keeps
+# the two (NOT) EXISTS tests subplans run per row: turned into joins, they
+# let the planner (which cannot know that everystep_limit is small or empty)
+# read and sort every claimable run instead of walking the ready index to the
+# first unlocked entry. {gate}: a condition
 # that must hold for anything to be picked; %(limit)s: how many runs at most;
 # %(routes)s: LIKE patterns of the workflow names this claimer runs (NULL: all).
 #
@@ -338,17 +383,18 @@ _PICK = (
     "free AS (SELECT s.name, s.slot FROM everystep_slot s"
     " WHERE {gate} ((SELECT count(*) FROM everystep_workflow h WHERE h.id = s.run_id"
     "  AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0{own})"
-    "  AND EXISTS (SELECT 1 FROM everystep_workflow w WHERE {claimable} AND w.name = s.name AND {routed})"
+    "  AND EXISTS (SELECT 1 FROM everystep_workflow w WHERE {claimable_of_slot} AND {routed}"
+    "   OFFSET 0)"
     " LIMIT %(limit)s FOR UPDATE OF s SKIP LOCKED),"
     " room AS (SELECT name, count(*) AS n FROM free GROUP BY name),"
     " unlimited AS (SELECT w.id, w.name, w.due_at FROM everystep_workflow w"
     "  WHERE {gate} {claimable} AND {routed}"
-    "  AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name)"
-    "  {claim_order}, w.id LIMIT %(limit)s FOR UPDATE OF w SKIP LOCKED),"
+    "  AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)"
+    "  {claim_order} LIMIT %(limit)s FOR UPDATE OF w SKIP LOCKED),"
     " limited AS (SELECT w.id, w.name, w.due_at FROM room CROSS JOIN LATERAL"
     "  (SELECT w.id, w.name, w.due_at FROM everystep_workflow w"
-    "   WHERE {claimable} AND w.name = room.name AND {routed}"
-    "   {claim_order}, w.id LIMIT least(room.n, %(limit)s) FOR UPDATE OF w SKIP LOCKED) w),"
+    "   WHERE {claimable_of_room} AND {routed}"
+    "   {claim_order} LIMIT least(room.n, %(limit)s) FOR UPDATE OF w SKIP LOCKED) w),"
     " ranked AS (SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k"
     "  FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate),"
     " numbered AS (SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k FROM free),"
@@ -362,12 +408,18 @@ _ROUTED = "(%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))"
 # Setting a picked run running under its new token and slot.
 _TAKE_PICKED = (
     "UPDATE everystep_workflow w SET status = 'running', claimed_by = %(runner)s, claim_token = p.token,"
-    " slot = p.slot FROM picked p WHERE w.id = p.id"
+    " slot = p.slot FROM picked p WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))"
 )
-_CLAIM = (
-    "WITH " + _PICK.format(gate="", own="", routed=_ROUTED, claimable=_CLAIMABLE, claim_order=_CLAIM_ORDER)
-    + " " + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}"
-)
+
+
+def _pick(gate: str = "", own: str = "") -> str:
+    """_PICK with its shared parts filled in."""
+    return _PICK.format(gate=gate, own=own, routed=_ROUTED, claimable=_CLAIMABLE, claim_order=_CLAIM_ORDER,
+                        claimable_of_slot=_CLAIMABLE_OF.format(name="s.name"),
+                        claimable_of_room=_CLAIMABLE_OF.format(name="room.name"))
+
+
+_CLAIM = "WITH " + _pick() + " " + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}"
 
 
 def routes_of(patterns: list[str] | tuple[str, ...] | None) -> list[str] | None:
@@ -590,32 +642,12 @@ class Written(NamedTuple):
     cancel_requested: bool
 
 
-def record_step(conn: Executor, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:
-    """Record a step's outcome (`done`/`failed`), or the `started` mark of an
-    unsafe-to-repeat step, with the token of the execution that wrote it. The
-    unique (workflow, step_id) makes this insert the claim on the step: False
-    if the run is not held by this execution or the row exists."""
-    done = _run_hot(conn, _RECORD_STEP, {"run": run, "runner": runner, "token": token, **row._asdict()})
-    return Written(done.get_value(0, 0) == b"t") if done.ntuples == 1 else False
-
-
 # The step columns of the hot statements, from parameters named after StepRow's fields.
 _STEP_COLUMNS = "step_id, name, args, kwargs, status, result, error, claim_token, started_at, finished_at"
 _STEP_VALUES = (
     "%(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(status)s, %(result)s::jsonb, %(error)s::jsonb,"
     " claim_token, to_timestamp(%(started_at)s::float8), to_timestamp(%(finished_at)s::float8)"
 )
-_RECORD_STEP = _hot(
-    "record_step",
-    f"WITH w AS (SELECT id, claim_token, cancel_requested_at FROM everystep_workflow WHERE {_HELD} FOR SHARE),"
-    f" ins AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
-    f" SELECT id, {_STEP_VALUES} FROM w"
-    " ON CONFLICT (workflow_id, step_id) DO NOTHING RETURNING 1)"
-    " SELECT w.cancel_requested_at IS NOT NULL FROM ins, w",
-    ("run", "runner", "token", *StepRow._fields),
-)
-
-
 def complete_started_step(conn: Executor, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:
     """Update a `started` (or `retrying`) step row in place with its outcome
     (the row may be an earlier execution's, when the unsafe mark was removed
@@ -706,51 +738,187 @@ def why_not_written(conn: Executor, run: uuid.UUID, runner: str, token: int, ste
     return WRITTEN if mine else OTHER if held else LOST
 
 
+# ---------------------------------------------------------------- group commit
+# The step rows and run ends of many executions of one runner (every run
+# thread of a worker process) in one statement and one commit: see
+# everystep.writer. Each row is fenced by its own execution's token; a row
+# whose fence fails is reported to its own execution only.
+
+class StepWrite(NamedTuple):
+    run: uuid.UUID
+    token: int
+    row: StepRow
+
+
+class EndWrite(NamedTuple):
+    run: uuid.UUID
+    token: int
+    status: str
+    result: str | None
+    error: str | None
+    last_step: StepRow | None
+    claim: bool  # claim a successor for the slot this end frees
+
+
+class BatchEnd(NamedTuple):
+    status: str | None  # the run's end as written; None: not written (see why_not_written)
+    step_exists: bool  # not written because its last step's row is there already
+    successor: ClaimedRun | None  # claimed for this slot (it is this execution's to run, even if status is None)
+
+
 # The SET clause that ends a run. A cancel request that reached the row
 # before the end wins over every other end: the run is `cancelled` (what
 # the body returned or raised is kept in result/error).
 _ENDING = (
-    "status = CASE WHEN cancel_requested_at IS NULL THEN %(status)s::text ELSE 'cancelled' END,"
-    " result = %(result)s::jsonb, error = %(error)s::jsonb,"
-    " completed_at = CASE WHEN %(status)s::text = 'blocked' AND cancel_requested_at IS NULL THEN NULL ELSE now() END"
+    "status = CASE WHEN w.cancel_requested_at IS NULL THEN h.status ELSE 'cancelled' END,"
+    " result = h.result::jsonb, error = h.error::jsonb,"
+    " completed_at = CASE WHEN h.status = 'blocked' AND w.cancel_requested_at IS NULL THEN NULL ELSE now() END"
 )
-# Ending a run, with the row of its last step when there is one, and claiming
-# the next run (%(claim)s: 1 or 0) only if the run was ended: one row per run
-# claimed, at least one.
-_END_RUN = (
-    "WITH ended AS (UPDATE everystep_workflow SET {ending} WHERE {held}"
-    "  RETURNING id, claim_token, status, name, slot, parent_id),"
-    " {step}"
-    # A child that ended wakes its parent if the parent is parked on its result.
+
+# The input rows of a batch: one per write, numbered n = 1, 2, ... in order.
+_BATCH_STEP_ARRAYS = (
+    "%(step_id)s::text[], %(name)s::text[], %(args)s::text[], %(kwargs)s::text[], %(status)s::text[],"
+    " %(result)s::text[], %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[]"
+)
+_BATCH_STEP_NAMES = "step_id, step_name, args, kwargs, step_status, step_result, step_error, started_at, finished_at"
+# A step row's values from a batch's input row `i`, with its execution's token.
+_BATCH_STEP_VALUES = (
+    "i.step_id, i.step_name, i.args::jsonb, i.kwargs::jsonb, i.step_status, i.step_result::jsonb,"
+    " i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)"
+)
+
+# Step rows of several runs, each fenced like _RECORD_STEP; returns the
+# input rows written, with the cancel request seen on their run.
+_RECORD_STEPS = (
+    "WITH i AS (SELECT * FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], " + _BATCH_STEP_ARRAYS + ")"
+    "  WITH ORDINALITY AS i(run, token, " + _BATCH_STEP_NAMES + ", n)),"
+    " w AS (SELECT id, claim_token, cancel_requested_at FROM everystep_workflow"
+    f"  WHERE id = ANY(%(runs)s::uuid[]) AND {_RUNNING} AND claimed_by = %(runner)s FOR SHARE),"
+    f" ins AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
+    f"  SELECT i.run, {_BATCH_STEP_VALUES} FROM i JOIN w ON w.id = i.run AND w.claim_token = i.token"
+    "  ON CONFLICT (workflow_id, step_id) DO NOTHING RETURNING workflow_id, step_id)"
+    " SELECT i.n, w.cancel_requested_at IS NOT NULL FROM ins JOIN i ON i.run = ins.workflow_id"
+    "  AND i.step_id = ins.step_id JOIN w ON w.id = i.run"
+)
+
+# Ending several runs, each fenced by its own token, each with the row of its
+# last step when it has one (not ended if that row is there already), and
+# claiming one successor per ended run that asks for one (the CTEs of _PICK,
+# gated and counted by `held`: the runs this statement's snapshot shows held
+# by their executions). The claim runs first, before the ending UPDATE can
+# wait on a row lock: a snapshot grown stale in such a wait would make the
+# claim lock runs other claimers took meanwhile, and hold those locks to the
+# commit (a failed recheck keeps its lock), stalling their ends in turn.
+# Rows: ('c', claimed run...) for the successors; ('h', n) for the ends that
+# asked for one, in order (the successors are theirs in that order); ('e', n,
+# status) for the ends written; ('s', n) for ends whose last step's row exists.
+_BATCH_RUN = "NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8"
+_END_RUNS = (
+    "WITH i AS (SELECT * FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[],"
+    "  %(results)s::text[], %(errors)s::text[], %(claims)s::boolean[], " + _BATCH_STEP_ARRAYS + ")"
+    "  WITH ORDINALITY AS i(run, token, status, result, error, claim, " + _BATCH_STEP_NAMES + ", n)),"
+    " fenced AS MATERIALIZED (SELECT i.*, w.name AS workflow, w.slot, i.step_id IS NOT NULL AND EXISTS (SELECT 1"
+    "  FROM everystep_step s WHERE s.workflow_id = i.run AND s.step_id = i.step_id) AS step_exists"
+    "  FROM i JOIN everystep_workflow w ON w.id = i.run"
+    f"  WHERE w.id = ANY(%(runs)s::uuid[]) AND {_RUNNING.replace('status', 'w.status')} AND w.claimed_by = %(runner)s"
+    "  AND w.claim_token = i.token),"
+    " held AS (SELECT * FROM fenced WHERE NOT step_exists), "
+    + _pick(gate="EXISTS (SELECT 1 FROM held WHERE held.claim) AND",
+            own=" OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot)",
+            ).replace("%(limit)s", "(SELECT count(*) FROM held WHERE held.claim)")
+    + ", claimed AS (" + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}),"
+    f" ended AS (UPDATE everystep_workflow w SET {_ENDING}"
+    f"  FROM held h WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND {_RUNNING.replace('status', 'w.status')}"
+    "  AND w.claimed_by = %(runner)s"
+    "  AND w.claim_token = h.token RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id),"
+    f" step AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
+    f"  SELECT i.run, {_BATCH_STEP_VALUES} FROM ended JOIN i USING (n) WHERE i.step_id IS NOT NULL"
+    "  ON CONFLICT (workflow_id, step_id) DO NOTHING),"
+    # Children that ended wake their parents; a parent parked on one of them is due.
     " woke AS (UPDATE everystep_workflow p SET wakes = p.wakes + 1, due_at = CASE"
-    "  WHEN p.status = 'waiting' AND p.waiting_on = 'child:' || ended.id THEN now() ELSE p.due_at END"
-    "  FROM ended WHERE p.id = ended.parent_id"
-    "  RETURNING p.status = 'waiting' AND p.waiting_on = 'child:' || ended.id AS due),"
-    + _PICK.format(gate="EXISTS (SELECT 1 FROM ended) AND", routed=_ROUTED, claimable=_CLAIMABLE,
-                   claim_order=_CLAIM_ORDER,
-                   own=" OR EXISTS (SELECT 1 FROM ended WHERE ended.name = s.name AND ended.slot = s.slot)",
-                   ).replace("{", "{{").replace("}", "}}")
-    + ", claimed AS (" + _TAKE_PICKED + " RETURNING {run_with_steps})"
-    # A limited run that ended freed a slot its successor did not take, or a
-    # parent became due: wake the claimers.
-    " SELECT ended.status, claimed.*,"
-    f"  (SELECT {_NOTIFY} FROM ended WHERE (ended.slot IS NOT NULL AND NOT EXISTS (SELECT FROM picked"
-    "   WHERE picked.slot_name = ended.name AND picked.slot = ended.slot)) OR EXISTS (SELECT FROM woke WHERE due))"
-    " FROM (SELECT) AS one LEFT JOIN ended ON true LEFT JOIN claimed ON true"
+    "  WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END"
+    "  FROM (SELECT parent_id, array_agg('child:' || id) AS waits FROM ended WHERE parent_id IS NOT NULL"
+    "   GROUP BY parent_id) e WHERE p.id = e.parent_id"
+    "  RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due)"
+    " SELECT 'c', NULL::bigint, NULL::text, claimed.* FROM claimed"
+    f" UNION ALL SELECT 'h', n, NULL, {_BATCH_RUN} FROM held WHERE claim"
+    f" UNION ALL SELECT 'e', n, status, {_BATCH_RUN} FROM ended"
+    f" UNION ALL SELECT 's', n, NULL, {_BATCH_RUN} FROM fenced WHERE step_exists"
+    # A limited run that ended freed a slot no successor took, or a parent became due: wake the claimers.
+    f" UNION ALL SELECT 'n', NULL, ({_NOTIFY})::text, {_BATCH_RUN}"
+    "  WHERE EXISTS (SELECT FROM ended WHERE ended.slot IS NOT NULL AND NOT EXISTS (SELECT FROM picked"
+    "   WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))"
+    "  OR EXISTS (SELECT FROM woke WHERE due)"
 )
-_END_RUN_PARAMS = ("run", "runner", "token", "status", "result", "error", "limit", "routes")
-# The last step's row is inserted only if the run was ended here; a row
-# already there is a unique violation that undoes the whole statement.
-_END_RUN_WITH_STEP = _hot("end_run_with_step", _END_RUN.format(
-    ending=_ENDING, held=_HELD, new_token=_NEW_TOKEN, run_with_steps=_RUN_WITH_STEPS, claimable=_CLAIMABLE,
-    claim_order=_CLAIM_ORDER,
-    step=f"step AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
-    f" SELECT id, {_STEP_VALUES.replace('%(', '%(step_')} FROM ended),",
-), _END_RUN_PARAMS + tuple(f"step_{field}" for field in StepRow._fields))
-_END_RUN_ALONE = _hot("end_run", _END_RUN.format(
-    ending=_ENDING, held=_HELD, new_token=_NEW_TOKEN, run_with_steps=_RUN_WITH_STEPS, claimable=_CLAIMABLE,
-    claim_order=_CLAIM_ORDER, step="",
-), _END_RUN_PARAMS)
+
+
+_RECORD_STEPS_HOT = _hot("record_steps", _RECORD_STEPS, (
+    "runs", "tokens", "runner", *StepRow._fields))
+_END_RUNS_HOT = _hot("end_runs", _END_RUNS, (
+    "runs", "tokens", "statuses", "results", "errors", "claims", "runner", "routes", *StepRow._fields))
+
+
+def _text_array(items: list) -> str:
+    """An array literal of `items` (None: NULL) for a hot statement's text parameter."""
+    return "{" + ",".join(
+        "NULL" if item is None else '"' + str(item).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        for item in items
+    ) + "}"
+
+
+def _step_columns(rows: list[StepRow | None]) -> dict[str, str]:
+    """The columns of step rows as array parameters (None rows: all NULL)."""
+    return {field: _text_array([None if row is None else row[i] for row in rows])
+            for i, field in enumerate(StepRow._fields)}
+
+
+def write_batch(conn: psycopg.Connection, runner: str, steps: list[StepWrite], ends: list[EndWrite],
+                routes: list[str] | None) -> tuple[list[Written | bool], list[BatchEnd]]:
+    """Write step rows and run ends of `runner`'s executions in one
+    transaction (one statement when there is one kind): for each step, Written
+    or False (not held by its execution, or the row exists); for each end, a
+    BatchEnd. `routes`: the workflows a successor may be of (see `claim`)."""
+    written: list[Written | bool] = []
+    finished: list[BatchEnd] = []
+    with conn.transaction() if steps and ends else contextlib.nullcontext():
+        if steps and ends and isinstance(conn, TransactionPooledConnection):
+            conn.execute(_DURABLE_TRANSACTION)
+        if steps:
+            result = _run_hot(conn, _RECORD_STEPS_HOT, {
+                "runs": _text_array([w.run for w in steps]), "tokens": _text_array([w.token for w in steps]),
+                "runner": runner, **_step_columns([w.row for w in steps])})
+            seen = {int(result.get_value(i, 0)): result.get_value(i, 1) == b"t" for i in range(result.ntuples)}
+            written = [Written(seen[n]) if n in seen else False for n in range(1, len(steps) + 1)]
+        if ends:
+            result = _run_hot(conn, _END_RUNS_HOT, {
+                "runs": _text_array([e.run for e in ends]), "tokens": _text_array([e.token for e in ends]),
+                "statuses": _text_array([e.status for e in ends]), "results": _text_array([e.result for e in ends]),
+                "errors": _text_array([e.error for e in ends]),
+                "claims": _text_array(["t" if e.claim else "f" for e in ends]), "runner": runner,
+                "routes": _array_literal(routes), **_step_columns([e.last_step for e in ends])})
+            successors = _claimed_runs(conn, result, first_column=3)
+            receivers, statuses, exists = [], {}, set()
+            for i in range(result.ntuples):
+                kind = result.get_value(i, 0)
+                if kind == b"h":
+                    receivers.append(int(result.get_value(i, 1)))
+                elif kind == b"e":
+                    statuses[int(result.get_value(i, 1))] = result.get_value(i, 2).decode()
+                elif kind == b"s":
+                    exists.add(int(result.get_value(i, 1)))
+            successors.sort(key=lambda r: r.id)  # UUIDv7: the oldest to the first asking
+            given = dict(zip(sorted(receivers), successors))
+            finished = [BatchEnd(statuses.get(n), n in exists, given.get(n)) for n in range(1, len(ends) + 1)]
+    return written, finished
+
+
+def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:
+    """Record one step's outcome (`done`/`failed`), or the `started` mark of
+    an unsafe-to-repeat step, with the token of the execution that wrote it:
+    write_batch with one step. The unique (workflow, step_id) makes this
+    insert the claim on the step: False if the run is not held by this
+    execution or the row exists."""
+    return write_batch(conn, runner, [StepWrite(run, token, row)], [], None)[0][0]
 
 
 class Ended(NamedTuple):
@@ -759,27 +927,21 @@ class Ended(NamedTuple):
 
 
 def finish_run(
-    conn: Executor, run: uuid.UUID, runner: str, token: int, status: str, result: str | None, error: str | None,
-    last_step: StepRow | None = None, claim: bool = False, routes: list[str] | None = None,
+    conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, status: str, result: str | None,
+    error: str | None, last_step: StepRow | None = None, claim: bool = False, routes: list[str] | None = None,
 ) -> Ended | None:
-    """Move a held run to its end (completed/failed/stopped/blocked, or
-    cancelled), in one statement with the row of its last step when that is
-    not written yet, and, with `claim`, with the claim of the next claimable
-    run for the slot it frees. Returns the end and the runs claimed, or None if the
-    run was not held by this execution (nothing was written). Raises
-    UniqueViolation (nothing written) if the last step's row exists already.
-    `routes`: as for `claim`."""
-    values = {"run": run, "runner": runner, "token": token, "status": status, "result": result, "error": error,
-              "limit": int(claim), "routes": _array_literal(routes)}
-    if last_step is None:
-        done = _run_hot(conn, _END_RUN_ALONE, values)
-    else:
-        step = {f"step_{field}": value for field, value in last_step._asdict().items()}
-        done = _run_hot(conn, _END_RUN_WITH_STEP, {**values, **step})
-    ended = done.get_value(0, 0)
-    if ended is None:
+    """End one held run (completed/failed/stopped/blocked, or cancelled) with
+    the row of its last step when that is not written yet and, with `claim`,
+    claim the next run for the slot it frees: write_batch with one end.
+    Returns the end and the runs claimed, or None if the run was not held by
+    this execution (nothing was written). Raises UniqueViolation (nothing
+    written) if the last step's row exists already. `routes`: as for `claim`."""
+    (end,) = write_batch(conn, runner, [], [EndWrite(run, token, status, result, error, last_step, claim)], routes)[1]
+    if end.step_exists:
+        raise errors.UniqueViolation(f"step {last_step.step_id!r} of run {run} exists already")
+    if end.status is None:
         return None
-    return Ended(ended.decode(), _claimed_runs(conn, done, first_column=1))
+    return Ended(end.status, [end.successor] if end.successor else [])
 
 
 # Counting one more traced execution of a held run, and reading the trace

@@ -567,6 +567,7 @@ class Worker(Successors):
                 pass
             self._conn.close()
             self._conn = None
+        self.runner.close()
         self.pool.close(timeout=1.0)
         metrics.INFLIGHT.labels(self.name).set(0)
         log.info("worker %s stopped", self.name, extra=self._extra)

@@ -80,18 +80,24 @@ class Database:
         returns {run id: how its execution ended}."""
         engine = Runner(self.pool, runner)
         ended = {}
-        with self.connect() as conn:
-            while runs := store.claim(conn, runner, limit):
-                for run in runs:
-                    ended[run.id] = engine.execute(run).outcome
+        try:
+            with self.connect() as conn:
+                while runs := store.claim(conn, runner, limit):
+                    for run in runs:
+                        ended[run.id] = engine.execute(run).outcome
+        finally:
+            engine.close()
         return ended
 
     def resume_held(self, runner: str = "test-runner") -> dict:
         """Claim the runs held by `runner` again and execute them, as its catchup would."""
         engine = Runner(self.pool, runner)
-        with self.connect() as conn:
-            runs = store.reclaim_held(conn, runner)
-        return {run.id: engine.execute(run).outcome for run in runs}
+        try:
+            with self.connect() as conn:
+                runs = store.reclaim_held(conn, runner)
+            return {run.id: engine.execute(run).outcome for run in runs}
+        finally:
+            engine.close()
 
     def schedule_many(self, fn, args_list) -> list:
         """Schedule a run of `fn(*args)` for each args, in one transaction."""

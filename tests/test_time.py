@@ -379,7 +379,9 @@ def test_a_cancel_learnt_at_the_claim_of_a_retried_step_ends_it(db, marks):
             assert everystep.cancel(run.id, "stop retrying") == "running"
         (claimed,) = store.reclaim_held(conn, "w-manual")  # the claim carries the request
     assert claimed.cancel_requested
-    assert Runner(db.pool, "w-manual").execute(claimed).outcome == "cancelled"
+    engine = Runner(db.pool, "w-manual")
+    assert engine.execute(claimed).outcome == "cancelled"
+    engine.close()
     (step,) = db.steps(run.id)
     assert (step["status"], step["error"]["type"], len(step["attempts"])) == (
         "failed", "everystep.errors.Cancelled", 1)

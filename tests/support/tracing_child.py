@@ -46,6 +46,7 @@ def main(url: str, runner: str, spans: str, envelopes: str) -> None:
         for run in runs:
             engine.execute(run)
             out.flush()
+        engine.close()
     sentry_sdk.flush()
 
 

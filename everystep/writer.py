@@ -1,0 +1,158 @@
+"""Group commit: the step rows and run ends of every run executing in one
+process share statements and commits.
+
+A run's thread hands its write to the runner's writer and waits. The writer
+thread takes every write that is waiting (at most MAX_BATCH), writes them in
+one transaction — one statement for the step rows, one for the run ends and
+their successors' claims, each row fenced by its own execution's token —,
+commits, and wakes each thread with its own answer. Nothing is added to a
+lone write's latency: a batch is what arrived while the previous one was
+being written, so under load the batches grow by themselves and at rest each
+write goes alone. Nothing is acknowledged before its commit returned (the
+session's commits wait for the WAL flush, see store.prepare_session).
+
+A connection error fails the whole batch: every thread retries its own write
+as before (its fence decides whether it may). Any other error of a batch is
+found out write by write, so that it reaches only the run it belongs to.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from everystep import store
+
+log = logging.getLogger("everystep")
+
+# Writes per transaction at most: the run slots of a process stay far below
+# it; parallel branches and late outcomes may add some.
+MAX_BATCH = 64
+# Seconds without a write after which the thread ends and its connection goes
+# back to the pool (the next write starts it again).
+IDLE = 5.0
+
+
+class _Write:
+    """One write waiting for its batch's commit."""
+
+    __slots__ = ("write", "done", "answer", "error")
+
+    def __init__(self, write: store.StepWrite | store.EndWrite):
+        self.write = write
+        self.done = threading.Event()
+        self.answer: Any = None
+        self.error: BaseException | None = None
+
+    def finish(self, answer: Any = None, error: BaseException | None = None) -> None:
+        self.answer, self.error = answer, error
+        self.done.set()
+
+
+class GroupWriter:
+    """The writer of one runner name's step rows and run ends. Its thread
+    starts with the first write; `close` ends it."""
+
+    def __init__(self, pool: ConnectionPool, runner: str, routes: Callable[[], list[str] | None]):
+        self.pool = pool
+        self.runner = runner
+        self.routes = routes  # the workflows a successor may be of (store.routes_of), asked at each batch
+        self._waiting: list[_Write] = []
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._conn: psycopg.Connection | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ the runs' side
+
+    def record_step(self, run: uuid.UUID, runner: str, token: int, row: store.StepRow) -> store.Written | bool:
+        """As store.record_step, in the next batch."""
+        return self._submit(store.StepWrite(run, token, row))
+
+    def finish_run(self, run: uuid.UUID, token: int, status: str, result: str | None, error: str | None,
+                   last_step: store.StepRow | None, claim: bool) -> store.BatchEnd:
+        """End a held run (with its last step's row) in the next batch, and
+        claim a successor for its slot when `claim`."""
+        return self._submit(store.EndWrite(run, token, status, result, error, last_step, claim))
+
+    def _submit(self, write: store.StepWrite | store.EndWrite) -> Any:
+        waiting = _Write(write)
+        with self._changed:
+            if self._closed:
+                raise psycopg.OperationalError("the runner's writer is closed")
+            self._waiting.append(waiting)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write_forever, name=f"everystep-writer-{self.runner}",
+                                                daemon=True)
+                self._thread.start()
+            self._changed.notify()
+        waiting.done.wait()
+        if waiting.error is not None:
+            raise waiting.error
+        return waiting.answer
+
+    def close(self) -> None:
+        """Write what is waiting, then stop the thread and give back its connection."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------ the writer's side
+
+    def _write_forever(self) -> None:
+        while True:
+            with self._changed:
+                if not self._waiting and not self._closed:
+                    self._changed.wait(IDLE)
+                if not self._waiting:  # idle or closed: the next write starts a thread again
+                    self._give_back()
+                    self._thread = None
+                    return
+                batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
+            self._write(batch)
+
+    def _write(self, batch: list[_Write]) -> None:
+        steps = [w for w in batch if isinstance(w.write, store.StepWrite)]
+        ends = [w for w in batch if isinstance(w.write, store.EndWrite)]
+        try:
+            if self._conn is None:
+                self._conn = self.pool.getconn()
+                if not isinstance(self._conn, store.TransactionPooledConnection):  # no session state through PgBouncer
+                    store.prepare_claiming_session(self._conn)
+            written, finished = store.write_batch(self._conn, self.runner, [w.write for w in steps],
+                                                  [w.write for w in ends], self.routes())
+        except store.CONNECTION_ERRORS as exc:
+            self._give_back()  # the pool discards a broken connection; the retries get another
+            for waiting in batch:
+                waiting.finish(error=exc)
+            return
+        except Exception as exc:
+            if len(batch) == 1:
+                batch[0].finish(error=exc)
+            else:  # whose is it? each write alone, so that only its own run gets it
+                for waiting in batch:
+                    self._write([waiting])
+            return
+        for waiting, answer in zip(steps, written):
+            waiting.finish(answer)
+        for waiting, answer in zip(ends, finished):
+            waiting.finish(answer)
+
+    def _give_back(self) -> None:
+        if self._conn is not None:
+            if not isinstance(self._conn, store.TransactionPooledConnection):
+                try:
+                    store.reset_claiming_session(self._conn)
+                except psycopg.Error:
+                    pass  # broken: the pool discards it
+            self.pool.putconn(self._conn)
+            self._conn = None
