@@ -127,9 +127,10 @@ def test_a_workload_runs_through_pgbouncer_in_transaction_mode(db, pgbouncer, po
     assert {db.run(run.id)["status"] for run in runs} == {"completed"}, worker.output()
     assert db.value("SELECT count(*) FROM everystep_step") == 60 + 20 * 3
     assert len(marks_of(marks)) == 2 * (60 + 20 * 3)  # each step ran once
-    # Every step row and run end went through PgBouncer.
-    # At least one write per run (its end) went through PgBouncer (its totals lag by its stats_period).
-    wait_for(lambda: transactions_through(pgbouncer) - before >= 60 + 20, 10,
+    # Step rows and run ends went through PgBouncer: the worker's pool has no other URL. Group
+    # commit writes many runs' rows per transaction, so there are fewer transactions than runs,
+    # but some (PgBouncer's totals lag by its stats_period).
+    wait_for(lambda: transactions_through(pgbouncer) - before >= 5, 10,
              what="PgBouncer counting the transactions")
     assert "prepared statement" not in worker.output()
 
@@ -155,8 +156,9 @@ def test_a_lost_pod_is_recovered_through_pgbouncer(db, pgbouncer, supervisors, m
     held_by_b = [pid for _, tag, pid in marks_of(marks) if tag == "held" and pid not in held_by_a]
     assert len(held_by_b) == 4, pod_b.output()
     assert "claimer pod-a" in pod_b.output() and "is dead" in pod_b.output()
-    # B's run ends (each with its step's row) went through PgBouncer (its totals lag by its stats_period).
-    wait_for(lambda: transactions_through(pgbouncer) >= 4, 10, what="PgBouncer counting the transactions")
+    # B's run ends (with their steps' rows, grouped in fewer transactions than runs) went through
+    # PgBouncer (its totals lag by its stats_period).
+    wait_for(lambda: transactions_through(pgbouncer) >= 1, 10, what="PgBouncer counting the transactions")
 
 
 def test_a_transaction_pooled_connection_commits_synchronously_and_prepares_nothing(db):
