@@ -34,6 +34,11 @@ INFLIGHT = Gauge(
     "everystep_worker_inflight", "Runs a worker is executing now.", ["runner"], multiprocess_mode="livesum"
 )
 CLAIMS = Counter("everystep_worker_claims", "Runs claimed by a worker (catchup included).", ["runner"])
+WRITE_BATCH = Histogram(
+    "everystep_write_batch_size",
+    "Writes (step rows, run ends) a worker process committed together (group commit).",
+    ["runner"], buckets=(1, 2, 4, 8, 16, 32, 64),
+)
 EMPTY_CLAIMS = Counter(
     "everystep_worker_empty_claims", "Claim statements of a worker's control loop that found no run.", ["runner"]
 )

@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import store
+from everystep import metrics, store
 
 log = logging.getLogger("everystep")
 
@@ -142,6 +142,7 @@ class GroupWriter:
                 for waiting in batch:
                     self._write([waiting])
             return
+        metrics.WRITE_BATCH.labels(self.runner).observe(len(batch))
         for waiting, answer in zip(steps, written):
             waiting.finish(answer)
         for waiting, answer in zip(ends, finished):

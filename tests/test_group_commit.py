@@ -1,0 +1,159 @@
+"""Group commit: the step rows and run ends of a worker process's runs share
+statements and commits, each row fenced by its own execution's token, each
+answer (and each error) reaching only its own run."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+import everystep
+from everystep import metrics, store
+from everystep.writer import GroupWriter
+from tests.apps import workflows
+from tests.apps.workflows import marks_of
+from tests.support.processes import wait_for
+
+
+def claimed(db, n: int, runner: str = "w1") -> list[store.ClaimedRun]:
+    with db.connect() as conn, everystep.transaction(conn):
+        everystep.schedule_many(workflows.quick, [("unused",)] * n)
+    with db.connect() as conn:
+        return store.claim(conn, runner, n)
+
+
+def row(step_id: str, args: str = "[]") -> store.StepRow:
+    now = time.time()
+    return store.StepRow(step_id, "step", args, "{}", "done", "1", None, now, now)
+
+
+def batches(runner: str) -> tuple[float, float]:
+    """(batches, writes) the group commit of `runner` observed so far."""
+    samples = {s.name: s.value for m in metrics.WRITE_BATCH.collect() for s in m.samples
+               if s.labels.get("runner") == runner}
+    return samples.get("everystep_write_batch_size_count", 0.0), samples.get("everystep_write_batch_size_sum", 0.0)
+
+
+@pytest.fixture
+def writer(db):
+    made = []
+
+    def make(runner: str = "w1") -> GroupWriter:
+        made.append(GroupWriter(db.pool, runner, lambda: None))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def write_together(db, writer: GroupWriter, writes: list) -> list:
+    """Submit `writes` (callables on the writer) from a thread each while the
+    writer's first batch, the first write alone, is held up by a row lock on
+    its run: the others queue meanwhile and must go as one batch. Returns the
+    answers (or exceptions) in order."""
+    answers: list = [None] * len(writes)
+
+    def submit(i: int) -> None:
+        try:
+            answers[i] = writes[i]()
+        except Exception as exc:  # noqa: BLE001  (the test looks at it)
+            answers[i] = exc
+
+    first_run = writes[0].run
+    with db.connect(autocommit=False) as blocker:
+        blocker.execute("SELECT 1 FROM everystep_workflow WHERE id = %s FOR UPDATE", (first_run,))
+        threads = [threading.Thread(target=submit, args=(0,))]
+        threads[0].start()
+        wait_for(lambda: db.value("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                                  " AND query LIKE 'WITH i AS%%'") == 1, 10, what="the first batch waiting")
+        threads += [threading.Thread(target=submit, args=(i,)) for i in range(1, len(writes))]
+        for t in threads[1:]:
+            t.start()
+        wait_for(lambda: len(writer._waiting) == len(writes) - 1, 10, what="the other writes queued")
+        blocker.rollback()
+    for t in threads:
+        t.join(10)
+    return answers
+
+
+class Write:
+    """A deferred write on a writer, remembering its run."""
+
+    def __init__(self, fn, run, *args):
+        self.fn, self.run, self.args = fn, run, args
+
+    def __call__(self):
+        return self.fn(*self.args)
+
+
+def test_writes_waiting_together_share_one_commit(db, writer):
+    runs = claimed(db, 9)
+    w = writer("w1")
+    before = batches("w1")
+    answers = write_together(db, w, [Write(w.record_step, r.id, r.id, "w1", r.token, row("1")) for r in runs])
+    assert answers == [store.Written(False)] * 9
+    count, total = batches("w1")
+    assert (count - before[0], total - before[1]) == (2, 9)  # the first alone, then the eight others at once
+    assert db.value("SELECT count(*) FROM everystep_step") == 9
+
+
+def test_ends_and_successors_of_one_batch_each_go_to_their_own_run(db, writer):
+    runs = claimed(db, 4)
+    with db.connect() as conn, everystep.transaction(conn):
+        waiting = everystep.schedule_many(workflows.quick, [("unused",)] * 3)
+    w = writer("w1")
+    ends = [Write(w.finish_run, r.id, r.id, r.token, "completed", '"ok"', None, row("last"), True) for r in runs]
+    ends[2] = Write(w.finish_run, runs[2].id, runs[2].id, runs[2].token + 1000, "completed", '"ok"', None, None, True)
+    answers = write_together(db, w, ends)
+    # The run whose token is stale is not ended and gets no successor; the
+    # three others end, and the three waiting runs are theirs, one each.
+    assert answers[2] == store.BatchEnd(None, False, None)
+    ended = [a for i, a in enumerate(answers) if i != 2]
+    assert [a.status for a in ended] == ["completed"] * 3
+    successors = [a.successor.id for a in ended if a.successor]
+    assert sorted(successors) == sorted(run.id for run in waiting)
+    assert db.run(runs[2].id)["status"] == "running"
+    for run in waiting:
+        assert db.run(run.id)["status"] == "running"
+    assert db.value("SELECT count(*) FROM everystep_step WHERE step_id = 'last'") == 3
+
+
+def test_one_bad_write_fails_alone(db, writer):
+    runs = claimed(db, 4)
+    w = writer("w1")
+    writes = [Write(w.record_step, r.id, r.id, "w1", r.token, row("1")) for r in runs]
+    writes[3] = Write(w.record_step, runs[3].id, runs[3].id, "w1", runs[3].token, row("1", args="not json"))
+    answers = write_together(db, w, writes)
+    assert answers[:3] == [store.Written(False)] * 3
+    assert isinstance(answers[3], psycopg.errors.InvalidTextRepresentation)
+    assert db.value("SELECT count(*) FROM everystep_step") == 3
+
+
+def test_a_step_row_already_there_is_reported_to_its_run(db, writer):
+    (run,) = claimed(db, 1)
+    w = writer("w1")
+    assert w.record_step(run.id, "w1", run.token, row("1")) == store.Written(False)
+    assert w.record_step(run.id, "w1", run.token, row("1")) is False  # the runner asks why_not_written
+    end = w.finish_run(run.id, run.token, "completed", "null", None, row("1"), False)
+    assert end == store.BatchEnd(None, True, None)  # the runner ends it again without the row
+    assert w.finish_run(run.id, run.token, "completed", "null", None, None, False).status == "completed"
+
+
+def test_a_worker_commits_many_runs_together(db, start_worker, marks):
+    """Through a real worker: 200 one-step runs on 8 slots end in fewer
+    transactions than runs (rows written by one transaction share its xmin),
+    and each step ran once."""
+    with db.connect() as conn, everystep.transaction(conn):
+        runs = everystep.schedule_many(workflows.quick, [(marks,)] * 200)
+    start_worker("grouped", threads=8)
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 200, 60,
+             what="every run completed")
+    assert {db.run(r.id)["status"] for r in runs} == {"completed"}
+    assert db.value("SELECT count(*) FROM everystep_step") == 200
+    assert len(marks_of(marks)) == 2 * 200  # each step ran once (a mark as it starts, one as it ends)
+    transactions = db.value("SELECT count(DISTINCT xmin::text) FROM everystep_step")
+    assert transactions < 200, "no two runs' ends shared a commit"
