@@ -177,12 +177,16 @@ class Runner:
         self.name = name
         self.fence = fence or Fence()
         self.successors = successors or Successors()
-        # Step rows and run ends of all this runner's executions share commits.
-        self.writer = GroupWriter(pool, name, lambda: self.successors.routes)
+        # Step rows and run ends of all this runner's executions share commits:
+        # step rows in batches of their own, so that none waits behind the
+        # heavier statement that ends runs and claims their successors.
+        self.step_writer = GroupWriter(pool, name, lambda: None)
+        self.end_writer = GroupWriter(pool, name, lambda: self.successors.routes)
 
     def close(self) -> None:
-        """Stop the writer (once no execution writes any more)."""
-        self.writer.close()
+        """Stop the writers (once no execution writes any more)."""
+        self.step_writer.close()
+        self.end_writer.close()
 
     def execute(self, run: store.ClaimedRun) -> Execution:
         """Replay one held run to an end and say what happened: how it ended,
@@ -408,7 +412,7 @@ class Replay:
             self.claim_successor = self.runner.successors.reserve(self.claim)
 
         def write_end(run: uuid.UUID, runner: str, token: int, last_step: store.StepRow | None) -> str | None:
-            done = self.runner.writer.finish_run(run, token, status, result, error, last_step,
+            done = self.runner.end_writer.finish_run(run, token, status, result, error, last_step,
                                                  self.claim_successor and self.successor is None)
             if done.successor is not None:
                 self.successor = done.successor  # this slot's next run, whatever became of this end
@@ -687,7 +691,7 @@ class Replay:
                 written = self._fenced(store.complete_started_step, (row,), row.step_id, row.status,
                                        f"step {row.step_id!r}")
             else:
-                written = self._fenced(self.runner.writer.record_step, (row,), row.step_id, row.status,
+                written = self._fenced(self.runner.step_writer.record_step, (row,), row.step_id, row.status,
                                        f"step {row.step_id!r}", grouped=True)
         except LostClaim as lost:
             raise self.stop_with(lost) from None
