@@ -387,10 +387,7 @@ _PICK = (
     "   OFFSET 0)"
     " LIMIT %(limit)s FOR UPDATE OF s SKIP LOCKED),"
     " room AS (SELECT name, count(*) AS n FROM free GROUP BY name),"
-    " unlimited AS (SELECT w.id, w.name, w.due_at FROM everystep_workflow w"
-    "  WHERE {gate} {claimable} AND {routed}"
-    "  AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)"
-    "  {claim_order} LIMIT %(limit)s FOR UPDATE OF w SKIP LOCKED),"
+    " {unlimited},"
     " limited AS (SELECT w.id, w.name, w.due_at FROM room CROSS JOIN LATERAL"
     "  (SELECT w.id, w.name, w.due_at FROM everystep_workflow w"
     "   WHERE {claimable_of_room} AND {routed}"
@@ -404,6 +401,20 @@ _PICK = (
     " took AS (UPDATE everystep_slot s SET run_id = p.id, token = p.token FROM picked p"
     "  WHERE s.name = p.slot_name AND s.slot = p.slot)"
 )
+# The claimable runs of workflows without a limit (part of _PICK, and all of
+# _PICK_UNLIMITED).
+_UNLIMITED = (
+    "unlimited AS (SELECT w.id, w.name, w.due_at FROM everystep_workflow w"
+    "  WHERE {gate} {claimable} AND {routed}"
+    "  AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)"
+    "  {claim_order} LIMIT %(limit)s FOR UPDATE OF w SKIP LOCKED)"
+)
+# _PICK for runs of unlimited workflows only: no slots, and a plan about half
+# the size, which is what PostgreSQL sets up again at every execution.
+_PICK_UNLIMITED = (
+    _UNLIMITED + f", picked AS MATERIALIZED (SELECT id, NULL::varchar AS slot_name, NULL::integer AS slot,"
+    f" {_NEW_TOKEN} AS token FROM unlimited)"
+)
 _ROUTED = "(%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))"
 # Setting a picked run running under its new token and slot.
 _TAKE_PICKED = (
@@ -412,9 +423,12 @@ _TAKE_PICKED = (
 )
 
 
-def _pick(gate: str = "", own: str = "") -> str:
-    """_PICK with its shared parts filled in."""
-    return _PICK.format(gate=gate, own=own, routed=_ROUTED, claimable=_CLAIMABLE, claim_order=_CLAIM_ORDER,
+def _pick(gate: str = "", own: str = "", unlimited_only: bool = False) -> str:
+    """_PICK (or _PICK_UNLIMITED) with its shared parts filled in."""
+    parts = {"gate": gate, "routed": _ROUTED, "claimable": _CLAIMABLE, "claim_order": _CLAIM_ORDER}
+    if unlimited_only:
+        return _PICK_UNLIMITED.format(**parts)
+    return _PICK.format(own=own, unlimited=_UNLIMITED.format(**parts), **parts,
                         claimable_of_slot=_CLAIMABLE_OF.format(name="s.name"),
                         claimable_of_room=_CLAIMABLE_OF.format(name="room.name"))
 
@@ -813,7 +827,11 @@ _RECORD_STEPS = (
 # asked for one, in order (the successors are theirs in that order); ('e', n,
 # status) for the ends written; ('s', n) for ends whose last step's row exists.
 _BATCH_RUN = "NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8"
-_END_RUNS = (
+def _end_runs(unlimited_only: bool) -> str:
+    """_END_RUNS; `unlimited_only`: successors of unlimited workflows only
+    (_PICK_UNLIMITED), with a row ('l') when a limited workflow has runs to
+    claim, for which the caller goes back to the whole statement."""
+    return (
     "WITH i AS (SELECT * FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[],"
     "  %(results)s::text[], %(errors)s::text[], %(claims)s::boolean[], " + _BATCH_STEP_ARRAYS + ")"
     "  WITH ORDINALITY AS i(run, token, status, result, error, claim, " + _BATCH_STEP_NAMES + ", n)),"
@@ -825,6 +843,7 @@ _END_RUNS = (
     " held AS (SELECT * FROM fenced WHERE NOT step_exists), "
     + _pick(gate="EXISTS (SELECT 1 FROM held WHERE held.claim) AND",
             own=" OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot)",
+            unlimited_only=unlimited_only,
             ).replace("%(limit)s", "(SELECT count(*) FROM held WHERE held.claim)")
     + ", claimed AS (" + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}),"
     f" ended AS (UPDATE everystep_workflow w SET {_ENDING}"
@@ -849,13 +868,18 @@ _END_RUNS = (
     "  WHERE EXISTS (SELECT FROM ended WHERE ended.slot IS NOT NULL AND NOT EXISTS (SELECT FROM picked"
     "   WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))"
     "  OR EXISTS (SELECT FROM woke WHERE due)"
-)
+    + (f" UNION ALL SELECT 'l', NULL, NULL, {_BATCH_RUN} WHERE EXISTS (SELECT 1 FROM everystep_limit l"
+       f"  WHERE EXISTS (SELECT 1 FROM everystep_workflow w WHERE {_CLAIMABLE_OF.format(name='l.name')}"
+       f"  AND {_ROUTED} OFFSET 0))" if unlimited_only else "")
+    )
 
 
+_END_RUNS = _end_runs(unlimited_only=False)
 _RECORD_STEPS_HOT = _hot("record_steps", _RECORD_STEPS, (
     "runs", "tokens", "runner", *StepRow._fields))
-_END_RUNS_HOT = _hot("end_runs", _END_RUNS, (
-    "runs", "tokens", "statuses", "results", "errors", "claims", "runner", "routes", *StepRow._fields))
+_END_RUNS_PARAMS = ("runs", "tokens", "statuses", "results", "errors", "claims", "runner", "routes", *StepRow._fields)
+_END_RUNS_HOT = _hot("end_runs", _END_RUNS, _END_RUNS_PARAMS)
+_END_UNLIMITED_RUNS_HOT = _hot("end_unlimited_runs", _end_runs(unlimited_only=True), _END_RUNS_PARAMS)
 
 
 def _text_array(items: list) -> str:
@@ -872,14 +896,21 @@ def _step_columns(rows: list[StepRow | None]) -> dict[str, str]:
             for i, field in enumerate(StepRow._fields)}
 
 
+class Batch(NamedTuple):
+    written: list[Written | bool]  # for each step: Written, or False (not held by its execution, or the row exists)
+    finished: list[BatchEnd]  # for each end
+    limited_waiting: bool  # (unlimited_only) a limited workflow has runs to claim: use the whole claim
+
+
 def write_batch(conn: psycopg.Connection, runner: str, steps: list[StepWrite], ends: list[EndWrite],
-                routes: list[str] | None) -> tuple[list[Written | bool], list[BatchEnd]]:
+                routes: list[str] | None, unlimited_only: bool = False) -> Batch:
     """Write step rows and run ends of `runner`'s executions in one
-    transaction (one statement when there is one kind): for each step, Written
-    or False (not held by its execution, or the row exists); for each end, a
-    BatchEnd. `routes`: the workflows a successor may be of (see `claim`)."""
+    transaction (one statement when there is one kind). `routes`: the
+    workflows a successor may be of (see `claim`); `unlimited_only`: of
+    workflows without a concurrency limit only (a smaller statement)."""
     written: list[Written | bool] = []
     finished: list[BatchEnd] = []
+    limited_waiting = False
     with conn.transaction() if steps and ends else contextlib.nullcontext():
         if steps and ends and isinstance(conn, TransactionPooledConnection):
             conn.execute(_DURABLE_TRANSACTION)
@@ -890,7 +921,7 @@ def write_batch(conn: psycopg.Connection, runner: str, steps: list[StepWrite], e
             seen = {int(result.get_value(i, 0)): result.get_value(i, 1) == b"t" for i in range(result.ntuples)}
             written = [Written(seen[n]) if n in seen else False for n in range(1, len(steps) + 1)]
         if ends:
-            result = _run_hot(conn, _END_RUNS_HOT, {
+            result = _run_hot(conn, _END_UNLIMITED_RUNS_HOT if unlimited_only else _END_RUNS_HOT, {
                 "runs": _text_array([e.run for e in ends]), "tokens": _text_array([e.token for e in ends]),
                 "statuses": _text_array([e.status for e in ends]), "results": _text_array([e.result for e in ends]),
                 "errors": _text_array([e.error for e in ends]),
@@ -906,10 +937,12 @@ def write_batch(conn: psycopg.Connection, runner: str, steps: list[StepWrite], e
                     statuses[int(result.get_value(i, 1))] = result.get_value(i, 2).decode()
                 elif kind == b"s":
                     exists.add(int(result.get_value(i, 1)))
+                elif kind == b"l":
+                    limited_waiting = True
             successors.sort(key=lambda r: r.id)  # UUIDv7: the oldest to the first asking
             given = dict(zip(sorted(receivers), successors))
             finished = [BatchEnd(statuses.get(n), n in exists, given.get(n)) for n in range(1, len(ends) + 1)]
-    return written, finished
+    return Batch(written, finished, limited_waiting)
 
 
 def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:
@@ -918,7 +951,7 @@ def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: in
     write_batch with one step. The unique (workflow, step_id) makes this
     insert the claim on the step: False if the run is not held by this
     execution or the row exists."""
-    return write_batch(conn, runner, [StepWrite(run, token, row)], [], None)[0][0]
+    return write_batch(conn, runner, [StepWrite(run, token, row)], [], None).written[0]
 
 
 class Ended(NamedTuple):
@@ -936,7 +969,8 @@ def finish_run(
     Returns the end and the runs claimed, or None if the run was not held by
     this execution (nothing was written). Raises UniqueViolation (nothing
     written) if the last step's row exists already. `routes`: as for `claim`."""
-    (end,) = write_batch(conn, runner, [], [EndWrite(run, token, status, result, error, last_step, claim)], routes)[1]
+    (end,) = write_batch(conn, runner, [], [EndWrite(run, token, status, result, error, last_step, claim)],
+                         routes).finished
     if end.step_exists:
         raise errors.UniqueViolation(f"step {last_step.step_id!r} of run {run} exists already")
     if end.status is None:

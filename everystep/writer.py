@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,13 @@ log = logging.getLogger("everystep")
 # Writes per transaction at most: the run slots of a process stay far below
 # it; parallel branches and late outcomes may add some.
 MAX_BATCH = 64
+# Ends claim their successors among unlimited workflows only (a statement
+# half the size, which PostgreSQL sets up again for every batch) until one
+# such batch finds runs of a limited workflow to claim; from then on, for
+# this many seconds, with the whole claim, limits and slots included. So a
+# limited workflow's runs wait at most one batch behind later runs of
+# unlimited ones.
+WHOLE_CLAIM = 1.0
 # Seconds without a write after which the thread ends and its connection goes
 # back to the pool (the next write starts it again).
 IDLE = 5.0
@@ -71,6 +79,9 @@ class GroupWriter:
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
         self._closed = False
+        # Until when ends claim successors with the whole claim, concurrency
+        # limits included (see WHOLE_CLAIM).
+        self._whole_claim_until = 0.0
 
     # ------------------------------------------------------------ the runs' side
 
@@ -131,8 +142,12 @@ class GroupWriter:
                 self._conn = self.pool.getconn()
                 if not isinstance(self._conn, store.TransactionPooledConnection):  # no session state through PgBouncer
                     store.prepare_claiming_session(self._conn)
-            written, finished = store.write_batch(self._conn, self.runner, [w.write for w in steps],
-                                                  [w.write for w in ends], self.routes())
+            unlimited_only = time.monotonic() >= self._whole_claim_until
+            batch_written = store.write_batch(self._conn, self.runner, [w.write for w in steps],
+                                              [w.write for w in ends], self.routes(), unlimited_only)
+            written, finished = batch_written.written, batch_written.finished
+            if batch_written.limited_waiting:
+                self._whole_claim_until = time.monotonic() + WHOLE_CLAIM
         except store.CONNECTION_ERRORS as exc:
             self._give_back()  # the pool discards a broken connection; the retries get another
             for waiting in batch:

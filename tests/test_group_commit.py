@@ -157,3 +157,20 @@ def test_a_worker_commits_many_runs_together(db, start_worker, marks):
     assert len(marks_of(marks)) == 2 * 200  # each step ran once (a mark as it starts, one as it ends)
     transactions = db.value("SELECT count(DISTINCT xmin::text) FROM everystep_step")
     assert transactions < 200, "no two runs' ends shared a commit"
+
+
+def test_limited_runs_are_not_starved_by_an_unlimited_backlog(db, start_worker, marks):
+    """Ends claim successors among unlimited workflows only until a batch
+    finds a limited workflow with runs to claim: then the whole claim (slots
+    included) takes them in their turn. Limited runs scheduled before a
+    backlog of unlimited ones end long before the backlog does."""
+    from tests.apps.flow_workflows import limited, unlimited  # noqa: PLC0415
+
+    limited_runs = db.schedule_many(limited, [(marks, 0.0)] * 6)
+    unlimited_runs = db.schedule_many(unlimited, [(marks, 0.0)] * 400)
+    start_worker("mixed", threads=8, imports=("tests.apps.flow_workflows",))
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 406, 90,
+             what="every run completed")
+    last_limited = max(db.run(r.id)["completed_at"] for r in limited_runs)
+    unlimited_ends = sorted(db.run(r.id)["completed_at"] for r in unlimited_runs)
+    assert last_limited < unlimited_ends[200], "the limited runs waited for the unlimited backlog"
