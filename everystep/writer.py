@@ -21,7 +21,6 @@ found out write by write, so that it reaches only the run it belongs to.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid
@@ -32,8 +31,6 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from everystep import metrics, store
-
-log = logging.getLogger("everystep")
 
 # Writes per transaction at most: the run slots of a process stay far below
 # it; parallel branches and late outcomes may add some.
@@ -67,8 +64,8 @@ class _Write:
 
 
 class GroupWriter:
-    """The writer of one runner name's step rows and run ends. Its thread
-    starts with the first write; `close` ends it."""
+    """A writer of one runner name's step rows or run ends (a runner has one
+    of each). Its thread starts with the first write; `close` ends it."""
 
     def __init__(self, pool: ConnectionPool, runner: str, routes: Callable[[], list[str] | None]):
         self.pool = pool
