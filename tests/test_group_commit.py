@@ -174,3 +174,30 @@ def test_limited_runs_are_not_starved_by_an_unlimited_backlog(db, start_worker, 
     last_limited = max(db.run(r.id)["completed_at"] for r in limited_runs)
     unlimited_ends = sorted(db.run(r.id)["completed_at"] for r in unlimited_runs)
     assert last_limited < unlimited_ends[200], "the limited runs waited for the unlimited backlog"
+
+
+def test_a_database_of_the_previous_version_migrates_in_place_with_runs_in_flight(db):
+    """0010 on a database at 0009 with a run in flight and runs waiting: the
+    run in flight ends under its claim, the waiting ones are claimed in
+    order, through the new index."""
+    with db.connect() as conn:
+        conn.execute("DROP INDEX everystep_workflow_ready")
+        conn.execute("CREATE INDEX everystep_workflow_due ON everystep_workflow (due_at)"
+                     " WHERE status IN ('scheduled', 'waiting')")
+        conn.execute("DELETE FROM everystep_migration WHERE name = '0010_claim_order'")
+    (in_flight,) = claimed(db, 1, runner="old-worker")
+    with db.connect() as conn, everystep.transaction(conn):
+        waiting = everystep.schedule_many(workflows.quick, [("unused",)] * 3)
+    with db.connect() as conn:
+        assert store.migrate(conn) == ["0010_claim_order"]
+        assert store.migrate(conn) == []
+        indexes = {row[0] for row in conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema()"
+            " AND tablename = 'everystep_workflow'")}
+        assert "everystep_workflow_ready" in indexes and "everystep_workflow_due" not in indexes
+        ended = store.finish_run(conn, in_flight.id, "old-worker", in_flight.token, "completed", "null", None,
+                                 row("1"), claim=True)
+    assert ended.status == "completed"
+    assert [run.id for run in ended.claimed] == [waiting[0].id]
+    with db.connect() as conn:
+        assert [run.id for run in store.claim(conn, "new-worker", 5)] == [run.id for run in waiting[1:]]
