@@ -46,7 +46,8 @@ def test_cancelling_a_parent_cancels_its_unfinished_children(db, marks, start_wo
     start_worker("w1", imports=IMPORTS)
     wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE parent_id = %s AND status = 'running'",
                               (run,)) == 1, 20, what="the child running")
-    assert db.run(run)["status"] == "waiting"  # the parent is parked, no slot
+    # The parent parks (no slot) once it waits for the child's result, which may be a moment after the child starts.
+    wait_for(lambda: db.run(run)["status"] == "waiting", 20, what="the parent parked")
     with db.connect() as conn, everystep.transaction(conn):
         assert everystep.cancel(run, "no longer needed") == "cancelled"
     child = db.value("SELECT id FROM everystep_workflow WHERE parent_id = %s", (run,))
