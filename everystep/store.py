@@ -16,7 +16,6 @@ claim, a step row and a run's end are on disk before anyone acts on them.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import uuid
@@ -48,8 +47,8 @@ _LOCK_KEY = "hashtextextended('everystep:' || current_schema() || ':' || %s, 0)"
 # planner would otherwise walk the running entries of the status index — dead
 # ones included, thousands of them between two vacuums under load — rather
 # than look the run up.
-_RUNNING = "(status = 'running') IS TRUE"
-_HELD = f"id = %(run)s AND {_RUNNING} AND claimed_by = %(runner)s AND claim_token = %(token)s::bigint"
+_RUNNING = "({table}status = 'running') IS TRUE"
+_HELD = f"id = %(run)s AND {_RUNNING.format(table='')} AND claimed_by = %(runner)s AND claim_token = %(token)s::bigint"
 # A new execution token, for every claim.
 _NEW_TOKEN = "nextval('everystep_claim_token')"
 # Which runs a claim may take, and in which order: the one place of the claim
@@ -448,12 +447,15 @@ def routes_of(patterns: list[str] | tuple[str, ...] | None) -> list[str] | None:
     return like
 
 
-def _array_literal(items: list[str] | None) -> str | None:
-    """A text[] literal of `items` (for the hot statements' text parameters)."""
+def _array_literal(items: list | None) -> str | None:
+    """An array literal of `items` (a None item: NULL; None: no array) for the
+    hot statements' text parameters."""
     if items is None:
         return None
-    quoted = ('"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"' for item in items)
-    return "{" + ",".join(quoted) + "}"
+    return "{" + ",".join(
+        "NULL" if item is None else '"' + str(item).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        for item in items
+    ) + "}"
 
 
 def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] | None = None) -> list[ClaimedRun]:
@@ -801,13 +803,14 @@ _BATCH_STEP_VALUES = (
     " i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)"
 )
 
-# Step rows of several runs, each fenced like _RECORD_STEP; returns the
-# input rows written, with the cancel request seen on their run.
+# Step rows of several runs, each fenced by its own execution's token (the
+# FOR SHARE of its run row keeps a requeue and the write from both winning);
+# returns the input rows written, with the cancel request seen on their run.
 _RECORD_STEPS = (
     "WITH i AS (SELECT * FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], " + _BATCH_STEP_ARRAYS + ")"
     "  WITH ORDINALITY AS i(run, token, " + _BATCH_STEP_NAMES + ", n)),"
     " w AS (SELECT id, claim_token, cancel_requested_at FROM everystep_workflow"
-    f"  WHERE id = ANY(%(runs)s::uuid[]) AND {_RUNNING} AND claimed_by = %(runner)s FOR SHARE),"
+    f"  WHERE id = ANY(%(runs)s::uuid[]) AND {_RUNNING.format(table='')} AND claimed_by = %(runner)s FOR SHARE),"
     f" ins AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
     f"  SELECT i.run, {_BATCH_STEP_VALUES} FROM i JOIN w ON w.id = i.run AND w.claim_token = i.token"
     "  ON CONFLICT (workflow_id, step_id) DO NOTHING RETURNING workflow_id, step_id)"
@@ -827,50 +830,52 @@ _RECORD_STEPS = (
 # asked for one, in order (the successors are theirs in that order); ('e', n,
 # status) for the ends written; ('s', n) for ends whose last step's row exists.
 _BATCH_RUN = "NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8"
+
+
 def _end_runs(unlimited_only: bool) -> str:
     """_END_RUNS; `unlimited_only`: successors of unlimited workflows only
     (_PICK_UNLIMITED), with a row ('l') when a limited workflow has runs to
     claim, for which the caller goes back to the whole statement."""
     return (
-    "WITH i AS (SELECT * FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[],"
-    "  %(results)s::text[], %(errors)s::text[], %(claims)s::boolean[], " + _BATCH_STEP_ARRAYS + ")"
-    "  WITH ORDINALITY AS i(run, token, status, result, error, claim, " + _BATCH_STEP_NAMES + ", n)),"
-    " fenced AS MATERIALIZED (SELECT i.*, w.name AS workflow, w.slot, i.step_id IS NOT NULL AND EXISTS (SELECT 1"
-    "  FROM everystep_step s WHERE s.workflow_id = i.run AND s.step_id = i.step_id) AS step_exists"
-    "  FROM i JOIN everystep_workflow w ON w.id = i.run"
-    f"  WHERE w.id = ANY(%(runs)s::uuid[]) AND {_RUNNING.replace('status', 'w.status')} AND w.claimed_by = %(runner)s"
-    "  AND w.claim_token = i.token),"
-    " held AS (SELECT * FROM fenced WHERE NOT step_exists), "
-    + _pick(gate="EXISTS (SELECT 1 FROM held WHERE held.claim) AND",
-            own=" OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot)",
-            unlimited_only=unlimited_only,
-            ).replace("%(limit)s", "(SELECT count(*) FROM held WHERE held.claim)")
-    + ", claimed AS (" + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}),"
-    f" ended AS (UPDATE everystep_workflow w SET {_ENDING}"
-    f"  FROM held h WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND {_RUNNING.replace('status', 'w.status')}"
-    "  AND w.claimed_by = %(runner)s"
-    "  AND w.claim_token = h.token RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id),"
-    f" step AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
-    f"  SELECT i.run, {_BATCH_STEP_VALUES} FROM ended JOIN i USING (n) WHERE i.step_id IS NOT NULL"
-    "  ON CONFLICT (workflow_id, step_id) DO NOTHING),"
-    # Children that ended wake their parents; a parent parked on one of them is due.
-    " woke AS (UPDATE everystep_workflow p SET wakes = p.wakes + 1, due_at = CASE"
-    "  WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END"
-    "  FROM (SELECT parent_id, array_agg('child:' || id) AS waits FROM ended WHERE parent_id IS NOT NULL"
-    "   GROUP BY parent_id) e WHERE p.id = e.parent_id"
-    "  RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due)"
-    " SELECT 'c', NULL::bigint, NULL::text, claimed.* FROM claimed"
-    f" UNION ALL SELECT 'h', n, NULL, {_BATCH_RUN} FROM held WHERE claim"
-    f" UNION ALL SELECT 'e', n, status, {_BATCH_RUN} FROM ended"
-    f" UNION ALL SELECT 's', n, NULL, {_BATCH_RUN} FROM fenced WHERE step_exists"
-    # A limited run that ended freed a slot no successor took, or a parent became due: wake the claimers.
-    f" UNION ALL SELECT 'n', NULL, ({_NOTIFY})::text, {_BATCH_RUN}"
-    "  WHERE EXISTS (SELECT FROM ended WHERE ended.slot IS NOT NULL AND NOT EXISTS (SELECT FROM picked"
-    "   WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))"
-    "  OR EXISTS (SELECT FROM woke WHERE due)"
-    + (f" UNION ALL SELECT 'l', NULL, NULL, {_BATCH_RUN} WHERE EXISTS (SELECT 1 FROM everystep_limit l"
-       f"  WHERE EXISTS (SELECT 1 FROM everystep_workflow w WHERE {_CLAIMABLE_OF.format(name='l.name')}"
-       f"  AND {_ROUTED} OFFSET 0))" if unlimited_only else "")
+        "WITH i AS (SELECT * FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[],"
+        "  %(results)s::text[], %(errors)s::text[], %(claims)s::boolean[], " + _BATCH_STEP_ARRAYS + ")"
+        "  WITH ORDINALITY AS i(run, token, status, result, error, claim, " + _BATCH_STEP_NAMES + ", n)),"
+        " fenced AS MATERIALIZED (SELECT i.*, w.name AS workflow, w.slot, i.step_id IS NOT NULL AND EXISTS (SELECT 1"
+        "  FROM everystep_step s WHERE s.workflow_id = i.run AND s.step_id = i.step_id) AS step_exists"
+        "  FROM i JOIN everystep_workflow w ON w.id = i.run"
+        f"  WHERE w.id = ANY(%(runs)s::uuid[]) AND {_RUNNING.format(table='w.')} AND w.claimed_by = %(runner)s"
+        "  AND w.claim_token = i.token),"
+        " held AS (SELECT * FROM fenced WHERE NOT step_exists), "
+        + _pick(gate="EXISTS (SELECT 1 FROM held WHERE held.claim) AND",
+                own=" OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot)",
+                unlimited_only=unlimited_only,
+                ).replace("%(limit)s", "(SELECT count(*) FROM held WHERE held.claim)")
+        + ", claimed AS (" + _TAKE_PICKED + f" RETURNING {_RUN_WITH_STEPS}),"
+        f" ended AS (UPDATE everystep_workflow w SET {_ENDING}"
+        f"  FROM held h WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND {_RUNNING.format(table='w.')}"
+        "  AND w.claimed_by = %(runner)s"
+        "  AND w.claim_token = h.token RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id),"
+        f" step AS (INSERT INTO everystep_step (workflow_id, {_STEP_COLUMNS})"
+        f"  SELECT i.run, {_BATCH_STEP_VALUES} FROM ended JOIN i USING (n) WHERE i.step_id IS NOT NULL"
+        "  ON CONFLICT (workflow_id, step_id) DO NOTHING),"
+        # Children that ended wake their parents; a parent parked on one of them is due.
+        " woke AS (UPDATE everystep_workflow p SET wakes = p.wakes + 1, due_at = CASE"
+        "  WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END"
+        "  FROM (SELECT parent_id, array_agg('child:' || id) AS waits FROM ended WHERE parent_id IS NOT NULL"
+        "   GROUP BY parent_id) e WHERE p.id = e.parent_id"
+        "  RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due)"
+        " SELECT 'c', NULL::bigint, NULL::text, claimed.* FROM claimed"
+        f" UNION ALL SELECT 'h', n, NULL, {_BATCH_RUN} FROM held WHERE claim"
+        f" UNION ALL SELECT 'e', n, status, {_BATCH_RUN} FROM ended"
+        f" UNION ALL SELECT 's', n, NULL, {_BATCH_RUN} FROM fenced WHERE step_exists"
+        # A limited run that ended freed a slot no successor took, or a parent became due: wake the claimers.
+        f" UNION ALL SELECT 'n', NULL, ({_NOTIFY})::text, {_BATCH_RUN}"
+        "  WHERE EXISTS (SELECT FROM ended WHERE ended.slot IS NOT NULL AND NOT EXISTS (SELECT FROM picked"
+        "   WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))"
+        "  OR EXISTS (SELECT FROM woke WHERE due)"
+        + (f" UNION ALL SELECT 'l', NULL, NULL, {_BATCH_RUN} WHERE EXISTS (SELECT 1 FROM everystep_limit l"
+           f"  WHERE EXISTS (SELECT 1 FROM everystep_workflow w WHERE {_CLAIMABLE_OF.format(name='l.name')}"
+           f"  AND {_ROUTED} OFFSET 0))" if unlimited_only else "")
     )
 
 
@@ -882,76 +887,64 @@ _END_RUNS_HOT = _hot("end_runs", _END_RUNS, _END_RUNS_PARAMS)
 _END_UNLIMITED_RUNS_HOT = _hot("end_unlimited_runs", _end_runs(unlimited_only=True), _END_RUNS_PARAMS)
 
 
-def _text_array(items: list) -> str:
-    """An array literal of `items` (None: NULL) for a hot statement's text parameter."""
-    return "{" + ",".join(
-        "NULL" if item is None else '"' + str(item).replace("\\", "\\\\").replace('"', '\\"') + '"'
-        for item in items
-    ) + "}"
-
-
 def _step_columns(rows: list[StepRow | None]) -> dict[str, str]:
     """The columns of step rows as array parameters (None rows: all NULL)."""
-    return {field: _text_array([None if row is None else row[i] for row in rows])
+    return {field: _array_literal([None if row is None else row[i] for row in rows])
             for i, field in enumerate(StepRow._fields)}
 
 
-class Batch(NamedTuple):
-    written: list[Written | bool]  # for each step: Written, or False (not held by its execution, or the row exists)
+def record_steps(conn: psycopg.Connection, runner: str, steps: list[StepWrite]) -> list[Written | bool]:
+    """Write step rows of `runner`'s executions in one statement: for each,
+    Written, or False (not held by its execution, or the row exists)."""
+    result = _run_hot(conn, _RECORD_STEPS_HOT, {
+        "runs": _array_literal([w.run for w in steps]), "tokens": _array_literal([w.token for w in steps]),
+        "runner": runner, **_step_columns([w.row for w in steps])})
+    seen = {int(result.get_value(i, 0)): result.get_value(i, 1) == b"t" for i in range(result.ntuples)}
+    return [Written(seen[n]) if n in seen else False for n in range(1, len(steps) + 1)]
+
+
+class EndedRuns(NamedTuple):
     finished: list[BatchEnd]  # for each end
     limited_waiting: bool  # (unlimited_only) a limited workflow has runs to claim: use the whole claim
 
 
-def write_batch(conn: psycopg.Connection, runner: str, steps: list[StepWrite], ends: list[EndWrite],
-                routes: list[str] | None, unlimited_only: bool = False) -> Batch:
-    """Write step rows and run ends of `runner`'s executions in one
-    transaction (one statement when there is one kind). `routes`: the
-    workflows a successor may be of (see `claim`); `unlimited_only`: of
-    workflows without a concurrency limit only (a smaller statement)."""
-    written: list[Written | bool] = []
-    finished: list[BatchEnd] = []
-    limited_waiting = False
-    with conn.transaction() if steps and ends else contextlib.nullcontext():
-        if steps and ends and isinstance(conn, TransactionPooledConnection):
-            conn.execute(_DURABLE_TRANSACTION)
-        if steps:
-            result = _run_hot(conn, _RECORD_STEPS_HOT, {
-                "runs": _text_array([w.run for w in steps]), "tokens": _text_array([w.token for w in steps]),
-                "runner": runner, **_step_columns([w.row for w in steps])})
-            seen = {int(result.get_value(i, 0)): result.get_value(i, 1) == b"t" for i in range(result.ntuples)}
-            written = [Written(seen[n]) if n in seen else False for n in range(1, len(steps) + 1)]
-        if ends:
-            result = _run_hot(conn, _END_UNLIMITED_RUNS_HOT if unlimited_only else _END_RUNS_HOT, {
-                "runs": _text_array([e.run for e in ends]), "tokens": _text_array([e.token for e in ends]),
-                "statuses": _text_array([e.status for e in ends]), "results": _text_array([e.result for e in ends]),
-                "errors": _text_array([e.error for e in ends]),
-                "claims": _text_array(["t" if e.claim else "f" for e in ends]), "runner": runner,
-                "routes": _array_literal(routes), **_step_columns([e.last_step for e in ends])})
-            successors = _claimed_runs(conn, result, first_column=3)
-            receivers, statuses, exists = [], {}, set()
-            for i in range(result.ntuples):
-                kind = result.get_value(i, 0)
-                if kind == b"h":
-                    receivers.append(int(result.get_value(i, 1)))
-                elif kind == b"e":
-                    statuses[int(result.get_value(i, 1))] = result.get_value(i, 2).decode()
-                elif kind == b"s":
-                    exists.add(int(result.get_value(i, 1)))
-                elif kind == b"l":
-                    limited_waiting = True
-            successors.sort(key=lambda r: r.id)  # UUIDv7: the oldest to the first asking
-            given = dict(zip(sorted(receivers), successors))
-            finished = [BatchEnd(statuses.get(n), n in exists, given.get(n)) for n in range(1, len(ends) + 1)]
-    return Batch(written, finished, limited_waiting)
+def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes: list[str] | None,
+             unlimited_only: bool = False) -> EndedRuns:
+    """End runs of `runner`'s executions in one statement, claiming their
+    successors. `routes`: the workflows a successor may be of (see `claim`);
+    `unlimited_only`: of workflows without a concurrency limit only (a
+    smaller statement, see _end_runs)."""
+    result = _run_hot(conn, _END_UNLIMITED_RUNS_HOT if unlimited_only else _END_RUNS_HOT, {
+        "runs": _array_literal([e.run for e in ends]), "tokens": _array_literal([e.token for e in ends]),
+        "statuses": _array_literal([e.status for e in ends]), "results": _array_literal([e.result for e in ends]),
+        "errors": _array_literal([e.error for e in ends]),
+        "claims": _array_literal(["t" if e.claim else "f" for e in ends]), "runner": runner,
+        "routes": _array_literal(routes), **_step_columns([e.last_step for e in ends])})
+    successors = _claimed_runs(conn, result, first_column=3)
+    receivers, statuses, exists, limited_waiting = [], {}, set(), False
+    for i in range(result.ntuples):
+        kind = result.get_value(i, 0)
+        if kind == b"h":
+            receivers.append(int(result.get_value(i, 1)))
+        elif kind == b"e":
+            statuses[int(result.get_value(i, 1))] = result.get_value(i, 2).decode()
+        elif kind == b"s":
+            exists.add(int(result.get_value(i, 1)))
+        elif kind == b"l":
+            limited_waiting = True
+    successors.sort(key=lambda r: r.id)  # UUIDv7: the oldest to the first asking
+    given = dict(zip(sorted(receivers), successors))
+    return EndedRuns([BatchEnd(statuses.get(n), n in exists, given.get(n)) for n in range(1, len(ends) + 1)],
+                     limited_waiting)
 
 
 def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:
     """Record one step's outcome (`done`/`failed`), or the `started` mark of
     an unsafe-to-repeat step, with the token of the execution that wrote it:
-    write_batch with one step. The unique (workflow, step_id) makes this
+    record_steps with one step. The unique (workflow, step_id) makes this
     insert the claim on the step: False if the run is not held by this
     execution or the row exists."""
-    return write_batch(conn, runner, [StepWrite(run, token, row)], [], None).written[0]
+    return record_steps(conn, runner, [StepWrite(run, token, row)])[0]
 
 
 class Ended(NamedTuple):
@@ -965,12 +958,12 @@ def finish_run(
 ) -> Ended | None:
     """End one held run (completed/failed/stopped/blocked, or cancelled) with
     the row of its last step when that is not written yet and, with `claim`,
-    claim the next run for the slot it frees: write_batch with one end.
+    claim the next run for the slot it frees: end_runs with one end.
     Returns the end and the runs claimed, or None if the run was not held by
     this execution (nothing was written). Raises UniqueViolation (nothing
     written) if the last step's row exists already. `routes`: as for `claim`."""
-    (end,) = write_batch(conn, runner, [], [EndWrite(run, token, status, result, error, last_step, claim)],
-                         routes).finished
+    (end,) = end_runs(conn, runner, [EndWrite(run, token, status, result, error, last_step, claim)],
+                      routes).finished
     if end.step_exists:
         raise errors.UniqueViolation(f"step {last_step.step_id!r} of run {run} exists already")
     if end.status is None:

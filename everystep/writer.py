@@ -3,9 +3,9 @@ process share statements and commits.
 
 A run's thread hands its write to one of the runner's writers and waits.
 The writer's thread takes every write that is waiting (at most MAX_BATCH),
-writes them in one transaction — one statement for step rows, one for run
-ends and their successors' claims, each row fenced by its own execution's
-token —, commits, and wakes each thread with its own answer. A runner has
+writes them in one statement and one commit — step rows (store.record_steps)
+or run ends with their successors' claims (store.end_runs), each row fenced
+by its own execution's token —, and wakes each thread with its own answer. A runner has
 two writers, one for step rows and one for run ends, so that step rows do not
 wait behind the heavier statement that ends runs (w3 0.28 of the limit with
 two, 0.17-0.21 with one writer for both, on 2 cores). Nothing is added to a
@@ -139,12 +139,15 @@ class GroupWriter:
                 self._conn = self.pool.getconn()
                 if not isinstance(self._conn, store.TransactionPooledConnection):  # no session state through PgBouncer
                     store.prepare_claiming_session(self._conn)
-            unlimited_only = time.monotonic() >= self._whole_claim_until
-            batch_written = store.write_batch(self._conn, self.runner, [w.write for w in steps],
-                                              [w.write for w in ends], self.routes(), unlimited_only)
-            written, finished = batch_written.written, batch_written.finished
-            if batch_written.limited_waiting:
-                self._whole_claim_until = time.monotonic() + WHOLE_CLAIM
+            written = store.record_steps(self._conn, self.runner, [w.write for w in steps]) if steps else []
+            finished = []
+            if ends:
+                unlimited_only = time.monotonic() >= self._whole_claim_until
+                ended = store.end_runs(self._conn, self.runner, [w.write for w in ends], self.routes(),
+                                       unlimited_only)
+                finished = ended.finished
+                if ended.limited_waiting:
+                    self._whole_claim_until = time.monotonic() + WHOLE_CLAIM
         except store.CONNECTION_ERRORS as exc:
             self._give_back()  # the pool discards a broken connection; the retries get another
             for waiting in batch:
