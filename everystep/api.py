@@ -1,5 +1,5 @@
 """The public API: @workflow, @step, parallel, schedule. Thin; the SQL is in
-`store`, the replay in `runner`."""
+`db`, the replay in `runner`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, TypeVar, overload
 
 import psycopg
 
-from everystep import registry, serde, store, tracing
+from everystep import db, registry, serde, tracing
 from everystep.context import SEGMENT, current_scope, run_branches
 from everystep.errors import EverystepError, StepFailure
 from everystep.ids import uuid7, uuid7_many
@@ -192,7 +192,7 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
     conn = transaction_connection(conn, "schedule()")
     run_id, created = tracing.traced_schedule(
-        name, lambda trace_context: store.insert_run(conn, uuid7(), name, args_json, idempotency_key,
+        name, lambda trace_context: db.insert_run(conn, uuid7(), name, args_json, idempotency_key,
                                                        trace_context, at, after))
     return ScheduledRun(run_id, name, created)
 
@@ -236,7 +236,7 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
         return []
     ids = uuid7_many(len(args_list))
     return [ScheduledRun(run_id, name, created)
-            for run_id, created in store.insert_runs(conn, name, ids, args_jsons, keys)]
+            for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys)]
 
 
 def _check_key(idempotency_key: str | None) -> None:
@@ -341,10 +341,10 @@ def send(run_id: uuid.UUID | str, topic: str, payload: Any = None, idempotency_k
         _name("send()", "idempotency_key", idempotency_key)
     payload_json = serde.dumps(payload)  # refuse what cannot be stored before any write
     conn = transaction_connection(conn, "send()")
-    sent = store.send_message(conn, run_id, topic, payload_json, idempotency_key)
+    sent = db.send_message(conn, run_id, topic, payload_json, idempotency_key)
     if sent.status is None:
         raise EverystepError(f"send(): no run {run_id}")
-    if sent.status in store.TERMINAL:
+    if sent.status in db.TERMINAL:
         raise EverystepError(f"send(): run {run_id} is {sent.status}; it takes no more messages")
     return sent.created
 
@@ -390,12 +390,12 @@ def get_event(run_id: uuid.UUID | str, key: str, timeout: float | datetime.timed
                              "with `everystep.use(conn)`")
     pause = 0.02
     while True:
-        status, found, value = store.get_event(conn, run_id, key)
+        status, found, value = db.get_event(conn, run_id, key)
         if status is None:
             raise EverystepError(f"get_event(): no run {run_id}")
         if found:
             return serde.from_json(value)
-        if status in store.TERMINAL:
+        if status in db.TERMINAL:
             return None  # it can never be set now
         left = None if limit is None else limit - time.monotonic()
         if left is not None and left <= 0:
@@ -461,7 +461,7 @@ def cancel(run_id: uuid.UUID | str, reason: str | None = None, conn: psycopg.Con
     except ValueError:
         raise EverystepError(f"cancel() takes a run id, not {run_id!r}") from None
     conn = transaction_connection(conn, "cancel()")
-    outcome = store.cancel_run(conn, run_id, reason)
+    outcome = db.cancel_run(conn, run_id, reason)
     if outcome.status is None:
         raise EverystepError(f"no run {run_id}")
     return outcome.status
@@ -480,7 +480,7 @@ def _django_connection() -> Any:
 
 
 class _DjangoCursorConnection:
-    """Adapts Django's connection to the `execute(...).fetchone()` calls of store."""
+    """Adapts Django's connection to the `execute(...).fetchone()` calls of everystep.db."""
 
     def __init__(self, connection: Any):
         self.connection = connection
@@ -513,6 +513,6 @@ def resolve_step(conn: psycopg.Connection, run_id: uuid.UUID | str, step_id: str
     else:
         status, result_json, error_json = StepStatus.DONE, serde.dumps(result), None
     try:
-        store.resolve_step(conn, run_id, step_id, status, result_json, error_json)
-    except store.ResolveRefused as refused:
+        db.resolve_step(conn, run_id, step_id, status, result_json, error_json)
+    except db.ResolveRefused as refused:
         raise EverystepError(str(refused)) from None

@@ -47,7 +47,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from everystep import api, liveness, registry, scheduler, serde, store
+from everystep import api, db, liveness, registry, scheduler, serde
 from everystep.errors import EverystepError
 from everystep.logs import first_line
 from everystep.schema import MAX_KEY
@@ -118,7 +118,7 @@ def connect(args: argparse.Namespace) -> psycopg.Connection:
 
 
 def _load_run(conn: psycopg.Connection, run_id: uuid.UUID) -> dict:
-    run = store.load_run(conn, run_id)
+    run = db.load_run(conn, run_id)
     if run is None:
         raise CliError(f"no run {run_id}")
     return run
@@ -136,7 +136,7 @@ def _audit(conn: psycopg.Connection, action: str, run: uuid.UUID | None = None, 
     except (KeyError, OSError):
         user = f"uid {os.getuid()}"
     try:
-        store.audit(conn, f"{user}@{socket.gethostname()}", "cli", action, run, step_id, target, details)
+        db.audit(conn, f"{user}@{socket.gethostname()}", "cli", action, run, step_id, target, details)
     except psycopg.errors.UndefinedTable:
         pass
 
@@ -256,7 +256,7 @@ def _plural(count: int, noun: str) -> str:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     with connect(args) as conn:
-        applied = store.migrate(conn)
+        applied = db.migrate(conn)
     print(f"applied {', '.join(applied)}" if applied else "nothing to apply: the schema is up to date")
     return 0
 
@@ -332,7 +332,7 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     # MODULE:FUNC (as `schedule` takes it) names the same workflow as module.FUNC.
     name = args.workflow.replace(":", ".") if args.workflow else None
     with connect(args) as conn:
-        runs = store.list_runs(conn, args.status, name, args.limit + 1, args.parent)
+        runs = db.list_runs(conn, args.status, name, args.limit + 1, args.parent)
     more, runs = len(runs) > args.limit, runs[: args.limit]
     if args.output == "json":
         _print_json(runs)
@@ -357,10 +357,10 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         conn.read_only = True
         with conn.transaction():
             run = _load_run(conn, args.run)
-            steps = store.load_steps(conn, args.run)
-            children = store.children(conn, args.run)
-            messages = store.load_messages(conn, args.run)
-            events = store.load_events(conn, args.run)
+            steps = db.load_steps(conn, args.run)
+            children = db.children(conn, args.run)
+            messages = db.load_messages(conn, args.run)
+            events = db.load_events(conn, args.run)
     if args.output == "json":
         _print_json({**run, "steps": steps, "children": children, "messages": messages, "events": events})
         return 0
@@ -379,7 +379,7 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     if run["parent_id"] is not None:
         fields.append(("parent", str(run["parent_id"])))
     if children:
-        ended = sum(1 for child in children if child["status"] in store.TERMINAL)
+        ended = sum(1 for child in children if child["status"] in db.TERMINAL)
         fields.append(("children", f"{len(children)} ({ended} ended): `everystep runs list --parent {run['id']}`"
                        if len(children) > 5 else ", ".join(f"{c['id']} {c['status']}" for c in children)))
     if messages:
@@ -436,7 +436,7 @@ _NOT_GIVEN: Any = object()
 def cmd_resolve_step(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         _load_run(conn, args.run)
-        if store.step_row(conn, args.run, args.step) is None:
+        if db.step_row(conn, args.run, args.step) is None:
             raise CliError(f"run {args.run} has no step {args.step!r}")
         if args.discard:
             how, done = {"discard": True}, "discarded: the step will run again"
@@ -468,7 +468,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
                 raise CliError("; ".join(refusals) + ("; nothing was requeued" if len(runs) > 1 else ""),
                                EXIT_REFUSED)
             with conn.transaction():
-                requeued = store.requeue_from_dead_claimers(conn, [(run["id"], run["claimed_by"]) for run in runs])
+                requeued = db.requeue_from_dead_claimers(conn, [(run["id"], run["claimed_by"]) for run in runs])
                 if len(requeued) != len(runs):
                     changed = ", ".join(str(run["id"]) for run in runs if run["id"] not in requeued)
                     raise CliError(f"run {changed} changed while being requeued; nothing was requeued", EXIT_REFUSED)
@@ -489,7 +489,7 @@ def _why_not_requeued(run: dict) -> str | None:
         return f"run {run['id']} is waiting for its time ({_utc(run['due_at'])}): a worker will claim it then"
     if status == "blocked":
         return f"run {run['id']} is blocked: resolve its started step with `everystep resolve-step`"
-    if status in store.TERMINAL:
+    if status in db.TERMINAL:
         return f"run {run['id']} is {status}: a finished run is never requeued; schedule it again"
     return None
 
@@ -520,11 +520,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
     what = f"completed, failed, stopped or cancelled more than {_plural(args.older_than, 'day')} ago"
     with connect(args) as conn:
         if args.dry_run:
-            count = store.count_prunable(conn, args.older_than)
+            count = db.count_prunable(conn, args.older_than)
             print(f"would delete {_plural(count, 'run')} {what}, with their steps (dry run: nothing deleted)")
             return 0
         deleted = 0
-        while batch := store.prune_batch(conn, args.older_than, PRUNE_BATCH):
+        while batch := db.prune_batch(conn, args.older_than, PRUNE_BATCH):
             deleted += batch
         _audit(conn, "prune", details={"older_than_days": args.older_than, "deleted": deleted})
     print(f"deleted {_plural(deleted, 'run')} {what}, with their steps")
@@ -824,8 +824,8 @@ def cmd_schedules_retire(args: argparse.Namespace) -> int:
         source = scheduler.DEFAULT_SOURCE
     with _schedules_database(args) as conn:
         owner_required = None if args.force else source
-        retired_at = _refused_as_cli_error(lambda: store.retire_schedule(conn, args.key, owner_required))
-        owner = store.load_schedule(conn, args.key)["source"]
+        retired_at = _refused_as_cli_error(lambda: db.retire_schedule(conn, args.key, owner_required))
+        owner = db.load_schedule(conn, args.key)["source"]
         _audit(conn, "schedules-retire", target=args.key, details={"source": owner, "forced": args.force})
     if args.output == "json":
         _print_json({"key": args.key, "source": owner, "retired_at": retired_at, "forced": args.force})
@@ -838,7 +838,7 @@ def cmd_schedules_retire(args: argparse.Namespace) -> int:
 
 def cmd_schedules_list(args: argparse.Namespace) -> int:
     with _schedules_database(args) as conn:
-        rows = [row for row in store.load_schedules(conn) if (args.all or row["retired_at"] is None)
+        rows = [row for row in db.load_schedules(conn) if (args.all or row["retired_at"] is None)
                 and (args.source is None or row["source"] == args.source)]
     if args.output == "json":
         _print_json({"schedules": [_schedule_document(row) for row in rows]})
@@ -886,7 +886,7 @@ def _source_option(text: str) -> str:
 def _refused_as_cli_error(action: Callable[[], Any]) -> Any:
     try:
         return action()
-    except store.ScheduleRefused as refused:
+    except db.ScheduleRefused as refused:
         raise CliError(str(refused), EXIT_REFUSED) from None
 
 

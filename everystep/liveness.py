@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import psycopg
 
-from everystep import metrics, serde, store
+from everystep import db, metrics, serde
 
 log = logging.getLogger("everystep")
 
@@ -45,7 +45,7 @@ def connection_kwargs(application_name: str) -> dict:
 
 
 def fail_poison_runs(
-    conn: psycopg.Connection, claimer: str, claims: list[store.Claim], max_crashes: int
+    conn: psycopg.Connection, claimer: str, claims: list[db.Claim], max_crashes: int
 ) -> set[uuid.UUID]:
     """Count a crash for runs whose claimer died holding them (each still held
     by the same execution); fail those that died `max_crashes` claims in a row
@@ -57,7 +57,7 @@ def fail_poison_runs(
         "the fleet",
         "args": [],
     })
-    poisoned = set(store.count_crashes(conn, claimer, claims, max_crashes, error))
+    poisoned = set(db.count_crashes(conn, claimer, claims, max_crashes, error))
     for run_id in poisoned:
         log.error("poison run failed after %d crashes of its worker", max_crashes, extra={"run": str(run_id)})
     metrics.POISONED.inc(len(poisoned))
@@ -75,11 +75,11 @@ class DeadClaimerSweep:
 
     def sweep(self, conn: psycopg.Connection) -> list[uuid.UUID]:
         """One probe of every claimer; returns the runs requeued."""
-        claimers = store.running_claimers(conn)
+        claimers = db.running_claimers(conn)
         self.suspects = {name: seen for name, seen in self.suspects.items() if name in claimers}
         recovered: list[uuid.UUID] = []
         for claimer in claimers:
-            if not store.try_lock(conn, claimer):
+            if not db.try_lock(conn, claimer):
                 self.suspects.pop(claimer, None)  # alive
                 continue
             try:
@@ -89,7 +89,7 @@ class DeadClaimerSweep:
                     recovered += self._recover(conn, claimer)
                     del self.suspects[claimer]
             finally:
-                store.unlock(conn, claimer)
+                db.unlock(conn, claimer)
         return recovered
 
     def next_probe_in(self, interval: float) -> float:
@@ -101,9 +101,9 @@ class DeadClaimerSweep:
         return max(0.0, min(interval, due))
 
     def _recover(self, conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
-        held = store.held_claims(conn, claimer)
+        held = db.held_claims(conn, claimer)
         poisoned = fail_poison_runs(conn, claimer, held, self.max_crashes)
-        requeued = store.requeue_held(conn, claimer, [claim for claim in held if claim.id not in poisoned])
+        requeued = db.requeue_held(conn, claimer, [claim for claim in held if claim.id not in poisoned])
         if requeued:
             log.warning("claimer %s is dead: requeued %d runs", claimer, len(requeued), extra={"runner": claimer})
             metrics.RECOVERED.inc(len(requeued))
@@ -117,10 +117,10 @@ def dead_claimers_locked(conn: psycopg.Connection, claimers: Iterable[str | None
     can be taken is a dead claimer's. Their locks are held until the block
     ends, so no claimer comes back while its runs are requeued. None (a run
     with no claimer) counts as dead."""
-    dead = {claimer for claimer in set(claimers) if claimer is None or store.try_lock(conn, claimer)}
+    dead = {claimer for claimer in set(claimers) if claimer is None or db.try_lock(conn, claimer)}
     try:
         yield dead
     finally:
         for claimer in dead:
             if claimer is not None:
-                store.unlock(conn, claimer)
+                db.unlock(conn, claimer)

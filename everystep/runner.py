@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, observe, registry, serde, store
+from everystep import db, metrics, observe, registry, serde
 from everystep.context import (
     MAX_STEP_ID,
     Outcome,
@@ -81,15 +81,15 @@ class Fence:
     to its liveness lock; this default never interrupts and retries a write
     that failed on a connection error a few times with back-off."""
 
-    def check(self, run: store.ClaimedRun) -> None:
+    def check(self, run: db.ClaimedRun) -> None:
         """Before a step starts: raise `Drain` to stop at this step boundary,
         block while the claim is uncertain, raise `LostClaim` once it is gone."""
 
-    def before_write(self, run: store.ClaimedRun) -> None:
+    def before_write(self, run: db.ClaimedRun) -> None:
         """Before every write about the run: block while the claim is
         uncertain, raise `LostClaim` once it is gone."""
 
-    def wait_after_error(self, run: store.ClaimedRun, attempt: int, error: Exception) -> None:
+    def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
         """After a write failed on a connection error: wait before the retry,
         or raise to give up."""
         if attempt >= 8:
@@ -101,10 +101,10 @@ class Successors:
     """Whether the statement that ends a run may also claim the next run for
     the slot it frees. This default never claims."""
 
-    # The workflows a successor may be of (LIKE patterns, store.routes_of; None: all).
+    # The workflows a successor may be of (LIKE patterns, db.routes_of; None: all).
     routes: list[str] | None = None
 
-    def reserve(self, run: store.ClaimedRun) -> bool:
+    def reserve(self, run: db.ClaimedRun) -> bool:
         """Asked once, as this execution of the run is about to end. True
         obliges the caller of `Runner.execute` to take the execution's
         `successor` (or its absence) into account once it returns or raises."""
@@ -115,7 +115,7 @@ class Execution(NamedTuple):
     """What one execution of a run came to, as `Runner.execute` returns it."""
     outcome: str  # completed, failed, stopped, blocked, cancelled, sleeping (parked waiting),
     # requeued (drain) or abandoned (claim lost)
-    successor: store.ClaimedRun | None  # claimed for this slot by the statement that ended the run
+    successor: db.ClaimedRun | None  # claimed for this slot by the statement that ended the run
     look_again: bool  # the runner may hold runs it does not know of: an answer was lost, or another
     # execution's row was found
 
@@ -188,7 +188,7 @@ class Runner:
         self.step_writer.close()
         self.end_writer.close()
 
-    def execute(self, run: store.ClaimedRun) -> Execution:
+    def execute(self, run: db.ClaimedRun) -> Execution:
         """Replay one held run to an end and say what happened: how it ended,
         and the run its end claimed for this slot, if any."""
         started = time.perf_counter()
@@ -223,7 +223,7 @@ class Runner:
         return self._ended(run, replay, outcome, started)
 
     @staticmethod
-    def _ended(run: store.ClaimedRun, replay: Replay, outcome: str, started: float) -> Execution:
+    def _ended(run: db.ClaimedRun, replay: Replay, outcome: str, started: float) -> Execution:
         _late_outcomes.discard(replay)
         replay.release()
         observe.run_ended(replay, outcome)
@@ -236,7 +236,7 @@ class Runner:
 class Replay:
     """One execution of one run: serves recorded steps and records new ones."""
 
-    def __init__(self, runner: Runner, run: store.ClaimedRun):
+    def __init__(self, runner: Runner, run: db.ClaimedRun):
         self.runner = runner
         self.claim = run
         self.run_id: uuid.UUID = run.id
@@ -253,7 +253,7 @@ class Replay:
         self._halt_lock = threading.Lock()
         self.context = RunContext(run.id, run.name, runner.name, self)
         # What the end of the execution hands back (see Execution).
-        self.successor: store.ClaimedRun | None = None
+        self.successor: db.ClaimedRun | None = None
         self.claim_successor: bool | None = None  # asked once, at the end
         self.look_again = False
         # The run's own connection, for the writes of the thread executing it;
@@ -265,7 +265,7 @@ class Replay:
         # written before the next step starts, or with the run's end.
         # (row, started, written by) guarded by _outcome_lock, which is held
         # while it is written.
-        self._unwritten: tuple[store.StepRow, float, float] | None = None
+        self._unwritten: tuple[db.StepRow, float, float] | None = None
         self._outcome_lock = threading.Lock()
         self._late_failure_logged = False
         self.trace: Any = None  # the tracing and error-report hooks' state (everystep.observe)
@@ -286,7 +286,7 @@ class Replay:
             self._cursor = self._conn.cursor()
         try:
             yield self._cursor
-        except store.CONNECTION_ERRORS:
+        except db.CONNECTION_ERRORS:
             self.release()  # the pool discards a broken connection; the retry gets another
             raise
 
@@ -297,9 +297,9 @@ class Replay:
 
     def _fenced(self, write: Callable[..., Any], args: tuple, step_id: str | None, status: str, what: str,
                 grouped: bool = False) -> Any:
-        """Run a fenced store write about this execution and return what it
+        """Run a fenced db write about this execution and return what it
         returned, retrying connection errors as the fence allows. A write that
-        matches nothing is explained (store.why_not_written): this execution's
+        matches nothing is explained (db.why_not_written): this execution's
         own earlier attempt wrote it (its answer was lost): None is returned;
         the run is no longer held by this execution, or another execution
         wrote the row: `LostClaim`. `grouped`: a write of the runner's writer,
@@ -316,17 +316,17 @@ class Replay:
                 if done is not None and done is not False:
                     return done
                 with self.cursor() as cur:
-                    why = store.why_not_written(cur, self.run_id, self.runner.name, self.token, step_id, status)
-                if why == store.WRITTEN:
+                    why = db.why_not_written(cur, self.run_id, self.runner.name, self.token, step_id, status)
+                if why == db.WRITTEN:
                     return None
-                if why == store.OTHER:
+                if why == db.OTHER:
                     # Held here, but not by this execution's writes: the worker
                     # looks again at what it holds and replays the run afresh.
                     self.look_again = True
                     raise LostClaim(f"run {self.run_id}: another execution wrote {what}; this one stops")
                 raise LostClaim(f"run {self.run_id} is no longer held by this execution under "
                                 f"{self.runner.name} ({what})")
-            except store.CONNECTION_ERRORS as exc:
+            except db.CONNECTION_ERRORS as exc:
                 self.look_again = True  # the answer may be lost: a claim made by it included
                 self.runner.fence.wait_after_error(self.claim, attempt, exc)
                 attempt += 1
@@ -362,7 +362,7 @@ class Replay:
         if isinstance(exc, Drain):
             if unwritten is not None:
                 self._write_step(unwritten[0], unwritten[1], update=False)  # recorded before the requeue
-            self._fenced(lambda cur, run, runner, token: store.requeue_held(cur, runner, [store.Claim(run, token)]),
+            self._fenced(lambda cur, run, runner, token: db.requeue_held(cur, runner, [db.Claim(run, token)]),
                          (), None, RunStatus.SCHEDULED, "requeueing the run")
             metrics.REQUEUED.labels(self.runner.name).inc()
             return "requeued"
@@ -402,7 +402,7 @@ class Replay:
         return self.end(status, result, error, unwritten)
 
     def end(self, status: str, result: str | None, error: str | None,
-            unwritten: tuple[store.StepRow, float, float] | None) -> str:
+            unwritten: tuple[db.StepRow, float, float] | None) -> str:
         """The last step's row, the run's end and the claim of the next run for
         this slot: one statement, one commit. The successor, if any, is left in
         `self.successor`. Returns the run's end as written (`cancelled` when a
@@ -411,7 +411,7 @@ class Replay:
         if self.claim_successor is None:
             self.claim_successor = self.runner.successors.reserve(self.claim)
 
-        def write_end(run: uuid.UUID, runner: str, token: int, last_step: store.StepRow | None) -> str | None:
+        def write_end(run: uuid.UUID, runner: str, token: int, last_step: db.StepRow | None) -> str | None:
             done = self.runner.end_writer.finish_run(run, token, status, result, error, last_step,
                                                  self.claim_successor and self.successor is None)
             if done.successor is not None:
@@ -426,9 +426,9 @@ class Replay:
             # The last step's row is there already: written by this execution's
             # earlier attempt (then end without it), or by another execution.
             with self.cursor() as cur:
-                why = store.why_not_written(cur, self.run_id, self.runner.name, self.token, row.step_id, row.status)
-            if why != store.WRITTEN:
-                self.look_again = self.look_again or why == store.OTHER
+                why = db.why_not_written(cur, self.run_id, self.runner.name, self.token, row.step_id, row.status)
+            if why != db.WRITTEN:
+                self.look_again = self.look_again or why == db.OTHER
                 raise LostClaim(f"run {self.run_id}: step {row.step_id!r} was written by another execution") from None
             ended = self._fenced(write_end, (None,), None, status, "ending the run", grouped=True)
         # None: an earlier attempt ended it, and its claim, if any, is found
@@ -552,7 +552,7 @@ class Replay:
         if not self.cancel_requested or self.cancel_delivered is not None:
             return
         with self.cursor() as cur:
-            cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
+            cancelled = Cancelled(db.cancel_reason(cur, self.run_id))
         self.cancel_delivered = cancelled
         self._record(step_id, name, "[]", "{}", StepStatus.FAILED, None, serde.encode_exception(cancelled), update,
                      (time.perf_counter(), time.time()))
@@ -563,11 +563,11 @@ class Replay:
                         wait: float, started: tuple[float, float]) -> dict:
         """Record a failed attempt that will be retried after `wait` seconds;
         returns the attempt as recorded (its times by the database's clock)."""
-        row = store.StepRow(step_id, name, args, kwargs, StepStatus.RETRYING, None, serde.dump_data(error), started[1],
+        row = db.StepRow(step_id, name, args, kwargs, StepStatus.RETRYING, None, serde.dump_data(error), started[1],
                             time.time())
         self._write_unwritten()
         try:
-            done = self._fenced(store.record_attempt, (row, attempt, wait), step_id, StepStatus.RETRYING,
+            done = self._fenced(db.record_attempt, (row, attempt, wait), step_id, StepStatus.RETRYING,
                                 f"attempt {attempt} of step {step_id!r}")
         except LostClaim as lost:
             raise self.stop_with(lost) from None
@@ -602,7 +602,7 @@ class Replay:
             self._wait(scope, float(recorded[2]), self.claim.claimed_at)
             return
         self._boundary(step_id, SLEEP)
-        done = self._fenced(store.record_sleep, (step_id, SLEEP, seconds, until), step_id, StepStatus.DONE, "a sleep")
+        done = self._fenced(db.record_sleep, (step_id, SLEEP, seconds, until), step_id, StepStatus.DONE, "a sleep")
         if done is None:  # written by this execution's earlier try: its answer was lost
             self.look_again = True
             raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
@@ -620,7 +620,7 @@ class Replay:
             return
         if remaining > MOMENT and scope.prefix == "" and threading.get_ident() == self._owner:
             self._write_unwritten()
-            parking = self._fenced(store.park_run, (wake_at,), None, RunStatus.WAITING, "parking the run")
+            parking = self._fenced(db.park_run, (wake_at,), None, RunStatus.WAITING, "parking the run")
             if parking is None or parking.parked:
                 raise self.stop_with(Parked())
             if parking.cancel_requested:
@@ -644,7 +644,7 @@ class Replay:
         the worker in between only means the step runs again. The `started`
         mark of an unsafe step, and its outcome, are written at once.
         `started`: (perf_counter, time) when the step started."""
-        row = store.StepRow(step_id, name, args, kwargs, status,
+        row = db.StepRow(step_id, name, args, kwargs, status,
                             None if status != StepStatus.DONE else serde.dump_data(result),
                             None if error is None else serde.dump_data(error),
                             started[1], None if status == StepStatus.STARTED else time.time())
@@ -685,10 +685,10 @@ class Replay:
         finally:
             self._outcome_lock.release()
 
-    def _write_step(self, row: store.StepRow, started: float, update: bool) -> None:
+    def _write_step(self, row: db.StepRow, started: float, update: bool) -> None:
         try:
             if update:
-                written = self._fenced(store.complete_started_step, (row,), row.step_id, row.status,
+                written = self._fenced(db.complete_started_step, (row,), row.step_id, row.status,
                                        f"step {row.step_id!r}")
             else:
                 written = self._fenced(self.runner.step_writer.record_step, (row,), row.step_id, row.status,
@@ -714,7 +714,7 @@ class Replay:
         timeout. While nothing comes the run is parked `waiting`, its slot
         given back; a send on the topic makes it due at once."""
         result = self._recorded_wait(scope, WAIT, "waits for a message", topic, f"message:{topic}", timeout,
-                                     store.take_message, topic)
+                                     db.take_message, topic)
         return serde.from_json(result["message"]) if "message" in result else None
 
     def _recorded_wait(self, scope: Scope, name: str, doing: str, topic: str, waiting_on: str,
@@ -733,7 +733,7 @@ class Replay:
             ))
         if recorded is None:
             self._boundary(step_id, name)
-            begun = self._fenced(store.begin_wait, (step_id, name, topic, timeout), step_id, StepStatus.STARTED,
+            begun = self._fenced(db.begin_wait, (step_id, name, topic, timeout), step_id, StepStatus.STARTED,
                                  "a wait")
             if begun is None:  # written by this execution's earlier try: its answer was lost
                 self.look_again = True
@@ -751,8 +751,8 @@ class Replay:
 
     def _wait_until_done(self, scope: Scope, step_id: str, take: Callable, what: Any, waiting_on: str,
                          deadline: float | None) -> dict:
-        """Until the started wait `step_id` ends (`take`: store.take_message
-        or store.take_child, about `what`): its recorded result. Parks the
+        """Until the started wait `step_id` ends (`take`: db.take_message
+        or db.take_child, about `what`): its recorded result. Parks the
         run on `waiting_on` while nothing came."""
         parks = scope.prefix == "" and threading.get_ident() == self._owner
         pause = 0.02
@@ -765,7 +765,7 @@ class Replay:
                 return took.result
             remaining = None if deadline is None else deadline - took.now
             if parks and (remaining is None or remaining > MOMENT):
-                parking = self._fenced(store.park_waiting, (deadline, waiting_on, took.wakes), None,
+                parking = self._fenced(db.park_waiting, (deadline, waiting_on, took.wakes), None,
                                        RunStatus.WAITING, "parking the run")
                 if parking is None or parking.parked:
                     raise self.stop_with(Parked())
@@ -787,7 +787,7 @@ class Replay:
         recorded = self.recorded.get(step_id)
         if recorded is None:
             self._boundary(step_id, START)
-            result = self._fenced(store.start_child, (step_id, START, uuid7(), child_name, args_json), step_id,
+            result = self._fenced(db.start_child, (step_id, START, uuid7(), child_name, args_json), step_id,
                                   StepStatus.DONE, "starting a child")
             if result is None:
                 self.look_again = True
@@ -807,7 +807,7 @@ class Replay:
         for a child that failed, stopped or was cancelled; TimeoutError after
         `timeout` seconds. Recorded like a step."""
         end = self._recorded_wait(scope, RESULT, "waits for a child", f"child:{child}", f"child:{child}", timeout,
-                                  store.take_child, child)
+                                  db.take_child, child)
         if end.get("timeout"):
             raise TimeoutError(f"child run {child} did not end within the timeout")
         if end["status"] == RunStatus.COMPLETED:
@@ -819,7 +819,7 @@ class Replay:
         (recorded as its failure, so a replay raises it at the same call)."""
         self.cancel_requested = True
         with self.cursor() as cur:
-            cancelled = Cancelled(store.cancel_reason(cur, self.run_id))
+            cancelled = Cancelled(db.cancel_reason(cur, self.run_id))
         self.cancel_delivered = cancelled
         self._record(step_id, WAIT, "[]", "{}", StepStatus.FAILED, None, serde.encode_exception(cancelled), True,
                      (time.perf_counter(), time.time()))
@@ -841,7 +841,7 @@ class Replay:
                 ))
             return
         self._boundary(step_id, EVENT)
-        self._fenced(store.set_event, (step_id, EVENT, key, value_json), step_id, StepStatus.DONE, "an event")
+        self._fenced(db.set_event, (step_id, EVENT, key, value_json), step_id, StepStatus.DONE, "an event")
         self.recorded[step_id] = [EVENT, StepStatus.DONE, None, None, None]
 
     # -------------------------------------------------------------- patches

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import psycopg
 from croniter import croniter
 
-from everystep import registry, serde, store
+from everystep import db, registry, serde
 from everystep.ids import uuid7
 from everystep.metrics import SCHEDULES_AUTO_PAUSED
 
@@ -174,19 +174,19 @@ def tick(conn: psycopg.Connection) -> list[Fired]:
     Returns the runs it made."""
     fired: list[Fired] = []
     with conn.transaction():
-        if not store.try_lock_scheduler(conn):
+        if not db.try_lock_scheduler(conn):
             return fired  # another scheduler is ticking
-        for row in store.schedules_failing(conn):
+        for row in db.schedules_failing(conn):
             _auto_pause(conn, row)
-        now = store.database_now(conn)
-        for row in store.due_schedules(conn):
+        now = db.database_now(conn)
+        for row in db.due_schedules(conn):
             fired += _fire_due(conn, row, now)
     return fired
 
 
 def _fire_due(conn: psycopg.Connection, row: dict, now: datetime.datetime) -> list[Fired]:
     key = row["key"]
-    if row["overlap"] == "forbid" and row["last_run_status"] not in (None, *store.TERMINAL):
+    if row["overlap"] == "forbid" and row["last_run_status"] not in (None, *db.TERMINAL):
         return []  # its previous run has not ended: the due times wait
     decision = decide(row["cron"], row["timezone"], row["next_fire_at"], now, row["catchup"],
                       row["max_catchup"], row["max_lateness_seconds"], one_at_a_time=row["overlap"] == "forbid")
@@ -220,9 +220,9 @@ def _fire(conn: psycopg.Connection, key: str, workflow: str, args_json: str, dec
     fired = []
     last_run_id = None
     for fire_time in decision.fire:
-        run_id, created = store.insert_run(conn, uuid7(), workflow, args_json, idempotency_key(key, fire_time))
+        run_id, created = db.insert_run(conn, uuid7(), workflow, args_json, idempotency_key(key, fire_time))
         last_run_id = run_id
-        store.record_schedule_run(conn, key, fire_time, run_id)
+        db.record_schedule_run(conn, key, fire_time, run_id)
         if created:
             fired.append(Fired(key, fire_time, run_id))
             log.info("schedule %s fired for %s: run %s", key, iso_utc(fire_time), run_id,
@@ -231,7 +231,7 @@ def _fire(conn: psycopg.Connection, key: str, workflow: str, args_json: str, dec
             log.info("schedule %s: %s had already fired (run %s)", key, iso_utc(fire_time), run_id,
                      extra={"schedule": key, "run": str(run_id)})
     last_fire_at = decision.fire[-1] if decision.fire else None
-    store.advance_schedule(conn, key, decision.next_fire_at, last_fire_at, last_run_id)
+    db.advance_schedule(conn, key, decision.next_fire_at, last_fire_at, last_run_id)
     return fired
 
 
@@ -239,7 +239,7 @@ def _auto_pause(conn: psycopg.Connection, row: dict) -> None:
     """Pause a schedule whose runs keep failing, and say so once."""
     runs = "run" if row["auto_pause_after"] == 1 else f"{row['auto_pause_after']} runs"
     reason = f"auto-paused: its last {runs} failed (latest: run {row['last_run_id']})"
-    store.set_schedule_paused(conn, row["key"], True, None, reason)
+    db.set_schedule_paused(conn, row["key"], True, None, reason)
     SCHEDULES_AUTO_PAUSED.inc()
     log.error("schedule %s %s; resume it with everystep.schedules.resume(%r) or an apply that un-pauses it",
               row["key"], reason, row["key"], extra={"schedule": row["key"], "run": str(row["last_run_id"])})
@@ -251,7 +251,7 @@ def _cannot_fire(conn: psycopg.Connection, row: dict, error: str, exc: BaseExcep
     every tick."""
     if error != row["last_error"]:
         log.error("schedule %s: %s", row["key"], error, exc_info=exc, extra={"schedule": row["key"]})
-        store.set_schedule_error(conn, row["key"], error)
+        db.set_schedule_error(conn, row["key"], error)
 
 
 # ---------------------------------------------------------------- plan and apply
@@ -290,7 +290,7 @@ def plan_entry(key: str, spec: Schedule, row: dict | None, now: datetime.datetim
     """What writing `spec` under `key` would do to the database's `row`.
     A key another source owns (and has not retired) is refused."""
     if row is not None and row["retired_at"] is None and row["source"] != source:
-        raise store.ScheduleRefused(
+        raise db.ScheduleRefused(
             f"schedule {key!r} belongs to source {row['source']!r}, not {source!r}: it is left alone "
             "(use another key, or retire it from its own source first)")
     wanted = definition(spec)
@@ -314,15 +314,15 @@ def plan(conn: psycopg.Connection, manifest: Mapping[str, Schedule]) -> Plan:
     live keys of its source that the manifest no longer has (apply leaves
     them alone; they are retired explicitly). Keys of other sources are not
     looked at, unless the manifest has one: that is refused
-    (store.ScheduleRefused), one line naming every such key."""
+    (db.ScheduleRefused), one line naming every such key."""
     source = getattr(manifest, "source", DEFAULT_SOURCE)
-    now = store.database_now(conn)
-    rows = {row["key"]: row for row in store.load_schedules(conn)}
+    now = db.database_now(conn)
+    rows = {row["key"]: row for row in db.load_schedules(conn)}
     owned_elsewhere = [key for key in sorted(manifest) if key in rows and rows[key]["retired_at"] is None
                        and rows[key]["source"] != source]
     if owned_elsewhere:
         owners = ", ".join(f"{key!r} ({rows[key]['source']})" for key in owned_elsewhere)
-        raise store.ScheduleRefused(
+        raise db.ScheduleRefused(
             f"source {source!r} cannot apply {owners}: other sources own them; nothing was written "
             "(use other keys, or retire them from their own source first)")
     entries = [plan_entry(key, manifest[key], rows.get(key), now, source) for key in sorted(manifest)]
@@ -351,7 +351,7 @@ def apply(conn: psycopg.Connection, manifest: Mapping[str, Schedule], expected_d
     they are. With `expected_digest`, only if the plan is still that one: else
     PlanChanged, and nothing is written. Returns the plan it carried out."""
     with conn.transaction():
-        store.lock_scheduler(conn)
+        db.lock_scheduler(conn)
         done = plan(conn, manifest)
         if expected_digest is not None and expected_digest != done.digest:
             raise PlanChanged(expected_digest, done)
@@ -364,7 +364,7 @@ def apply(conn: psycopg.Connection, manifest: Mapping[str, Schedule], expected_d
 def write(conn: psycopg.Connection, entry: PlanEntry, spec: Schedule, source: str) -> None:
     """Carry out one planned add, revive or change."""
     wanted = definition(spec)
-    store.put_schedule(conn, entry.key, {**wanted, "args": serde.dump_data(wanted["args"])}, entry.next_fire_at,
+    db.put_schedule(conn, entry.key, {**wanted, "args": serde.dump_data(wanted["args"])}, entry.next_fire_at,
                        source)
 
 

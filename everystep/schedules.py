@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from everystep import registry, scheduler, serde, store
+from everystep import db, registry, scheduler, serde
 from everystep.api import transaction_connection
 from everystep.errors import EverystepError
 from everystep.scheduler import API_SOURCE, Schedule
@@ -81,10 +81,10 @@ def put(key: str, workflow: Callable | str, args: Sequence[Any] = (), *, cron: s
     spec = _validate(key, raw, source)  # before the database is touched
     conn = transaction_connection(conn, "everystep.schedules.put()")
     entry = _refused_as_error(lambda: scheduler.plan_entry(
-        key, spec, store.load_schedule(conn, key, lock=True), store.database_now(conn), source))
+        key, spec, db.load_schedule(conn, key, lock=True), db.database_now(conn), source))
     if entry.writes:
         scheduler.write(conn, entry, spec, source)
-    return _info(store.load_schedule(conn, key))
+    return _info(db.load_schedule(conn, key))
 
 
 def pause(key: str, *, source: str = API_SOURCE, conn: Any = None) -> ScheduleInfo:
@@ -92,8 +92,8 @@ def pause(key: str, *, source: str = API_SOURCE, conn: Any = None) -> ScheduleIn
     conn = transaction_connection(conn, "everystep.schedules.pause()")
     row = _owned_live_row(conn, key, source)
     if not row["paused"]:
-        store.set_schedule_paused(conn, key, True, None)
-    return _info(store.load_schedule(conn, key))
+        db.set_schedule_paused(conn, key, True, None)
+    return _info(db.load_schedule(conn, key))
 
 
 def resume(key: str, *, source: str = API_SOURCE, conn: Any = None) -> ScheduleInfo:
@@ -102,9 +102,9 @@ def resume(key: str, *, source: str = API_SOURCE, conn: Any = None) -> ScheduleI
     conn = transaction_connection(conn, "everystep.schedules.resume()")
     row = _owned_live_row(conn, key, source)
     if row["paused"]:
-        next_fire_at = scheduler.next_fire_time(row["cron"], row["timezone"], store.database_now(conn))
-        store.set_schedule_paused(conn, key, False, next_fire_at)
-    return _info(store.load_schedule(conn, key))
+        next_fire_at = scheduler.next_fire_time(row["cron"], row["timezone"], db.database_now(conn))
+        db.set_schedule_paused(conn, key, False, next_fire_at)
+    return _info(db.load_schedule(conn, key))
 
 
 def retire(key: str, *, source: str = API_SOURCE, conn: Any = None) -> datetime.datetime:
@@ -112,12 +112,12 @@ def retire(key: str, *, source: str = API_SOURCE, conn: Any = None) -> datetime.
     later put() revives it). Returns when it was retired."""
     _validate_source(source)
     conn = transaction_connection(conn, "everystep.schedules.retire()")
-    return _refused_as_error(lambda: store.retire_schedule(conn, key, source))
+    return _refused_as_error(lambda: db.retire_schedule(conn, key, source))
 
 
 def get(key: str, *, conn: Any = None) -> ScheduleInfo | None:
     """The schedule `key` (of any source, retired or not), or None."""
-    row = store.load_schedule(transaction_connection(conn, "everystep.schedules.get()", write=False), key)
+    row = db.load_schedule(transaction_connection(conn, "everystep.schedules.get()", write=False), key)
     return None if row is None else _info(row)
 
 
@@ -154,7 +154,7 @@ def _validate_source(source: str) -> None:
 
 def _owned_live_row(conn: Any, key: str, source: str) -> dict:
     _validate_source(source)
-    row = store.load_schedule(conn, key, lock=True)
+    row = db.load_schedule(conn, key, lock=True)
     if row is None:
         raise ScheduleError(f"no schedule {key!r}")
     if row["retired_at"] is not None:
@@ -168,7 +168,7 @@ def _owned_live_row(conn: Any, key: str, source: str) -> dict:
 def _refused_as_error(action: Callable[[], Any]) -> Any:
     try:
         return action()
-    except store.ScheduleRefused as refused:
+    except db.ScheduleRefused as refused:
         raise ScheduleError(str(refused)) from None
 
 

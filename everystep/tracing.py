@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from everystep import store
+from everystep import db
 from everystep.schema import RunStatus
 
 log = logging.getLogger("everystep")
@@ -116,7 +116,7 @@ def run_started(replay: Any) -> RunSpan | None:
 
     # Not retried: on a connection error this execution goes untraced (logged).
     with replay.cursor() as cur:
-        started = store.start_traced_execution(cur, replay.run_id, replay.runner.name, replay.token)
+        started = db.start_traced_execution(cur, replay.run_id, replay.runner.name, replay.token)
     if started is None:
         return None  # not held: the run's own first write reports the lost claim
     stored, execution = started

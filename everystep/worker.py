@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import liveness, metrics, registry, store
+from everystep import db, liveness, metrics, registry
 from everystep.errors import Drain, LostClaim
 from everystep.logs import first_line
 from everystep.runner import Execution, Fence, Runner, Successors
@@ -47,7 +47,7 @@ def control_connection(database_url: str, name: str) -> psycopg.Connection:
     """The worker's control connection, with TCP keepalives on both ends (the
     server's side is what frees the lock of a vanished host)."""
     conn = psycopg.connect(database_url, **liveness.connection_kwargs(f"everystep {name} control"))
-    store.prepare_control_session(
+    db.prepare_control_session(
         conn, liveness.KEEPALIVE_IDLE, liveness.KEEPALIVE_INTERVAL, liveness.KEEPALIVE_COUNT
     )
     return conn
@@ -65,18 +65,18 @@ class WorkerFence(Fence):
         self.draining = False
         self.abandoned: set[int] = set()  # tokens of executions that must not write any more
 
-    def check(self, run: store.ClaimedRun) -> None:
+    def check(self, run: db.ClaimedRun) -> None:
         if self.draining:
             raise Drain()
         self.before_write(run)
 
-    def before_write(self, run: store.ClaimedRun) -> None:
+    def before_write(self, run: db.ClaimedRun) -> None:
         while not self.held.is_set() and run.token not in self.abandoned:
             self.held.wait(0.5)
         if run.token in self.abandoned:
             raise LostClaim(f"run {run.id} was abandoned: the worker lost its lock, or the run was taken away")
 
-    def wait_after_error(self, run: store.ClaimedRun, attempt: int, error: Exception) -> None:
+    def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
         # Retried until it goes through or the execution is abandoned; meanwhile
         # the control loop notices an outage and `before_write` waits for it.
         if attempt == 0:
@@ -122,7 +122,7 @@ class Worker(Successors):
         self.on_lock = on_lock  # called with True once the name's lock is held, False when it is not any more
         # The workflows this worker runs: name patterns (`*`, `?`), None for all.
         self.workflows = None if workflows is None else tuple(workflows)
-        self.routes = store.routes_of(self.workflows)  # (Successors.) as LIKE patterns
+        self.routes = db.routes_of(self.workflows)  # (Successors.) as LIKE patterns
         self.limits = dict(limits or {})  # concurrency overrides by workflow name (config)
 
         self.fence = WorkerFence()
@@ -137,8 +137,8 @@ class Worker(Successors):
         self._claiming: set[int] = set()  # tokens of ending runs whose statement may claim a successor
         self._claims_landed = threading.Condition(self._lock)
         self._published_load: int | None = None
-        self._backlog: list[store.ClaimedRun] = []  # held by us (claimed, with their tokens), not started yet
-        self._escaped: set[store.Claim] = set()  # executions that escaped with a BaseException
+        self._backlog: list[db.ClaimedRun] = []  # held by us (claimed, with their tokens), not started yet
+        self._escaped: set[db.Claim] = set()  # executions that escaped with a BaseException
         self._reconcile = False  # look for runs held under our name that no execution of ours holds
         self._conn: psycopg.Connection | None = None
         # Registered in everystep_waiting, so scheduling notifies us (only
@@ -194,8 +194,8 @@ class Worker(Successors):
         """Step rows and run ends commit synchronously: set once per session,
         or per transaction through a transaction-pooling PgBouncer."""
         if self.direct_url:
-            return {"connection_class": store.TransactionPooledConnection}
-        return {"configure": store.prepare_session}
+            return {"connection_class": db.TransactionPooledConnection}
+        return {"configure": db.prepare_session}
 
     # ---------------------------------------------------------------- the lock
 
@@ -210,7 +210,7 @@ class Worker(Successors):
             try:
                 conn = control_connection(self.direct_url or self.database_url, self.name)
                 try:
-                    while not store.try_lock(conn, self.name):
+                    while not db.try_lock(conn, self.name):
                         if not waiting_logged:
                             log.warning("lock of %s is held by another live process; waiting", self.name,
                                         extra=self._extra)
@@ -220,12 +220,12 @@ class Worker(Successors):
                             return False
                         self._abandon_after_grace(lost_at)
                         self._sleep(min(self.poll, 1.0))
-                    store.listen(conn)
-                    store.publish_route(conn, self.name, self.routes)
+                    db.listen(conn)
+                    db.publish_route(conn, self.name, self.routes)
                     self._conn = conn
                     self._waiting = False
                     if catchup:
-                        store.apply_limits(conn, self.concurrency_limits())
+                        db.apply_limits(conn, self.concurrency_limits())
                         self._catchup(conn)
                     else:
                         self._after_relock(conn)
@@ -236,7 +236,7 @@ class Worker(Successors):
                 self._lock_changed(True)
                 log.info("holding the lock of %s", self.name, extra=self._extra)
                 return True
-            except store.CONNECTION_ERRORS as exc:
+            except db.CONNECTION_ERRORS as exc:
                 log.warning("database unreachable (%s); retrying in %.1f s", first_line(exc), delay,
                             extra=self._extra)
             if self._stopping and not self._executing:
@@ -280,12 +280,12 @@ class Worker(Successors):
         perhaps claimed again) are abandoned before any of their writes goes
         on; so are backlog entries. Runs held under this name that no
         execution of ours holds are claimed again and replayed."""
-        held = set(store.held_claims(conn, self.name))
+        held = set(db.held_claims(conn, self.name))
         with self._lock:
             lost = {token for token, run_id in self._executing.items()
-                    if store.Claim(run_id, token) not in held} - self.fence.abandoned
+                    if db.Claim(run_id, token) not in held} - self.fence.abandoned
             self.fence.abandoned |= lost
-            self._backlog = [run for run in self._backlog if store.Claim(run.id, run.token) in held]
+            self._backlog = [run for run in self._backlog if db.Claim(run.id, run.token) in held]
             self._reconcile = True
         if lost:
             log.warning("%d runs in flight were recovered elsewhere while the lock was lost; abandoning them",
@@ -295,10 +295,10 @@ class Worker(Successors):
         """Runs `running` under this name were left by a previous incarnation
         that died: claim them again, count the crash (poison runs fail), then
         replay the rest."""
-        held = store.reclaim_held(conn, self.name)
+        held = db.reclaim_held(conn, self.name)
         if not held:
             return
-        poisoned = liveness.fail_poison_runs(conn, self.name, [store.Claim(run.id, run.token) for run in held],
+        poisoned = liveness.fail_poison_runs(conn, self.name, [db.Claim(run.id, run.token) for run in held],
                                              self.max_crashes)
         resumed = [run for run in held if run.id not in poisoned]
         if resumed:
@@ -339,7 +339,7 @@ class Worker(Successors):
                     more = self._fill_slots(conn)
                     if not more and len(self._executing) < self.threads:
                         # Idle slots: wake when the next waiting run becomes due.
-                        next_due = store.next_due_in(conn)
+                        next_due = db.next_due_in(conn)
                     last_query = time.monotonic()
                 self._publish_load()
                 timeout = 0 if more else min(self.poll, PING_INTERVAL)
@@ -350,9 +350,9 @@ class Worker(Successors):
                 if self._wait(conn, timeout):
                     continue  # notified: claim now
                 if time.monotonic() - last_query >= PING_INTERVAL:
-                    store.ping(conn)
+                    db.ping(conn)
                     last_query = time.monotonic()
-            except store.CONNECTION_ERRORS as exc:
+            except db.CONNECTION_ERRORS as exc:
                 self._lost_lock(exc)
 
     def _fill_slots(self, conn: psycopg.Connection) -> bool:
@@ -363,11 +363,11 @@ class Worker(Successors):
             escaped = [claim for claim in escaped if claim.token not in self.fence.abandoned]
         if escaped:
             liveness.fail_poison_runs(conn, self.name, escaped, self.max_crashes)
-            store.requeue_held(conn, self.name, escaped)
+            db.requeue_held(conn, self.name, escaped)
         free = self.threads - len(self._executing)
         if free <= 0:
             if self._waiting:
-                store.stop_waiting(conn, self.name)
+                db.stop_waiting(conn, self.name)
                 self._waiting = False
             return False
         with self._lock:
@@ -377,7 +377,7 @@ class Worker(Successors):
                 self._reconcile = False
                 keep = [*self._executing, *(run.token for run in self._backlog)]
         if reconcile:
-            found = store.reclaim_held(conn, self.name, keep)
+            found = db.reclaim_held(conn, self.name, keep)
             if found:
                 log.info("found %d runs held under %s that no execution here holds; replaying them", len(found),
                          self.name, extra=self._extra)
@@ -389,9 +389,9 @@ class Worker(Successors):
             self._start_backlog(free)
             return False
         if not self._waiting:
-            store.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
+            db.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
             self._waiting = True
-        runs = store.claim(conn, self.name, free, self.routes)
+        runs = db.claim(conn, self.name, free, self.routes)
         if runs:
             metrics.CLAIMS.labels(self.name).inc(len(runs))
             for run in runs:
@@ -441,7 +441,7 @@ class Worker(Successors):
         for run in starting:
             self._start(run)
 
-    def _start(self, run: store.ClaimedRun) -> None:
+    def _start(self, run: db.ClaimedRun) -> None:
         with self._lock:
             if run.id in self._executing.values():
                 self._backlog.append(run)  # claimed: started once the old execution is gone
@@ -449,7 +449,7 @@ class Worker(Successors):
             self._executing[run.token] = run.id
         self.executor.submit(self._serve_slot, run)
 
-    def reserve(self, run: store.ClaimedRun) -> bool:
+    def reserve(self, run: db.ClaimedRun) -> bool:
         """(Successors.) Whether the statement that ends a run may claim a
         successor for its slot: not while the worker is stopping, has runs of
         its own to start first, looks for runs it lost track of, lets an
@@ -462,7 +462,7 @@ class Worker(Successors):
             self._claiming.add(run.token)
             return True
 
-    def _serve_slot(self, run: store.ClaimedRun) -> None:
+    def _serve_slot(self, run: db.ClaimedRun) -> None:
         """A slot's life: execute a run, then the successor claimed by the
         statement that ended it, on this same thread, until a run ends
         without one. The ending execution's token leaves the live executions
@@ -484,7 +484,7 @@ class Worker(Successors):
                 if execution.look_again:
                     self._reconcile = True
                 if execution.outcome == "escaped":
-                    self._escaped.add(store.Claim(run.id, run.token))
+                    self._escaped.add(db.Claim(run.id, run.token))
                 if run.token in self._claiming:
                     self._claiming.discard(run.token)
                     self._claims_landed.notify_all()
@@ -521,10 +521,10 @@ class Worker(Successors):
 
     def _requeue_backlog(self) -> None:
         with self._lock:
-            claims = [store.Claim(run.id, run.token) for run in self._backlog]
+            claims = [db.Claim(run.id, run.token) for run in self._backlog]
             self._backlog.clear()
         if claims and self._conn is not None:
-            requeued = store.requeue_held(self._conn, self.name, claims)
+            requeued = db.requeue_held(self._conn, self.name, claims)
             metrics.REQUEUED.labels(self.name).inc(len(requeued))
 
     def _requeue_everything(self, why: str) -> None:
@@ -533,14 +533,14 @@ class Worker(Successors):
         with self._lock:
             # A run ending now may be claiming its successor: let it land among the runs in flight.
             self._claims_landed.wait_for(lambda: not self._claiming, CLAIM_LANDING_TIMEOUT)
-            claims = [store.Claim(run_id, token) for token, run_id in self._executing.items()]
+            claims = [db.Claim(run_id, token) for token, run_id in self._executing.items()]
             self.fence.abandoned |= set(self._executing)
-            claims += [store.Claim(run.id, run.token) for run in self._backlog]
+            claims += [db.Claim(run.id, run.token) for run in self._backlog]
             self._backlog.clear()
         if claims and self._conn is not None:
             try:
-                requeued = store.requeue_held(self._conn, self.name, claims)
-            except store.CONNECTION_ERRORS as exc:
+                requeued = db.requeue_held(self._conn, self.name, claims)
+            except db.CONNECTION_ERRORS as exc:
                 log.warning("could not requeue on %s (%s); the sweep will recover them", why, first_line(exc),
                             extra=self._extra)
                 return
@@ -558,11 +558,11 @@ class Worker(Successors):
                 # Nothing stays claimed under a name nobody holds: whatever is
                 # left (a run whose execution escaped, a claim whose answer
                 # was lost) goes back to the queue before the lock is released.
-                leftover = store.requeue_claimer(self._conn, self.name)
+                leftover = db.requeue_claimer(self._conn, self.name)
                 if leftover:
                     log.warning("requeued %d runs left under %s", len(leftover), self.name, extra=self._extra)
-                store.stop_waiting(self._conn, self.name)
-                store.unlock(self._conn, self.name)
+                db.stop_waiting(self._conn, self.name)
+                db.unlock(self._conn, self.name)
             except psycopg.Error:
                 pass
             self._conn.close()

@@ -3,8 +3,8 @@ process share statements and commits.
 
 A run's thread hands its write to one of the runner's writers and waits.
 The writer's thread takes every write that is waiting (at most MAX_BATCH),
-writes them in one statement and one commit — step rows (store.record_steps)
-or run ends with their successors' claims (store.end_runs), each row fenced
+writes them in one statement and one commit — step rows (db.record_steps)
+or run ends with their successors' claims (db.end_runs), each row fenced
 by its own execution's token —, and wakes each thread with its own answer. A runner has
 two writers, one for step rows and one for run ends, so that step rows do not
 wait behind the heavier statement that ends runs (w3 0.28 of the limit with
@@ -12,7 +12,7 @@ two, 0.17-0.21 with one writer for both, on 2 cores). Nothing is added to a
 lone write's latency: a batch is what arrived while the previous one was
 being written, so under load the batches grow by themselves and at rest each
 write goes alone. Nothing is acknowledged before its commit returned (the
-session's commits wait for the WAL flush, see store.prepare_session).
+session's commits wait for the WAL flush, see db.prepare_session).
 
 A connection error fails the whole batch: every thread retries its own write
 as before (its fence decides whether it may). Any other error of a batch is
@@ -30,7 +30,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, store
+from everystep import db, metrics
 
 # Writes per transaction at most: the run slots of a process stay far below
 # it; parallel branches and late outcomes may add some.
@@ -52,7 +52,7 @@ class _Write:
 
     __slots__ = ("write", "done", "answer", "error")
 
-    def __init__(self, write: store.StepWrite | store.EndWrite):
+    def __init__(self, write: db.StepWrite | db.EndWrite):
         self.write = write
         self.done = threading.Event()
         self.answer: Any = None
@@ -70,7 +70,7 @@ class GroupWriter:
     def __init__(self, pool: ConnectionPool, runner: str, routes: Callable[[], list[str] | None]):
         self.pool = pool
         self.runner = runner
-        self.routes = routes  # the workflows a successor may be of (store.routes_of), asked at each batch
+        self.routes = routes  # the workflows a successor may be of (db.routes_of), asked at each batch
         self._waiting: list[_Write] = []
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -82,17 +82,17 @@ class GroupWriter:
 
     # ------------------------------------------------------------ the runs' side
 
-    def record_step(self, run: uuid.UUID, runner: str, token: int, row: store.StepRow) -> store.Written | bool:
-        """As store.record_step, in the next batch."""
-        return self._submit(store.StepWrite(run, token, row))
+    def record_step(self, run: uuid.UUID, runner: str, token: int, row: db.StepRow) -> db.Written | bool:
+        """As db.record_step, in the next batch."""
+        return self._submit(db.StepWrite(run, token, row))
 
     def finish_run(self, run: uuid.UUID, token: int, status: str, result: str | None, error: str | None,
-                   last_step: store.StepRow | None, claim: bool) -> store.BatchEnd:
+                   last_step: db.StepRow | None, claim: bool) -> db.BatchEnd:
         """End a held run (with its last step's row) in the next batch, and
         claim a successor for its slot when `claim`."""
-        return self._submit(store.EndWrite(run, token, status, result, error, last_step, claim))
+        return self._submit(db.EndWrite(run, token, status, result, error, last_step, claim))
 
-    def _submit(self, write: store.StepWrite | store.EndWrite) -> Any:
+    def _submit(self, write: db.StepWrite | db.EndWrite) -> Any:
         waiting = _Write(write)
         with self._changed:
             if self._closed:
@@ -132,23 +132,23 @@ class GroupWriter:
             self._write(batch)
 
     def _write(self, batch: list[_Write]) -> None:
-        steps = [w for w in batch if isinstance(w.write, store.StepWrite)]
-        ends = [w for w in batch if isinstance(w.write, store.EndWrite)]
+        steps = [w for w in batch if isinstance(w.write, db.StepWrite)]
+        ends = [w for w in batch if isinstance(w.write, db.EndWrite)]
         try:
             if self._conn is None:
                 self._conn = self.pool.getconn()
-                if not isinstance(self._conn, store.TransactionPooledConnection):  # no session state through PgBouncer
-                    store.prepare_claiming_session(self._conn)
-            written = store.record_steps(self._conn, self.runner, [w.write for w in steps]) if steps else []
+                if not isinstance(self._conn, db.TransactionPooledConnection):  # no session state through PgBouncer
+                    db.prepare_claiming_session(self._conn)
+            written = db.record_steps(self._conn, self.runner, [w.write for w in steps]) if steps else []
             finished = []
             if ends:
                 unlimited_only = time.monotonic() >= self._whole_claim_until
-                ended = store.end_runs(self._conn, self.runner, [w.write for w in ends], self.routes(),
+                ended = db.end_runs(self._conn, self.runner, [w.write for w in ends], self.routes(),
                                        unlimited_only)
                 finished = ended.finished
                 if ended.limited_waiting:
                     self._whole_claim_until = time.monotonic() + WHOLE_CLAIM
-        except store.CONNECTION_ERRORS as exc:
+        except db.CONNECTION_ERRORS as exc:
             self._give_back()  # the pool discards a broken connection; the retries get another
             for waiting in batch:
                 waiting.finish(error=exc)
@@ -168,9 +168,9 @@ class GroupWriter:
 
     def _give_back(self) -> None:
         if self._conn is not None:
-            if not isinstance(self._conn, store.TransactionPooledConnection):
+            if not isinstance(self._conn, db.TransactionPooledConnection):
                 try:
-                    store.reset_claiming_session(self._conn)
+                    db.reset_claiming_session(self._conn)
                 except psycopg.Error:
                     pass  # broken: the pool discards it
             self.pool.putconn(self._conn)

@@ -180,7 +180,7 @@ def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
 def _setup(spec: ChildSpec, config, status: _Status) -> None:
     """Before the workers start: apply the migrations (`migrate: true`) and
     the schedules of the config, waiting for the database as long as it takes."""
-    from everystep import scheduler, store  # noqa: PLC0415
+    from everystep import db, scheduler  # noqa: PLC0415
     from everystep.maintenance import Outage  # noqa: PLC0415
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
@@ -191,7 +191,7 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
         try:
             with psycopg.connect(spec.session_url, **liveness.connection_kwargs("everystep setup")) as conn:
                 if config.migrate:
-                    applied = store.migrate(conn)
+                    applied = db.migrate(conn)
                     log.info("migrations: %s", f"applied {', '.join(applied)}" if applied else "up to date")
                 if config.schedules:
                     for entry in scheduler.apply(conn, config.schedules).entries:

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from everystep import liveness, store
+from everystep import db, liveness
 from supervisor import metrics_dir, state_file
 
 log = logging.getLogger("everystep.supervisor")
@@ -106,7 +106,7 @@ class Database:
             self._conn = psycopg.connect(self._url, **{
                 **liveness.connection_kwargs(self._application_name), "connect_timeout": CONNECT_TIMEOUT_SECONDS,
             })
-            store.set_statement_timeout(self._conn, STATEMENT_TIMEOUT_MS)
+            db.set_statement_timeout(self._conn, STATEMENT_TIMEOUT_MS)
         return self._conn
 
     def _close(self) -> None:
@@ -163,7 +163,7 @@ class QueueCollector:
 
     def collect(self) -> Iterator[Metric]:
         try:
-            stats, unserved = self._database.call(lambda conn: (store.queue_stats(conn), store.unserved_runs(conn)))
+            stats, unserved = self._database.call(lambda conn: (db.queue_stats(conn), db.unserved_runs(conn)))
         except DatabaseUnavailable as exc:
             self._report(False, str(exc))
             yield GaugeMetricFamily("everystep_database_up", _DATABASE_UP_HELP, value=0)
@@ -200,7 +200,7 @@ class QueueCollector:
             family.add_metric([name], count)
         yield family
         try:
-            auto_paused = self._database.call(store.auto_paused_schedules)
+            auto_paused = self._database.call(db.auto_paused_schedules)
         except (DatabaseUnavailable, psycopg.Error) as exc:  # e.g. a schema older than auto-pause
             log.debug("metrics: no schedule gauge: %s", exc)
             return
@@ -278,7 +278,7 @@ def unready_because(runtime_dir: Path, database: Database) -> str | None:
     if isinstance(state, str):
         return state
     try:
-        free = database.call(lambda conn: store.runners_without_lock(conn, state.expected_workers))
+        free = database.call(lambda conn: db.runners_without_lock(conn, state.expected_workers))
     except DatabaseUnavailable as exc:
         return f"the database does not answer: {exc}"
     # A worker that waits for its lock (another live process holds it: the

@@ -14,7 +14,7 @@ from psycopg import conninfo
 from psycopg_pool import ConnectionPool
 
 import everystep
-from everystep import store
+import everystep.db
 from everystep.runner import Runner
 from tests.apps import engine_flows
 
@@ -82,7 +82,7 @@ class Database:
         ended = {}
         try:
             with self.connect() as conn:
-                while runs := store.claim(conn, runner, limit):
+                while runs := everystep.db.claim(conn, runner, limit):
                     for run in runs:
                         ended[run.id] = engine.execute(run).outcome
         finally:
@@ -94,7 +94,7 @@ class Database:
         engine = Runner(self.pool, runner)
         try:
             with self.connect() as conn:
-                runs = store.reclaim_held(conn, runner)
+                runs = everystep.db.reclaim_held(conn, runner)
             return {run.id: engine.execute(run).outcome for run in runs}
         finally:
             engine.close()
@@ -106,11 +106,11 @@ class Database:
 
     def run(self, run_id) -> dict:
         with self.connect() as conn:
-            return store.load_run(conn, run_id)
+            return everystep.db.load_run(conn, run_id)
 
     def steps(self, run_id) -> list[dict]:
         with self.connect() as conn:
-            return store.load_steps(conn, run_id)
+            return everystep.db.load_steps(conn, run_id)
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +181,7 @@ def db(server_url):
         conn.execute(f"CREATE SCHEMA {schema}")
     database = Database(server_url, schema)
     with database.connect() as conn:
-        store.migrate(conn)
+        everystep.db.migrate(conn)
     yield database
     database.close()
     with psycopg.connect(server_url, autocommit=True) as conn:

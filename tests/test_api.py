@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 import everystep
+import everystep.db
 from everystep import (
     EffectUncertain,
     EverystepError,
@@ -16,7 +17,6 @@ from everystep import (
     parallel,
     schedule,
     step,
-    store,
     workflow,
 )
 from tests.apps.engine_flows import (
@@ -72,8 +72,8 @@ def test_schedule_refuses_a_function_that_is_not_a_workflow(db):
 
 def test_schedule_notifies_listeners_at_commit(db):
     with db.connect() as listener:
-        store.listen(listener)
-        store.wait_for_runs(listener, "a listener")  # scheduling notifies only when a worker waits
+        everystep.db.listen(listener)
+        everystep.db.wait_for_runs(listener, "a listener")  # scheduling notifies only when a worker waits
         with db.connect() as conn, everystep.transaction(conn):
             schedule(echo_workflow, 1)
             assert list(listener.notifies(timeout=0.2)) == []  # not before commit

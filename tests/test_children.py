@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import everystep
-from everystep import EverystepError, store
+import everystep.db
+from everystep import EverystepError
 from tests.apps import flow_workflows
 from tests.apps.flow_workflows import fan_out, parent_calls, parent_of_failure, parent_of_held
 from tests.support.processes import wait_for
@@ -26,10 +27,10 @@ def test_a_child_runs_once_and_the_parent_gets_its_result(db):
     child_id, first, second = row["result"]
     assert (first, second) == (10, 12)
     with db.connect() as conn:
-        kids = store.children(conn, run)
+        kids = everystep.db.children(conn, run)
         assert [k["status"] for k in kids] == ["completed", "completed"]
         assert str(kids[0]["id"]) == child_id
-        assert store.load_run(conn, kids[0]["id"])["parent_id"] == run
+        assert everystep.db.load_run(conn, kids[0]["id"])["parent_id"] == run
     names = [s["name"] for s in db.steps(run)]
     assert names == ["everystep.start", "everystep.result", "everystep.start", "everystep.result"]
 

@@ -16,7 +16,8 @@ import pytest
 from psycopg import conninfo
 
 import everystep
-from everystep import schedule, store
+import everystep.db
+from everystep import schedule
 from tests.apps import cli_workflows
 from tests.apps.cli_workflows import Crash, fails, greet, pays, stops
 from tests.support.processes import WorkerProcess, console_script, wait_for
@@ -76,7 +77,7 @@ def execute(db, statement, params=()):
 
 def claim(db, runner):
     with db.connect() as conn:
-        return store.claim(conn, runner, 100)
+        return everystep.db.claim(conn, runner, 100)
 
 
 def blocked_run(db):
@@ -339,7 +340,7 @@ def test_requeue_refuses_a_run_whose_claimer_holds_its_lock(db):
     run = schedule_one(db, greet, "ada")
     claim(db, "worker-alive")
     with db.connect() as holder:
-        assert store.try_lock(holder, "worker-alive")
+        assert everystep.db.try_lock(holder, "worker-alive")
         assert error_line(cli(db, "requeue", str(run.id)), 1) == (
             f"everystep: run {run.id} is running on worker-alive, which holds its lock: the claimer is alive")
         assert (status(db, run.id), db.run(run.id)["claimed_by"]) == ("running", "worker-alive")
@@ -354,7 +355,7 @@ def test_requeue_releases_the_dead_claimers_lock(db):
     out = ok(cli(db, "requeue", str(runs[0]), str(runs[1]), str(runs[0])))
     assert out.splitlines() == [f"requeued run {run} (its claimer worker-dead is dead)" for run in runs]
     with db.connect() as conn:
-        assert store.try_lock(conn, "worker-dead")
+        assert everystep.db.try_lock(conn, "worker-dead")
 
 
 def test_requeue_puts_back_a_running_run_without_a_claimer(db):

@@ -11,7 +11,8 @@ import psycopg
 import pytest
 
 import everystep
-from everystep import schedule, store
+import everystep.db
+from everystep import schedule
 from tests.apps import workflows
 from tests.support.processes import WorkerProcess, wait_for
 
@@ -64,10 +65,10 @@ def test_the_engine_commits_synchronously_when_the_database_says_off(private_ser
     private_server.lose_unflushed_commits()
     with psycopg.connect(private_server.url, autocommit=True) as conn:
         assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "off"
-        store.prepare_session(conn)
+        everystep.db.prepare_session(conn)
         assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "on"
         conn.execute("SET synchronous_commit = remote_apply")
-        store.prepare_session(conn)  # a stronger setting of the user's is kept
+        everystep.db.prepare_session(conn)  # a stronger setting of the user's is kept
         assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "remote_apply"
 
 
@@ -159,17 +160,17 @@ def test_an_unsafe_steps_mark_from_another_execution_blocks_and_the_effect_never
 def test_every_claim_gives_a_new_token_and_stale_tokens_write_nothing(db):
     (run,) = db.schedule_many(workflows.quick, [("/nonexistent",)])
     with db.connect() as conn:
-        (first,) = store.claim(conn, "w1", 1)
-        (again,) = store.reclaim_held(conn, "w1")  # as a catchup does
+        (first,) = everystep.db.claim(conn, "w1", 1)
+        (again,) = everystep.db.reclaim_held(conn, "w1")  # as a catchup does
         assert again.id == first.id and again.token != first.token
-        row = store.StepRow("1", "tests.apps.workflows.work", "[]", "{}", "started", None, None, 1.0, None)
-        assert not store.record_step(conn, run.id, "w1", first.token, row)  # the stale execution writes nothing
-        assert store.why_not_written(conn, run.id, "w1", first.token, "1", "started") == store.LOST
-        assert store.record_step(conn, run.id, "w1", again.token, row)
+        row = everystep.db.StepRow("1", "tests.apps.workflows.work", "[]", "{}", "started", None, None, 1.0, None)
+        assert not everystep.db.record_step(conn, run.id, "w1", first.token, row)  # the stale execution writes nothing
+        assert everystep.db.why_not_written(conn, run.id, "w1", first.token, "1", "started") == everystep.db.LOST
+        assert everystep.db.record_step(conn, run.id, "w1", again.token, row)
         # A retry of the same write finds its own row; another execution's row is not its own.
-        assert store.why_not_written(conn, run.id, "w1", again.token, "1", "started") == store.WRITTEN
-        (third,) = store.reclaim_held(conn, "w1")
-        assert store.why_not_written(conn, run.id, "w1", third.token, "1", "started") == store.OTHER
-        assert store.reclaim_held(conn, "w1", [third.token]) == []  # held by a live execution: left alone
+        assert everystep.db.why_not_written(conn, run.id, "w1", again.token, "1", "started") == everystep.db.WRITTEN
+        (third,) = everystep.db.reclaim_held(conn, "w1")
+        assert everystep.db.why_not_written(conn, run.id, "w1", third.token, "1", "started") == everystep.db.OTHER
+        assert everystep.db.reclaim_held(conn, "w1", [third.token]) == []  # held by a live execution: left alone
     token_of_row = db.value("SELECT claim_token FROM everystep_step WHERE workflow_id = %s", (run.id,))
     assert token_of_row == again.token

@@ -11,23 +11,24 @@ import psycopg
 import pytest
 
 import everystep
-from everystep import metrics, store
+import everystep.db
+from everystep import metrics
 from everystep.writer import GroupWriter
 from tests.apps import workflows
 from tests.apps.workflows import marks_of
 from tests.support.processes import wait_for
 
 
-def claimed(db, n: int, runner: str = "w1") -> list[store.ClaimedRun]:
+def claimed(db, n: int, runner: str = "w1") -> list[everystep.db.ClaimedRun]:
     with db.connect() as conn, everystep.transaction(conn):
         everystep.schedule_many(workflows.quick, [("unused",)] * n)
     with db.connect() as conn:
-        return store.claim(conn, runner, n)
+        return everystep.db.claim(conn, runner, n)
 
 
-def row(step_id: str, args: str = "[]") -> store.StepRow:
+def row(step_id: str, args: str = "[]") -> everystep.db.StepRow:
     now = time.time()
-    return store.StepRow(step_id, "step", args, "{}", "done", "1", None, now, now)
+    return everystep.db.StepRow(step_id, "step", args, "{}", "done", "1", None, now, now)
 
 
 def batches(runner: str) -> tuple[float, float]:
@@ -68,8 +69,10 @@ def write_together(db, writer: GroupWriter, writes: list) -> list:
         blocker.execute("SELECT 1 FROM everystep_workflow WHERE id = %s FOR UPDATE", (first_run,))
         threads = [threading.Thread(target=submit, args=(0,))]
         threads[0].start()
+        # The group commit's statements (record_steps, end_runs) start alike.
         wait_for(lambda: db.value("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                                  " AND query LIKE 'WITH i AS%%'") == 1, 10, what="the first batch waiting")
+                                  " AND query LIKE 'WITH%%i AS (%%FROM unnest(%%'") == 1, 10,
+                 what="the first batch waiting")
         threads += [threading.Thread(target=submit, args=(i,)) for i in range(1, len(writes))]
         for t in threads[1:]:
             t.start()
@@ -95,7 +98,7 @@ def test_writes_waiting_together_share_one_commit(db, writer):
     w = writer("w1")
     before = batches("w1")
     answers = write_together(db, w, [Write(w.record_step, r.id, r.id, "w1", r.token, row("1")) for r in runs])
-    assert answers == [store.Written(False)] * 9
+    assert answers == [everystep.db.Written(False)] * 9
     count, total = batches("w1")
     assert (count - before[0], total - before[1]) == (2, 9)  # the first alone, then the eight others at once
     assert db.value("SELECT count(*) FROM everystep_step") == 9
@@ -111,7 +114,7 @@ def test_ends_and_successors_of_one_batch_each_go_to_their_own_run(db, writer):
     answers = write_together(db, w, ends)
     # The run whose token is stale is not ended and gets no successor; the
     # three others end, and the three waiting runs are theirs, one each.
-    assert answers[2] == store.BatchEnd(None, False, None)
+    assert answers[2] == everystep.db.BatchEnd(None, False, None)
     ended = [a for i, a in enumerate(answers) if i != 2]
     assert [a.status for a in ended] == ["completed"] * 3
     successors = [a.successor.id for a in ended if a.successor]
@@ -128,7 +131,7 @@ def test_one_bad_write_fails_alone(db, writer):
     writes = [Write(w.record_step, r.id, r.id, "w1", r.token, row("1")) for r in runs]
     writes[3] = Write(w.record_step, runs[3].id, runs[3].id, "w1", runs[3].token, row("1", args="not json"))
     answers = write_together(db, w, writes)
-    assert answers[:3] == [store.Written(False)] * 3
+    assert answers[:3] == [everystep.db.Written(False)] * 3
     assert isinstance(answers[3], psycopg.errors.InvalidTextRepresentation)
     assert db.value("SELECT count(*) FROM everystep_step") == 3
 
@@ -136,10 +139,10 @@ def test_one_bad_write_fails_alone(db, writer):
 def test_a_step_row_already_there_is_reported_to_its_run(db, writer):
     (run,) = claimed(db, 1)
     w = writer("w1")
-    assert w.record_step(run.id, "w1", run.token, row("1")) == store.Written(False)
+    assert w.record_step(run.id, "w1", run.token, row("1")) == everystep.db.Written(False)
     assert w.record_step(run.id, "w1", run.token, row("1")) is False  # the runner asks why_not_written
     end = w.finish_run(run.id, run.token, "completed", "null", None, row("1"), False)
-    assert end == store.BatchEnd(None, True, None)  # the runner ends it again without the row
+    assert end == everystep.db.BatchEnd(None, True, None)  # the runner ends it again without the row
     assert w.finish_run(run.id, run.token, "completed", "null", None, None, False).status == "completed"
 
 
@@ -189,15 +192,15 @@ def test_a_database_of_the_previous_version_migrates_in_place_with_runs_in_fligh
     with db.connect() as conn, everystep.transaction(conn):
         waiting = everystep.schedule_many(workflows.quick, [("unused",)] * 3)
     with db.connect() as conn:
-        assert store.migrate(conn) == ["0010_claim_order"]
-        assert store.migrate(conn) == []
+        assert everystep.db.migrate(conn) == ["0010_claim_order"]
+        assert everystep.db.migrate(conn) == []
         indexes = {row[0] for row in conn.execute(
             "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema()"
             " AND tablename = 'everystep_workflow'")}
         assert "everystep_workflow_ready" in indexes and "everystep_workflow_due" not in indexes
-        ended = store.finish_run(conn, in_flight.id, "old-worker", in_flight.token, "completed", "null", None,
+        ended = everystep.db.finish_run(conn, in_flight.id, "old-worker", in_flight.token, "completed", "null", None,
                                  row("1"), claim=True)
     assert ended.status == "completed"
     assert [run.id for run in ended.claimed] == [waiting[0].id]
     with db.connect() as conn:
-        assert [run.id for run in store.claim(conn, "new-worker", 5)] == [run.id for run in waiting[1:]]
+        assert [run.id for run in everystep.db.claim(conn, "new-worker", 5)] == [run.id for run in waiting[1:]]

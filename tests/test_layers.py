@@ -6,6 +6,7 @@ happens to be imported at run time."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,3 +106,33 @@ def test_workflow_names_are_resolved_in_one_module():
     needles = ("__everystep_workflow__", "importlib.import_module")
     holders = {module for module, path in MODULES.items() if any(needle in path.read_text() for needle in needles)}
     assert holders == {"everystep.registry"}
+
+
+# A string that starts like an SQL statement.
+SQL_TEXT = re.compile(r"\s*(SELECT|INSERT|UPDATE|DELETE|WITH|CREATE|ALTER|DROP|SET|RESET|LISTEN|NOTIFY|GRANT|REVOKE"
+                      r"|BEGIN|COMMIT|LOCK|TRUNCATE)\b")
+# Who may hold SQL in its source, and why: the data layer's one composed
+# statement (LISTEN takes its channel as an identifier), and the role script
+# `everystep roles` prints for an operator, made of the role and schema names.
+SQL_HOLDERS = {"everystep.db.session": {"LISTEN {}"}, "everystep.roles": None}
+
+
+def sql_texts(module: str) -> set[str]:
+    """The string constants of a module that start like SQL, docstrings aside."""
+    tree = ast.parse(MODULES[module].read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return {node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            and SQL_TEXT.match(node.value)}
+
+
+def test_nobody_but_the_data_layer_writes_sql():
+    # Every statement the engine runs is named in everystep/db/sql/ (loaded
+    # by everystep.db.queries); no module writes one of its own.
+    found = {module: texts for module in MODULES if (texts := sql_texts(module))}
+    allowed = {module: texts for module, texts in found.items()
+               if module in SQL_HOLDERS and SQL_HOLDERS[module] in (None, texts)}
+    assert {module: sorted(texts) for module, texts in found.items() if module not in allowed} == {}
+    assert "everystep.store" not in MODULES

@@ -9,7 +9,8 @@ import threading
 import pytest
 
 import everystep
-from everystep import EverystepError, store
+import everystep.db
+from everystep import EverystepError
 from tests.apps.flow_workflows import limited, unlimited
 from tests.apps.workflows import marks_of
 from tests.support.processes import wait_for
@@ -22,61 +23,61 @@ def running(db, name: str) -> int:
     return db.value("SELECT count(*) FROM everystep_workflow WHERE name = %s AND status = 'running'", (name,))
 
 
-def end(db, run: store.ClaimedRun, runner: str, claim: bool = False) -> list[store.ClaimedRun]:
+def end(db, run: everystep.db.ClaimedRun, runner: str, claim: bool = False) -> list[everystep.db.ClaimedRun]:
     with db.connect() as conn:
-        return store.finish_run(conn, run.id, runner, run.token, "completed", "null", None, claim=claim).claimed
+        return everystep.db.finish_run(conn, run.id, runner, run.token, "completed", "null", None, claim=claim).claimed
 
 
 def test_the_claim_admits_a_limited_workflow_up_to_its_limit_in_order(db):
     with db.connect() as conn:
-        store.apply_limits(conn, {LIMITED: 2})
+        everystep.db.apply_limits(conn, {LIMITED: 2})
     limited_runs = db.schedule_many(limited, [("m", i) for i in range(5)])
     unlimited_runs = db.schedule_many(unlimited, [("m", i) for i in range(3)])
     with db.connect() as conn:
-        claimed = store.claim(conn, "w1", 10)
+        claimed = everystep.db.claim(conn, "w1", 10)
         assert [r.id for r in claimed] == [r.id for r in limited_runs[:2] + unlimited_runs]
-        assert store.claim(conn, "w1", 10) == []  # the limited runs wait
+        assert everystep.db.claim(conn, "w1", 10) == []  # the limited runs wait
     # Ending one frees its slot for the next in line (and wakes the claimers).
     with db.connect() as listener:
-        store.listen(listener)
+        everystep.db.listen(listener)
         end(db, claimed[0], "w1")
         assert list(listener.notifies(timeout=2, stop_after=1))
     with db.connect() as conn:
-        assert [r.id for r in store.claim(conn, "w1", 10)] == [limited_runs[2].id]
+        assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [limited_runs[2].id]
     assert running(db, LIMITED) == 2
 
 
 def test_a_slot_is_free_again_whichever_way_its_run_left_running(db):
     with db.connect() as conn:
-        store.apply_limits(conn, {LIMITED: 1})
+        everystep.db.apply_limits(conn, {LIMITED: 1})
     runs = db.schedule_many(limited, [("m", i) for i in range(3)])
     with db.connect() as conn:
-        first = store.claim(conn, "w1", 5)
+        first = everystep.db.claim(conn, "w1", 5)
         assert [r.id for r in first] == [runs[0].id]
-        store.requeue_held(conn, "w1", [store.Claim(first[0].id, first[0].token)])  # a drain
-        again = store.claim(conn, "w2", 5)
+        everystep.db.requeue_held(conn, "w1", [everystep.db.Claim(first[0].id, first[0].token)])  # a drain
+        again = everystep.db.claim(conn, "w2", 5)
         assert [r.id for r in again] == [runs[0].id]  # requeued: first in line again
-        assert store.reclaim_held(conn, "w2")  # a catchup: new token, same slot, still counted
-        assert store.claim(conn, "w3", 5) == []
+        assert everystep.db.reclaim_held(conn, "w2")  # a catchup: new token, same slot, still counted
+        assert everystep.db.claim(conn, "w3", 5) == []
 
 
 def test_the_successor_claim_takes_the_slot_of_the_run_it_ends(db):
     with db.connect() as conn:
-        store.apply_limits(conn, {LIMITED: 1})
+        everystep.db.apply_limits(conn, {LIMITED: 1})
     runs = db.schedule_many(limited, [("m", i) for i in range(3)])
     other = db.schedule_many(unlimited, [("m", 0)])
     with db.connect() as conn:
-        first = store.claim(conn, "w1", 1)
+        first = everystep.db.claim(conn, "w1", 1)
     assert [r.id for r in first] == [runs[0].id]
     # The end of the limited run hands its slot to the next limited run in line.
     second = end(db, first[0], "w1", claim=True)
     assert [r.id for r in second] == [runs[1].id]
     assert running(db, LIMITED) == 1
     with db.connect() as conn:
-        assert [r.id for r in store.claim(conn, "w2", 5)] == [other[0].id]  # the slot is taken
+        assert [r.id for r in everystep.db.claim(conn, "w2", 5)] == [other[0].id]  # the slot is taken
     # The end of an unlimited run frees no slot: its successor is not a limited run.
     with db.connect() as conn:
-        other_claim = store.reclaim_held(conn, "w2")
+        other_claim = everystep.db.reclaim_held(conn, "w2")
     assert end(db, other_claim[0], "w2", claim=True) == []
     assert [r.id for r in end(db, second[0], "w1", claim=True)] == [runs[2].id]
 
@@ -84,16 +85,16 @@ def test_the_successor_claim_takes_the_slot_of_the_run_it_ends(db):
 def test_raising_lowering_and_removing_a_limit(db):
     runs = db.schedule_many(limited, [("m", i) for i in range(6)])
     with db.connect() as conn:
-        store.apply_limits(conn, {LIMITED: 1})
-        assert len(store.claim(conn, "w1", 10)) == 1
-        store.apply_limits(conn, {LIMITED: 3})
-        assert store.limits(conn) == {LIMITED: 3}
-        assert len(store.claim(conn, "w1", 10)) == 2
-        store.apply_limits(conn, {LIMITED: 2})
-        assert store.claim(conn, "w1", 10) == []
-        store.apply_limits(conn, {LIMITED: None})
-        assert store.limits(conn) == {}
-        assert len(store.claim(conn, "w1", 10)) == 3
+        everystep.db.apply_limits(conn, {LIMITED: 1})
+        assert len(everystep.db.claim(conn, "w1", 10)) == 1
+        everystep.db.apply_limits(conn, {LIMITED: 3})
+        assert everystep.db.limits(conn) == {LIMITED: 3}
+        assert len(everystep.db.claim(conn, "w1", 10)) == 2
+        everystep.db.apply_limits(conn, {LIMITED: 2})
+        assert everystep.db.claim(conn, "w1", 10) == []
+        everystep.db.apply_limits(conn, {LIMITED: None})
+        assert everystep.db.limits(conn) == {}
+        assert len(everystep.db.claim(conn, "w1", 10)) == 3
     assert running(db, LIMITED) == len(runs)
 
 
@@ -102,7 +103,7 @@ def test_concurrent_claims_never_over_admit(db):
     they can while an observer counts the running runs of the workflow."""
     limit = 3
     with db.connect() as conn:
-        store.apply_limits(conn, {LIMITED: limit})
+        everystep.db.apply_limits(conn, {LIMITED: limit})
     db.schedule_many(limited, [("m", i) for i in range(300)])
     db.schedule_many(unlimited, [("m", i) for i in range(100)])
     seen: list[int] = []
@@ -120,14 +121,14 @@ def test_concurrent_claims_never_over_admit(db):
         name = f"w{i}"
         try:
             with db.connect() as conn:
-                store.prepare_session(conn)
+                everystep.db.prepare_session(conn)
                 idle = 0
                 while idle < 20:
-                    runs = store.claim(conn, name, 2)
+                    runs = everystep.db.claim(conn, name, 2)
                     idle = 0 if runs else idle + 1
                     while runs:
                         run = runs.pop()
-                        runs += store.finish_run(conn, run.id, name, run.token, "completed", "null", None,
+                        runs += everystep.db.finish_run(conn, run.id, name, run.token, "completed", "null", None,
                                                  claim=not runs).claimed
         except BaseException as exc:  # noqa: BLE001  (reported below)
             errors.append(exc)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import everystep
-from everystep import schedule, scheduler, store
+import everystep.db
+from everystep import schedule, scheduler
 from everystep.maintenance import Maintenance
 from everystep.scheduler import Schedule
 from tests.apps.cli_workflows import greet
@@ -66,7 +67,7 @@ def dead_claimers_run(db) -> everystep.ScheduledRun:
     with db.connect() as conn, everystep.transaction(conn):
         run = schedule(greet, "ada")
     with db.connect() as conn:
-        assert [claimed.id for claimed in store.claim(conn, "worker-dead", 10)] == [run.id]
+        assert [claimed.id for claimed in everystep.db.claim(conn, "worker-dead", 10)] == [run.id]
     return run
 
 

@@ -9,7 +9,8 @@ import psycopg
 import pytest
 
 import everystep
-from everystep import EverystepError, store
+import everystep.db
+from everystep import EverystepError
 from tests.apps.flow_workflows import mailbox, publisher
 from tests.apps.workflows import marks_of
 from tests.support.processes import WorkerProcess, wait_for
@@ -45,7 +46,7 @@ def test_a_message_sent_before_the_wait_is_kept_and_messages_come_in_order(db, m
     assert row["status"] == "completed", row["error"]
     assert row["result"] == [{"n": 1}, [2], 3]
     with db.connect() as conn:
-        messages = store.load_messages(conn, run)
+        messages = everystep.db.load_messages(conn, run)
     consumed = [(m["topic"], m["consumed_by"]) for m in messages]
     assert consumed == [("in", "1"), ("in", "3"), ("elsewhere", None), ("in", "5")]
 
@@ -107,7 +108,7 @@ def test_events_last_value_wins_and_a_replay_does_not_write_again(db, marks):
     with db.connect() as conn:
         assert everystep.get_event(run, "stage", 1, conn=conn) == "second"
         assert everystep.get_event(run, "missing", None, conn=conn) is None  # the run ended: never set
-        assert [e["key"] for e in store.load_events(conn, run)] == ["stage"]
+        assert [e["key"] for e in everystep.db.load_events(conn, run)] == ["stage"]
     names = [s["name"] for s in db.steps(run)]
     assert names == ["everystep.set_event", "tests.apps.workflows.work", "everystep.set_event"]
 
@@ -141,7 +142,7 @@ def test_messages_across_a_worker_sigkill_are_consumed_exactly_once(db, marks, s
     wait_for(lambda: status(db, run) == "completed", 30, what="the run completed after the kill")
     assert db.run(run)["result"] == [0, 1, 2]
     with db.connect() as conn:
-        assert [m["consumed_by"] for m in store.load_messages(conn, run)] == ["1", "3", "5"]
+        assert [m["consumed_by"] for m in everystep.db.load_messages(conn, run)] == ["1", "3", "5"]
     handled = [tag for r, tag, _pid in marks_of(marks) if r == str(run)]
     assert handled.count("got0") >= 1 and handled[-1] == "got2:end"
 
@@ -156,7 +157,7 @@ def test_messages_across_a_server_crash_are_consumed_exactly_once(private_server
     try:
         def run_status():
             with psycopg.connect(url, autocommit=True) as conn:
-                return store.load_run(conn, run)["status"]
+                return everystep.db.load_run(conn, run)["status"]
 
         def send_one(payload):
             with psycopg.connect(url, autocommit=True) as conn, everystep.transaction(conn):
@@ -171,8 +172,8 @@ def test_messages_across_a_server_crash_are_consumed_exactly_once(private_server
         send_one(2)
         wait_for(lambda: run_status() == "completed", 60, what="the run completed after the crash")
         with psycopg.connect(url, autocommit=True) as conn:
-            assert store.load_run(conn, run)["result"] == [0, 1, 2]
-            consumed = [m["consumed_by"] for m in store.load_messages(conn, run)]
+            assert everystep.db.load_run(conn, run)["result"] == [0, 1, 2]
+            consumed = [m["consumed_by"] for m in everystep.db.load_messages(conn, run)]
         assert len(consumed) == 3 and len(set(consumed)) == 3 and None not in consumed
         assert worker.alive()
     finally:

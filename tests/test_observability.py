@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 import everystep
-from everystep import store
+import everystep.db
 from supervisor import http_server, metrics_dir, state_file
 from tests.support.processes import ROOT, wait_for
 from tests.support.scraping import (
@@ -286,7 +286,7 @@ def test_queue_gauges_match_the_tables(db, folders, start):
     with db.connect() as conn, everystep.transaction(conn):
         everystep.schedules.put("sick", "tests.apps.workflows.quick", ["/tmp"], cron="@daily")
         everystep.schedules.put("resting", "tests.apps.workflows.quick", ["/tmp"], cron="@daily", paused=True)
-        store.set_schedule_paused(conn, "sick", True, None, "auto-paused: its last 3 runs failed")
+        everystep.db.set_schedule_paused(conn, "sick", True, None, "auto-paused: its last 3 runs failed")
     assert value(server.metrics(), "everystep_schedules_auto_paused") == 1  # not the one paused by hand
 
 
@@ -443,7 +443,7 @@ def test_readyz_follows_the_workers_locks(db, folders, start):
     assert status == 503 and "web-0-0, web-0-1" in body, body
 
     with db.connect() as holder:
-        assert store.try_lock(holder, "web-0-0") and store.try_lock(holder, "web-0-1")
+        assert everystep.db.try_lock(holder, "web-0-0") and everystep.db.try_lock(holder, "web-0-1")
         assert server.get("/readyz") == (200, "ok\n")
 
         # Held, but not by the supervisor's worker: it did not say it holds it
@@ -452,13 +452,13 @@ def test_readyz_follows_the_workers_locks(db, folders, start):
         assert server.get("/readyz") == (503, "workers not holding their lock: web-0-0\n")
         state_file.write_state(folders.runtime, os.getpid(), [("http", "http", server.pid)], workers, workers)
 
-        store.unlock(holder, "web-0-1")
+        everystep.db.unlock(holder, "web-0-1")
         status, body = server.get("/readyz")
         assert status == 503 and body == "workers not holding their lock: web-0-1\n"
 
     # The same names locked in another schema (another deployment) do not count.
     with psycopg.connect(db.url.replace(db.schema, "public"), autocommit=True) as elsewhere:
-        assert store.try_lock(elsewhere, "web-0-0") and store.try_lock(elsewhere, "web-0-1")
+        assert everystep.db.try_lock(elsewhere, "web-0-0") and everystep.db.try_lock(elsewhere, "web-0-1")
         assert server.get("/readyz")[0] == 503
 
 

@@ -19,7 +19,7 @@ import pytest
 from psycopg import conninfo
 
 import everystep
-from everystep import store
+import everystep.db
 from everystep.config import ConfigError, load
 from tests.apps.workflows import held, marks_of, quick, timed_steps
 from tests.support.processes import WorkerProcess, wait_for
@@ -122,7 +122,7 @@ def test_a_workload_runs_through_pgbouncer_in_transaction_mode(db, pgbouncer, po
     with db.connect() as conn, everystep.transaction(conn):
         runs = everystep.schedule_many(quick, [(marks,)] * 60)
         runs += [everystep.schedule(timed_steps, marks, 3, 0.0) for _ in range(20)]
-    wait_for(lambda: all(db.run(run.id)["status"] in store.TERMINAL for run in runs), 60,
+    wait_for(lambda: all(db.run(run.id)["status"] in everystep.db.TERMINAL for run in runs), 60,
              what="every run ended")
     assert {db.run(run.id)["status"] for run in runs} == {"completed"}, worker.output()
     assert db.value("SELECT count(*) FROM everystep_step") == 60 + 20 * 3
@@ -167,11 +167,11 @@ def test_a_transaction_pooled_connection_commits_synchronously_and_prepares_noth
     url = conninfo.make_conninfo(db.url, options=f"-c search_path={db.schema} -c synchronous_commit=off")
     with db.connect() as conn, everystep.transaction(conn):
         run = everystep.schedule(quick, "/nonexistent")
-    with store.TransactionPooledConnection.connect(url, autocommit=True) as pooled:
+    with everystep.db.TransactionPooledConnection.connect(url, autocommit=True) as pooled:
         assert pooled.execute("SELECT current_setting('synchronous_commit')").fetchone() == ("on",)
         for _ in range(10):
-            assert store.step_row(pooled, run.id, "1") is None
-        assert store.claim(pooled, "pooled", 1)[0].id == run.id
+            assert everystep.db.step_row(pooled, run.id, "1") is None
+        assert everystep.db.claim(pooled, "pooled", 1)[0].id == run.id
         assert pooled.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() == (0,)
         assert pooled.execute("SHOW synchronous_commit").fetchone() == ("on",)  # in its own transaction
         with pooled.transaction():

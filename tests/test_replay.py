@@ -10,12 +10,12 @@ import psycopg
 import pytest
 
 import everystep
+import everystep.db
 from everystep import (
     Terminal,
     parallel,
     registry,
     step,
-    store,
     workflow,
 )
 from tests.apps.engine_flows import (
@@ -80,16 +80,16 @@ def test_a_steps_outcome_is_written_before_the_next_step_starts(db):
 def test_the_end_of_a_run_claims_the_next_one_with_its_recorded_steps(db):
     first, second, third = (schedule_one(db, three_steps) for _ in range(3))
     with db.connect() as conn:
-        claims = store.claim(conn, "w1", 2)
+        claims = everystep.db.claim(conn, "w1", 2)
         assert [run.id for run in claims] == [first.id, second.id]
         assert claims[1].token != claims[0].token  # a new execution token for every claim
-        assert store.record_step(conn, second.id, "w1", claims[1].token, store.StepRow(
+        assert everystep.db.record_step(conn, second.id, "w1", claims[1].token, everystep.db.StepRow(
             "1", "tests.apps.engine_flows.record", "[]", "{}", "done", '"one"', None, 1.0, 2.0))
         # second: scheduled again, one step recorded
-        assert store.requeue_held(conn, "w1", [store.Claim(second.id, claims[1].token)]) == [second.id]
-        last_step = store.StepRow("1", "tests.apps.engine_flows.record", '["one"]', "{}", "done", '"one"', None,
+        assert everystep.db.requeue_held(conn, "w1", [everystep.db.Claim(second.id, claims[1].token)]) == [second.id]
+        last_step = everystep.db.StepRow("1", "tests.apps.engine_flows.record", '["one"]', "{}", "done", '"one"', None,
                                   1.0, 2.0)
-        ended = store.finish_run(conn, first.id, "w1", claims[0].token, "completed", '"ok"', None, last_step,
+        ended = everystep.db.finish_run(conn, first.id, "w1", claims[0].token, "completed", '"ok"', None, last_step,
                                  claim=True)
         assert ended.status == "completed"
         claimed = ended.claimed
@@ -98,9 +98,9 @@ def test_the_end_of_a_run_claims_the_next_one_with_its_recorded_steps(db):
         ]
         assert claimed[0].token not in (claims[0].token, claims[1].token)
         # Not held any more: nothing is written, nothing claimed.
-        assert store.finish_run(conn, first.id, "w1", claims[0].token, "failed", None, None, claim=True) is None
+        assert everystep.db.finish_run(conn, first.id, "w1", claims[0].token, "failed", None, None, claim=True) is None
         # Held, but by another execution (a stale token): nothing is written.
-        assert store.finish_run(conn, second.id, "w1", claims[1].token, "failed", None, None) is None
+        assert everystep.db.finish_run(conn, second.id, "w1", claims[1].token, "failed", None, None) is None
     assert (db.run(first.id)["status"], db.run(second.id)["claimed_by"]) == ("completed", "w1")
     assert step_ids(db, first.id) == ["1"]
     assert db.run(third.id)["status"] == "scheduled"

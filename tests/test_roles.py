@@ -11,7 +11,8 @@ import psycopg
 import pytest
 
 import everystep
-from everystep import api, store
+import everystep.db
+from everystep import api
 from everystep.errors import EverystepError
 from tests.apps import ui_workflows
 from tests.apps.flow_workflows import mailbox, publisher
@@ -76,7 +77,7 @@ def test_worker_runs_workflows_but_cannot_resolve_a_step(db, roles):
     [run] = db.schedule_many(ui_workflows.nested, [(2,)])
     blocked = blocked_run(db)
     with as_role(db, f"{roles}worker") as conn:
-        claimed = store.claim(conn, "role-runner", 10)
+        claimed = everystep.db.claim(conn, "role-runner", 10)
         assert [c.id for c in claimed] == [run.id]
     assert db.resume_held("role-runner") != {}  # (run as the owner here: the pool is the test's)
     with as_role(db, f"{roles}worker") as conn:
@@ -91,7 +92,7 @@ def test_worker_runs_workflows_but_cannot_resolve_a_step(db, roles):
     assert db.run(blocked)["status"] == "blocked" and db.steps(blocked)[0]["status"] == "started"
     with as_role(db, f"{roles}operator") as conn:
         api.resolve_step(conn, blocked, "1", result="charged")
-        store.audit(conn, "ops", "cli", "resolve-step", blocked, "1")
+        everystep.db.audit(conn, "ops", "cli", "resolve-step", blocked, "1")
     assert db.run(blocked)["status"] == "scheduled"
 
 
@@ -116,10 +117,10 @@ def test_producer_schedules_a_delayed_run_that_a_worker_claims_when_due(db, role
         run = everystep.schedule(ui_workflows.slow, 0.0, after=0.5)
     assert db.run(run.id)["status"] == "waiting"
     with as_role(db, f"{roles}worker") as conn:
-        assert store.claim(conn, "role-runner", 10) == []  # not due yet
+        assert everystep.db.claim(conn, "role-runner", 10) == []  # not due yet
         deadline = db.run(run.id)["due_at"]
         wait_for(lambda: db.value("SELECT now()") >= deadline, timeout=10)
-        assert [c.id for c in store.claim(conn, "role-runner", 10)] == [run.id]
+        assert [c.id for c in everystep.db.claim(conn, "role-runner", 10)] == [run.id]
 
 
 def test_producer_sends_messages_and_reads_events(db, roles, marks):
@@ -133,4 +134,4 @@ def test_producer_sends_messages_and_reads_events(db, roles, marks):
             everystep.send(waiting.id, "in", {"hello": 1}, idempotency_key="m-1")  # the same key sends once
         assert everystep.get_event(published.id, "stage", 1, conn=conn) == "second"
     with db.connect() as conn:
-        assert [m["payload"] for m in store.load_messages(conn, waiting.id)] == [{"hello": 1}]
+        assert [m["payload"] for m in everystep.db.load_messages(conn, waiting.id)] == [{"hello": 1}]

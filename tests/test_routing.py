@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from everystep import config, store
+import everystep.db
+from everystep import config
 from everystep.config import ConfigError
 from supervisor.http_server import Database, QueueCollector
 from tests.apps.flow_workflows import cpu_job, gpu_job, unlimited
@@ -47,14 +48,15 @@ def test_workers_claim_only_the_workflows_they_serve(db, marks, start_worker):
 
 
 def test_routes_are_like_patterns_with_their_wildcards_escaped(db):
-    assert store.routes_of(["a.b_c*", "x?y"]) == ["a.b\\_c%", "x_y"]
-    assert store.routes_of(None) is None
+    assert everystep.db.routes_of(["a.b_c*", "x?y"]) == ["a.b\\_c%", "x_y"]
+    assert everystep.db.routes_of(None) is None
     db.schedule_many(gpu_job, [("m",)])
     db.schedule_many(cpu_job, [("m",)])
     with db.connect() as conn:
         # "_" in a pattern is no wildcard; "?" is.
-        assert store.claim(conn, "w", 10, store.routes_of(["tests.apps.flow_workflows.gpu?job_"])) == []
-        claimed = store.claim(conn, "w", 10, store.routes_of(["tests.apps.flow_workflows.gpu_job", "nothing.*"]))
+        assert everystep.db.claim(conn, "w", 10, everystep.db.routes_of(["tests.apps.flow_workflows.gpu?job_"])) == []
+        routes = everystep.db.routes_of(["tests.apps.flow_workflows.gpu_job", "nothing.*"])
+        claimed = everystep.db.claim(conn, "w", 10, routes)
     assert [r.name for r in claimed] == [gpu_job.__everystep_workflow__]
 
 

@@ -23,7 +23,8 @@ import psycopg
 import pytest
 from psycopg import conninfo, sql
 
-from everystep import scheduler, store, workflow
+import everystep.db
+from everystep import scheduler, workflow
 from everystep.scheduler import Schedule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +85,7 @@ def nightly(**options) -> Schedule:
 
 def schedule_row(db, key: str) -> dict:
     with db.connect() as conn:
-        return next(row for row in store.load_schedules(conn) if row["key"] == key)
+        return next(row for row in everystep.db.load_schedules(conn) if row["key"] == key)
 
 
 def run_count(db) -> int:
@@ -177,7 +178,7 @@ def test_a_scheduler_that_finds_the_lock_taken_fires_nothing(db, clock):
     clock.apply(nightly=nightly())
     clock.set("2026-01-10 03:00:05")
     with clock.connect() as other, other.transaction():
-        assert store.try_lock_scheduler(other)  # another scheduler, mid-tick
+        assert everystep.db.try_lock_scheduler(other)  # another scheduler, mid-tick
         assert clock.tick() == []
     assert len(clock.tick()) == 1
 
@@ -297,7 +298,7 @@ def test_a_retired_schedule_never_fires(db, clock):
     clock.set("2026-01-10 02:00:00")
     clock.apply(nightly=nightly())
     with clock.connect() as conn:
-        store.retire_schedule(conn, "nightly")
+        everystep.db.retire_schedule(conn, "nightly")
     clock.set("2026-01-10 03:00:05")
     assert clock.tick() == []
 
@@ -479,7 +480,7 @@ def test_list_shows_state_and_last_run(db, clock, tmp_path):
     clock.set("2026-01-10 02:00:00")
     clock.apply(nightly=nightly(), paused_one=nightly(paused=True), gone=nightly())
     with clock.connect() as conn:
-        store.retire_schedule(conn, "gone")
+        everystep.db.retire_schedule(conn, "gone")
     clock.set("2026-01-10 03:00:05")
     [fired] = clock.tick()
     listing = cli("schedules", "list", "-c", write_manifest(tmp_path / "everystep.yaml", "{}"), db=db)
@@ -532,7 +533,7 @@ def test_an_unmigrated_database_is_reported(db):
 def test_apply_waits_for_a_tick_in_progress(db, clock):
     clock.set("2026-01-10 02:00:00")
     with clock.connect() as ticking, ticking.transaction():
-        store.lock_scheduler(ticking)
+        everystep.db.lock_scheduler(ticking)
         applied = threading.Event()
 
         def apply() -> None:

@@ -13,7 +13,8 @@ import psycopg
 import pytest
 
 import everystep
-from everystep import scheduler, schedules, store, workflow
+import everystep.db
+from everystep import scheduler, schedules, workflow
 from everystep.errors import EverystepError
 from everystep.scheduler import Manifest, Schedule
 from tests.support.processes import ROOT
@@ -318,7 +319,7 @@ def test_a_schedule_pauses_itself_after_n_failed_runs_in_a_row(db, clock, caplog
     assert listing[1].split()[:3] == ["flaky", "auto-paused", "api"]
     assert listing[2] == f"flaky: {info.paused_reason}"
     with db.connect() as conn:
-        assert store.auto_paused_schedules(conn) == 1
+        assert everystep.db.auto_paused_schedules(conn) == 1
 
     # Resumed, it fires again, and the failures before the resume no longer count.
     with clock.connect() as conn, everystep.transaction(conn):
@@ -432,8 +433,8 @@ def test_a_database_of_the_previous_version_migrates_in_place(db):
                      " overlap, max_lateness_seconds, paused, version, next_fire_at) VALUES ('nightly', %s, '[]',"
                      " '* * * * *', 'UTC', 'fire_once', 10, 'allow', 60, false, 7, date_trunc('minute', now()))",
                      (REPORT,))
-        assert store.migrate(conn) == ["0004_schedule_sources"]
-        row = store.load_schedule(conn, "nightly")
+        assert everystep.db.migrate(conn) == ["0004_schedule_sources"]
+        row = everystep.db.load_schedule(conn, "nightly")
         assert (row["source"], row["version"], row["auto_pause_after"], row["paused_reason"]) == (
             "deployment", 7, None, None)
         assert [f.key for f in scheduler.tick(conn)] == ["nightly"]

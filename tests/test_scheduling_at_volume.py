@@ -11,7 +11,8 @@ import psycopg
 import pytest
 
 import everystep
-from everystep import EverystepError, schedule, schedule_many, store
+import everystep.db
+from everystep import EverystepError, schedule, schedule_many
 from tests.apps.workflows import held, quick
 from tests.support.processes import wait_for
 
@@ -85,12 +86,12 @@ def notifications(listener: psycopg.Connection, wait: float = 0.3) -> int:
 
 def test_scheduling_notifies_once_per_transaction_and_only_when_a_worker_waits(db):
     with db.connect() as listener:
-        store.listen(listener)
+        everystep.db.listen(listener)
         with db.connect() as conn:
             with everystep.transaction(conn):
                 schedule(echo, 1)
             assert notifications(listener) == 0  # nobody waits: no notification, no serialised commit
-            store.wait_for_runs(conn, "w1")
+            everystep.db.wait_for_runs(conn, "w1")
             with everystep.transaction(conn):
                 for i in range(3):
                     schedule(echo, i)
@@ -101,7 +102,7 @@ def test_scheduling_notifies_once_per_transaction_and_only_when_a_worker_waits(d
                 schedule_many(echo, [(1,)])
             assert notifications(listener, 2) == 1
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            store.stop_waiting(conn, "w1")
+            everystep.db.stop_waiting(conn, "w1")
             schedule(echo, 9, conn=conn)
             conn.execute("COMMIT")
             assert notifications(listener, 2) == 1  # a fixed snapshot could miss a registration: always notify
@@ -115,12 +116,12 @@ def test_a_worker_starting_to_wait_waits_for_schedulers_in_flight_then_sees_thei
         with everystep.transaction(scheduler):
             run = schedule(echo, "in flight")  # found nobody waiting: will not notify
             registered = threading.Event()
-            thread = threading.Thread(target=lambda: (store.wait_for_runs(control, "w1"), registered.set()))
+            thread = threading.Thread(target=lambda: (everystep.db.wait_for_runs(control, "w1"), registered.set()))
             thread.start()
             assert not registered.wait(0.5)  # the registration waits for this transaction
         thread.join(10)
         assert registered.is_set()
-        assert [claimed.id for claimed in store.claim(control, "w1", 10)] == [run.id]
+        assert [claimed.id for claimed in everystep.db.claim(control, "w1", 10)] == [run.id]
 
 
 def test_a_worker_waits_for_runs_only_while_a_slot_is_free(db, start_worker, marks, tmp_path):

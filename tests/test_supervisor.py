@@ -19,7 +19,7 @@ import pytest
 import yaml
 from psycopg import conninfo
 
-from everystep import store
+import everystep.db
 from tests.apps import workflows
 from tests.apps.workflows import marks_of
 from tests.support.processes import ROOT, console_script, wait_for
@@ -316,8 +316,9 @@ def test_hup_replaces_the_workers_one_at_a_time(db, supervisors, marks, tmp_path
     # Keep the new roll-0 from its lock: this connection queues for it, and gets
     # it the moment the old roll-0 exits.
     with db.connect() as blocker:
-        taking = threading.Thread(target=blocker.execute, args=(f"SELECT pg_advisory_lock({store._LOCK_KEY})",
-                                                                ("roll-0",)))
+        # The blocking form of the runner lock's try_lock (session.sql).
+        lock = "SELECT pg_advisory_lock(hashtextextended('everystep:' || current_schema() || ':' || %s, 0))"
+        taking = threading.Thread(target=blocker.execute, args=(lock, ("roll-0",)))
         taking.start()
         wait_for(lambda: db.value("SELECT count(*) FROM pg_locks WHERE pid = %s AND NOT granted",
                                   (blocker.info.backend_pid,)), what="the lock of roll-0 asked for")
@@ -326,7 +327,7 @@ def test_hup_replaces_the_workers_one_at_a_time(db, supervisors, marks, tmp_path
         sup.wait_logged("runner=roll-0 lock of roll-0 is held by another live process; waiting")
         # The new roll-0 is up but not at work: roll-1 is left alone.
         assert sup.workers()["roll-1"] == before["roll-1"] and "HUP: replacing worker roll-1" not in sup.output()
-        blocker.execute(f"SELECT pg_advisory_unlock({store._LOCK_KEY})", ("roll-0",))
+        everystep.db.unlock(blocker, "roll-0")
         wait_for(lambda: not set(sup.workers().values()) & set(before.values()), timeout=60,
                  what="both workers replaced")
     wait_for(lambda: all(title.endswith("/2]") for title in children_of(sup.pid).values()

@@ -12,7 +12,8 @@ import psycopg
 import pytest
 
 import everystep
-from everystep import EverystepError, schedule, store
+import everystep.db
+from everystep import EverystepError, schedule
 from tests.apps import time_workflows as tw
 from tests.apps.workflows import marks_of
 from tests.support.processes import wait_for
@@ -167,7 +168,7 @@ def test_a_sleep_survives_a_server_restart(private_server, tmp_path, marks):
     from tests.support.processes import WorkerProcess  # noqa: PLC0415
 
     with psycopg.connect(private_server.url, autocommit=True) as conn:
-        store.migrate(conn)
+        everystep.db.migrate(conn)
         with everystep.transaction(conn):
             run = schedule(tw.sleeper, marks, 4)
     worker = WorkerProcess(private_server.url, "w-restart", tmp_path / "logs", threads=1, imports=IMPORTS)
@@ -282,7 +283,7 @@ def test_a_cancel_survives_a_worker_kill_and_a_drain(db, marks, tmp_path, start_
     second.wait()
     start_worker("w-k3", threads=2, poll=0.2, imports=IMPORTS)  # recovers the killed worker's run
     with db.connect() as conn:
-        store.requeue_claimer(conn, "w-k1")  # the dead worker's runs, as the sweep would
+        everystep.db.requeue_claimer(conn, "w-k1")  # the dead worker's runs, as the sweep would
     wait_for(lambda: status(db, killed.id) == "cancelled" and status(db, drained.id) == "cancelled", timeout=30)
     assert db.run(killed.id)["error"]["message"] == "kill"
     assert "cleanup:drain" in tags(marks, drained.id)
@@ -374,10 +375,10 @@ def test_a_cancel_learnt_at_the_claim_of_a_retried_step_ends_it(db, marks):
     assert db.run_pending() == {run.id: "sleeping"}  # the 2 s back-off parks it
     wait_for(lambda: db_now(db) >= db.run(run.id)["due_at"], timeout=10)
     with db.connect() as conn:
-        (claimed,) = store.claim(conn, "w-manual", 1)
+        (claimed,) = everystep.db.claim(conn, "w-manual", 1)
         with everystep.transaction(conn):
             assert everystep.cancel(run.id, "stop retrying") == "running"
-        (claimed,) = store.reclaim_held(conn, "w-manual")  # the claim carries the request
+        (claimed,) = everystep.db.reclaim_held(conn, "w-manual")  # the claim carries the request
     assert claimed.cancel_requested
     engine = Runner(db.pool, "w-manual")
     assert engine.execute(claimed).outcome == "cancelled"

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from everystep import store
+import everystep.db
 from everystep.ui.core import Console
 from tests.apps import ui_workflows
 from tests.support.processes import ROOT
@@ -166,11 +166,11 @@ def test_tokens_viewer_reads_operator_acts(db, ui):
 def test_requeue_refuses_a_live_claimer_and_reschedule_copies_args(db, ui):
     [run] = db.schedule_many(ui_workflows.nested, [(1,)])
     with db.connect() as conn:
-        store.claim(conn, "dead-runner", 1)  # its lock is free: the claimer is dead
+        everystep.db.claim(conn, "dead-runner", 1)  # its lock is free: the claimer is dead
     client = Client(ui())
     csrf = {"X-CSRF-Token": client.csrf()}
     with db.connect() as holder:
-        assert store.try_lock(holder, "dead-runner")  # alive while this session holds its lock
+        assert everystep.db.try_lock(holder, "dead-runner")  # alive while this session holds its lock
         status, answer = client.request("POST", "/api/actions/requeue", {"runs": [str(run.id)]}, headers=csrf)
         assert status == 200 and answer["done"] == [] and "holds its lock" in answer["refused"][0]
     status, answer = client.request("POST", "/api/actions/requeue", {"runs": [str(run.id)]}, headers=csrf)
@@ -187,7 +187,7 @@ def test_requeue_refuses_a_live_claimer_and_reschedule_copies_args(db, ui):
 def test_cancel_ends_a_scheduled_run_asks_a_running_one_and_reports_an_ended_one(db, ui):
     claimed, queued, ended = db.schedule_many(ui_workflows.nested, [(1,), (2,), (3,)])
     with db.connect() as conn:
-        store.claim(conn, "some-runner", 1)  # the oldest, `claimed`, is running now
+        everystep.db.claim(conn, "some-runner", 1)  # the oldest, `claimed`, is running now
     db.query("UPDATE everystep_workflow SET status = 'completed' WHERE id = %s RETURNING id", (ended.id,))
     base = ui(EVERYSTEP_UI_VIEWER_TOKEN=VIEWER, EVERYSTEP_UI_OPERATOR_TOKEN=OPERATOR)
     runs = [str(r.id) for r in (claimed, queued, ended)]

@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import api, liveness, scheduler, serde, store
+from everystep import api, db, liveness, scheduler, serde
 from everystep.errors import EverystepError
 from everystep.ids import uuid7
 from everystep.logs import first_line
@@ -165,7 +165,7 @@ def _time(text: str | None, what: str) -> dt.datetime | None:
     return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
 
 
-def run_filter(query: Mapping[str, str]) -> store.RunFilter:
+def run_filter(query: Mapping[str, str]) -> db.RunFilter:
     """The list's filter from query parameters; a bad one is a 400."""
     status = query.get("status") or None
     if status is not None and status not in STATUSES:
@@ -189,7 +189,7 @@ def run_filter(query: Mapping[str, str]) -> store.RunFilter:
         at, _, last = query["before"].partition("|")
         moment = _time(at, "before")
         before = (moment, _run_id(last))
-    return store.RunFilter(status=status, workflow=query.get("workflow") or None,
+    return db.RunFilter(status=status, workflow=query.get("workflow") or None,
                            since=_time(query.get("since"), "since"), until=_time(query.get("until"), "until"),
                            run_id=run_id, idempotency_key=key, args_contain=args, before=before)
 
@@ -209,10 +209,10 @@ def counts_shown(overview: dict) -> dict:
     rows = estimate.get("rows") or 0
     shown = {}
     for status, n in (overview.get("counts") or {}).items():
-        if n <= store.UI_STATUS_CAP:
+        if n <= db.UI_STATUS_CAP:
             shown[status] = {"n": n, "exact": True}
         else:
-            shown[status] = {"n": max(store.UI_STATUS_CAP + 1, math.floor(rows * freqs.get(status, 0))),
+            shown[status] = {"n": max(db.UI_STATUS_CAP + 1, math.floor(rows * freqs.get(status, 0))),
                              "exact": False}
     return shown
 
@@ -234,7 +234,7 @@ class Console:
 
     @staticmethod
     def _configure(conn: psycopg.Connection) -> None:
-        store.set_statement_timeout(conn, STATEMENT_TIMEOUT_MS)
+        db.set_statement_timeout(conn, STATEMENT_TIMEOUT_MS)
 
     def close(self) -> None:
         self.hub.close()
@@ -247,7 +247,7 @@ class Console:
 
     def _overview(self) -> dict:
         with self._db() as conn:
-            overview = store.ui_overview(conn, STATUSES, PAGE_SIZE)
+            overview = db.ui_overview(conn, STATUSES, PAGE_SIZE)
         overview["counts"] = counts_shown(overview)
         overview.pop("estimate")
         return overview
@@ -261,14 +261,14 @@ class Console:
         f = run_filter(query)
         with self._db() as conn:
             if f.args_contain is None or f.since is not None:
-                rows = store.ui_runs(conn, f, limit + 1)
+                rows = db.ui_runs(conn, f, limit + 1)
             else:
                 # No index serves args containment: look in the newest hour
                 # first, then wider, so a common match never scans the table.
-                now = store.database_now(conn)
+                now = db.database_now(conn)
                 for window in ARGS_SEARCH_WINDOWS:
                     since = None if window is None else now - window
-                    rows = store.ui_runs(conn, f._replace(since=since), limit + 1)
+                    rows = db.ui_runs(conn, f._replace(since=since), limit + 1)
                     if len(rows) > limit:
                         break
         more = len(rows) > limit
@@ -279,7 +279,7 @@ class Console:
     def run(self, run_id: str) -> dict:
         run = _run_id(run_id)
         with self._db() as conn:
-            found = store.ui_run(conn, run)
+            found = db.ui_run(conn, run)
         if found is None:
             raise Problem(404, f"no run {run}")
         blocked_on = [s["step_id"] for s in found["steps"] if s["status"] == "started"]
@@ -294,32 +294,32 @@ class Console:
 
     def workflows(self) -> dict:
         with self._db() as conn:
-            return {"workflows": store.ui_workflow_names(conn)}
+            return {"workflows": db.ui_workflow_names(conn)}
 
     def schedules(self) -> dict:
         with self._db() as conn:
             try:
-                return {"schedules": store.load_schedules(conn)}
+                return {"schedules": db.load_schedules(conn)}
             except psycopg.errors.UndefinedTable:
                 return {"schedules": []}
 
     def workers(self) -> dict:
         with self._db() as conn:
-            return {"workers": store.ui_workers(conn)}
+            return {"workers": db.ui_workers(conn)}
 
     def failures(self, query: Mapping[str, str]) -> dict:
         window = query.get("window") or "hour"
         if window not in FAILURE_WINDOWS:
             raise Problem(400, f"window must be one of {', '.join(FAILURE_WINDOWS)}")
         with self._db() as conn:
-            return {"window": window, "groups": store.ui_failures(conn, FAILURE_WINDOWS[window])}
+            return {"window": window, "groups": db.ui_failures(conn, FAILURE_WINDOWS[window])}
 
     def audit(self, query: Mapping[str, str]) -> dict:
         before = query.get("before")
         if before is not None and not before.isdigit():
             raise Problem(400, "before must be an audit record id")
         with self._db() as conn:
-            return {"records": store.audit_records(conn, limit=_limit(query), before=int(before) if before else None)}
+            return {"records": db.audit_records(conn, limit=_limit(query), before=int(before) if before else None)}
 
     # ------------------------------------------------------------ actions
 
@@ -354,7 +354,7 @@ class Console:
         try:
             with conn.transaction():
                 api.resolve_step(conn, run, step, **how)
-                store.audit(conn, who.name, "ui", "resolve-step", run=run, step_id=step,
+                db.audit(conn, who.name, "ui", "resolve-step", run=run, step_id=step,
                             details={"outcome": outcome, "value": body.get("value")})
         except EverystepError as refused:
             raise Problem(409, str(refused)) from None
@@ -367,7 +367,7 @@ class Console:
                 raise Problem(400, "filter must be an object of list parameters")
             f = run_filter({k: str(v) for k, v in body["filter"].items() if v is not None}
                            )._replace(before=None)
-            return [row["id"] for row in store.ui_runs(conn, f, BULK_LIMIT)]
+            return [row["id"] for row in db.ui_runs(conn, f, BULK_LIMIT)]
         runs = body.get("runs")
         if not isinstance(runs, list) or not runs or len(runs) > BULK_LIMIT:
             raise Problem(400, f"runs must be a list of 1 to {BULK_LIMIT} run ids")
@@ -377,24 +377,24 @@ class Console:
         """Requeue each run whose claimer is dead (its lock is free); report the others."""
         requeued, refused = [], []
         for run in self._target_runs(conn, body):
-            found = store.load_run(conn, run)
+            found = db.load_run(conn, run)
             if found is None or found["status"] != "running":
                 refused.append(f"{run}: {'no such run' if found is None else found['status']}, not running")
                 continue
             claimer = found["claimed_by"]
-            if claimer is not None and not store.try_lock(conn, claimer):
+            if claimer is not None and not db.try_lock(conn, claimer):
                 refused.append(f"{run}: its claimer {claimer} holds its lock (alive)")
                 continue
             try:
                 with conn.transaction():
-                    if store.requeue_from_dead_claimers(conn, [(run, claimer)]):
-                        store.audit(conn, who.name, "ui", "requeue", run=run, details={"claimer": claimer})
+                    if db.requeue_from_dead_claimers(conn, [(run, claimer)]):
+                        db.audit(conn, who.name, "ui", "requeue", run=run, details={"claimer": claimer})
                         requeued.append(run)
                     else:
                         refused.append(f"{run}: changed meanwhile")
             finally:
                 if claimer is not None:
-                    store.unlock(conn, claimer)
+                    db.unlock(conn, claimer)
         return {"message": f"requeued {len(requeued)} run(s)" + (f"; refused {len(refused)}" if refused else ""),
                 "done": requeued, "refused": refused}
 
@@ -402,9 +402,9 @@ class Console:
         created = []
         for run in self._target_runs(conn, body):
             with conn.transaction():
-                new = store.ui_reschedule(conn, run, uuid7())
+                new = db.ui_reschedule(conn, run, uuid7())
                 if new is not None:
-                    store.audit(conn, who.name, "ui", "schedule-again", run=new, details={"from_run": str(run)})
+                    db.audit(conn, who.name, "ui", "schedule-again", run=new, details={"from_run": str(run)})
                     created.append(new)
         return {"message": f"scheduled {len(created)} new run(s) with the same args", "done": created}
 
@@ -419,7 +419,7 @@ class Console:
             try:
                 with conn.transaction():
                     status = api.cancel(run, reason, conn=conn)
-                    store.audit(conn, who.name, "ui", "cancel", run=run, details={"reason": reason, "status": status})
+                    db.audit(conn, who.name, "ui", "cancel", run=run, details={"reason": reason, "status": status})
             except EverystepError as unknown:
                 refused.append(f"{run}: {unknown}")
                 continue
@@ -439,14 +439,14 @@ class Console:
             raise Problem(400, "key must be a schedule key and verb one of pause, resume, fire")
         try:
             if verb == "fire":
-                run = store.fire_schedule_now(conn, key, uuid7())
-                store.audit(conn, who.name, "ui", "schedule-fire", run=run, target=key)
+                run = db.fire_schedule_now(conn, key, uuid7())
+                db.audit(conn, who.name, "ui", "schedule-fire", run=run, target=key)
                 return {"message": f"schedule {key} fired: run {run}", "done": [run]}
-            store.ui_set_schedule_paused(conn, key, verb == "pause", lambda row: scheduler.next_fire_time(
+            db.ui_set_schedule_paused(conn, key, verb == "pause", lambda row: scheduler.next_fire_time(
                 row["cron"], row["timezone"], row["database_now"]))
-        except store.ScheduleRefused as refused:
+        except db.ScheduleRefused as refused:
             raise Problem(409, str(refused)) from None
-        store.audit(conn, who.name, "ui", f"schedule-{verb}", target=key)
+        db.audit(conn, who.name, "ui", f"schedule-{verb}", target=key)
         return {"message": f"schedule {key} {verb}d"}
 
 

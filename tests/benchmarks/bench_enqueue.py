@@ -28,7 +28,7 @@ import everystep
 from tests.benchmarks import harness, workflows
 
 QUICK = {"seconds": 1.0, "many": 5000, "repeat": 1}
-# The statement schedule() runs (store.insert_run), for pgbench.
+# The statement schedule() runs (everystep.db.insert_run), for pgbench.
 _SCHEDULE_SQL = (
     "WITH ins AS (INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)"
     " VALUES (gen_random_uuid(), 'tests.benchmarks.workflows.one_step', '[1]'::jsonb, NULL, 'scheduled')"

@@ -25,7 +25,7 @@ import psycopg
 from psycopg import conninfo
 
 import everystep
-from everystep import store
+import everystep.db
 from tests.benchmarks import harness, workflows
 from tests.conftest import Database, _find_server
 from tests.support.supervisor_process import children_of, cpu_seconds
@@ -44,7 +44,7 @@ def own_database() -> Iterator[Database]:
     database = Database(url, "public")
     try:
         with database.connect() as conn:
-            store.migrate(conn)
+            everystep.db.migrate(conn)
         yield database
     finally:
         database.close()

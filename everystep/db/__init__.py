@@ -1,0 +1,175 @@
+"""The data layer: every SQL statement everystep runs, behind one typed
+function each. Nobody else writes SQL.
+
+The statements are in everystep/db/sql/, one file per group, each under its
+name (`-- name: claim`), whole and commented; everystep.db.queries loads
+them. The functions are in one module per group, re-exported here, so
+consumers write `from everystep import db` and `db.claim(conn, ...)`:
+
+- queue: waiting for runs, claiming, limits and slots, what a runner holds,
+  crash counting, the group-committed step rows and ends of runs, requeues
+- fenced: the writes about a held run, each conditional on the writing
+  execution's claim and token, and why one matched nothing
+- runs: scheduling, messages, cancelling, reading runs and their steps
+- schedules: recurring schedules, the scheduler's lock and tick
+- ops, ui, observe: the operators' actions and audit trail, the web UI's
+  reads, what metrics and health checks read
+- session: session settings, pooled connections, liveness locks, LISTEN
+- libpq: the prepared fast path of the hot statements
+- migrations: the applier of everystep/migrations/
+- rows: what the functions return
+"""
+
+from everystep.db.fenced import (
+    LOST,
+    OTHER,
+    WRITTEN,
+    begin_wait,
+    cancel_reason,
+    complete_started_step,
+    park_run,
+    park_waiting,
+    record_attempt,
+    record_sleep,
+    set_event,
+    start_child,
+    start_traced_execution,
+    step_row,
+    take_child,
+    take_message,
+    why_not_written,
+)
+from everystep.db.migrations import migrate
+from everystep.db.observe import publish_route, queue_stats, runners_without_lock, set_statement_timeout, unserved_runs
+from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunable, prune_batch, resolve_step
+from everystep.db.queue import (
+    apply_limits,
+    claim,
+    count_crashes,
+    end_runs,
+    finish_run,
+    held_claims,
+    limits,
+    next_due_in,
+    reclaim_held,
+    record_step,
+    record_steps,
+    requeue_claimer,
+    requeue_from_dead_claimers,
+    requeue_held,
+    routes_of,
+    running_claimers,
+    stop_waiting,
+    wait_for_runs,
+)
+from everystep.db.rows import (
+    Attempt,
+    BatchEnd,
+    CancelOutcome,
+    Claim,
+    ClaimedRun,
+    Ended,
+    EndedRuns,
+    EndWrite,
+    EventValue,
+    Parking,
+    QueueStats,
+    RunFilter,
+    Scheduled,
+    Sent,
+    Sleep,
+    StepRow,
+    StepState,
+    StepWrite,
+    TracedExecution,
+    Wait,
+    Written,
+)
+from everystep.db.runs import (
+    cancel_run,
+    children,
+    get_event,
+    insert_run,
+    insert_runs,
+    list_runs,
+    load_events,
+    load_messages,
+    load_run,
+    load_steps,
+    send_message,
+)
+from everystep.db.schedules import (
+    ScheduleRefused,
+    advance_schedule,
+    auto_paused_schedules,
+    database_now,
+    due_schedules,
+    fire_schedule_now,
+    load_schedule,
+    load_schedules,
+    lock_scheduler,
+    put_schedule,
+    record_schedule_run,
+    retire_schedule,
+    schedules_failing,
+    set_schedule_error,
+    set_schedule_paused,
+    try_lock_scheduler,
+)
+from everystep.db.session import (
+    CONNECTION_ERRORS,
+    Executor,
+    TransactionPooledConnection,
+    listen,
+    ping,
+    prepare_claiming_session,
+    prepare_control_session,
+    prepare_session,
+    reset_claiming_session,
+    try_lock,
+    unlock,
+)
+from everystep.db.ui import (
+    UI_STATUS_CAP,
+    ui_failures,
+    ui_overview,
+    ui_reschedule,
+    ui_run,
+    ui_runs,
+    ui_set_schedule_paused,
+    ui_workers,
+    ui_workflow_names,
+)
+from everystep.schema import TERMINAL
+
+__all__ = [
+    "CONNECTION_ERRORS", "LOST", "OTHER", "TERMINAL", "UI_STATUS_CAP", "WRITTEN",
+    # rows
+    "Attempt", "BatchEnd", "CancelOutcome", "Claim", "ClaimedRun", "EndWrite", "Ended", "EndedRuns", "EventValue",
+    "Executor", "Parking", "QueueStats", "ResolveRefused", "RunFilter", "ScheduleRefused", "Scheduled", "Sent",
+    "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
+    "Written",
+    # session, migrations
+    "listen", "migrate", "ping", "prepare_claiming_session", "prepare_control_session", "prepare_session",
+    "reset_claiming_session", "try_lock", "unlock",
+    # queue
+    "apply_limits", "claim", "count_crashes", "end_runs", "finish_run", "held_claims", "limits", "next_due_in",
+    "reclaim_held", "record_step", "record_steps", "requeue_claimer", "requeue_from_dead_claimers", "requeue_held",
+    "routes_of", "running_claimers", "stop_waiting", "wait_for_runs",
+    # fenced
+    "begin_wait", "cancel_reason", "complete_started_step", "park_run", "park_waiting", "record_attempt",
+    "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child", "take_message",
+    "why_not_written",
+    # runs
+    "cancel_run", "children", "get_event", "insert_run", "insert_runs", "list_runs", "load_events",
+    "load_messages", "load_run", "load_steps", "send_message",
+    # schedules
+    "advance_schedule", "auto_paused_schedules", "database_now", "due_schedules", "fire_schedule_now",
+    "load_schedule", "load_schedules", "lock_scheduler", "put_schedule", "record_schedule_run", "retire_schedule",
+    "schedules_failing", "set_schedule_error", "set_schedule_paused", "try_lock_scheduler",
+    # ops, observe, ui
+    "audit", "audit_records", "count_prunable", "prune_batch", "resolve_step",
+    "publish_route", "queue_stats", "runners_without_lock", "set_statement_timeout", "unserved_runs",
+    "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",
+    "ui_workflow_names",
+]

@@ -1,0 +1,100 @@
+"""The hot path: statements run straight through libpq's PQexecPrepared.
+
+The two statements of every step and every end of a run (record_steps,
+end_runs) go to libpq directly, which releases the GIL for the whole round
+trip: psycopg's execute costs ~45 us of Python per statement here (a
+cursor, parameter adaptation, generators), about a tenth of all the CPU a
+step takes, and on a small machine the workers' CPU is taken from the
+database. The parameters are text or NULL (arrays as array literals); rows
+are read from their text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+import weakref
+from typing import Any, NamedTuple
+
+import psycopg
+from psycopg import errors, pq
+
+from everystep.db import queries
+from everystep.db.rows import ClaimedRun
+from everystep.db.session import Executor, TransactionPooledConnection
+
+
+class Hot(NamedTuple):
+    name: bytes  # of the prepared statement, on each connection that runs it
+    sql: bytes  # with $1, $2, ... in the order of `params`
+    params: tuple[str, ...]
+    query: str  # with %(param)s, for connections that cannot keep a prepared statement
+
+
+def hot(name: str) -> Hot:
+    """The named statement (everystep/db/sql/) for the hot path."""
+    numbered = queries.numbered(name)
+    return Hot(f"everystep_{name}".encode(), numbered.text.encode(), numbered.params, queries.get(name))
+
+
+# The hot statements prepared on each connection (gone with the connection).
+_prepared: weakref.WeakKeyDictionary[psycopg.Connection, set[bytes]] = weakref.WeakKeyDictionary()
+
+
+def run(on: Executor, statement: Hot, values: dict[str, Any]) -> pq.abc.PGresult:
+    """Execute a hot statement, preparing it on first use on this connection."""
+    conn = on.connection if isinstance(on, psycopg.Cursor) else on
+    if isinstance(conn, TransactionPooledConnection):
+        cursor = conn.cursor()
+        cursor.execute(statement.query, {param: None if (value := values[param]) is None else str(value)
+                                         for param in statement.params})
+        return cursor.pgresult
+    pgconn = conn.pgconn
+    prepared = _prepared.setdefault(conn, set())
+    params = [None if (value := values[param]) is None else str(value).encode() for param in statement.params]
+    if statement.name not in prepared:
+        check(conn, pgconn.prepare(statement.name, statement.sql))
+        prepared.add(statement.name)
+    result = pgconn.exec_prepared(statement.name, params)
+    if result.error_field(pq.DiagnosticField.SQLSTATE) == b"26000":
+        # Deallocated: psycopg drops every prepared statement of a connection
+        # after a ROLLBACK or a DISCARD ALL on it. Prepare it again.
+        prepared.clear()
+        return run(on, statement, values)
+    return check(conn, result)
+
+
+def check(conn: psycopg.Connection, result: pq.abc.PGresult) -> pq.abc.PGresult:
+    """The result, or the error it reports raised as psycopg would."""
+    if result.status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+        return result
+    # The connection is lost (the server crashed or restarted under it): the
+    # write is retried on another. libpq reports that without an SQLSTATE,
+    # sometimes before it marks the connection bad.
+    if conn.pgconn.status == pq.ConnStatus.BAD or result.error_field(pq.DiagnosticField.SQLSTATE) is None:
+        raise errors.OperationalError(conn.pgconn.get_error_message(conn.info.encoding))
+    raise errors.error_from_result(result, encoding=conn.info.encoding)
+
+
+def claimed_runs(on: Executor, result: pq.abc.PGresult, first_column: int) -> list[ClaimedRun]:
+    """The runs in a result whose columns from `first_column` on are those of
+    a claimed run (ClaimedRun's; a NULL id: no run), read from their text."""
+    encoding = (on.connection if isinstance(on, psycopg.Cursor) else on).info.encoding
+    runs = []
+    for row in range(result.ntuples):
+        run_id, name, args, steps, token, cancel, now = (result.get_value(row, first_column + i) for i in range(7))
+        if run_id is not None:
+            runs.append(ClaimedRun(uuid.UUID(run_id.decode()), name.decode(encoding), json.loads(args.decode(encoding)),
+                                   json.loads(steps.decode(encoding)), int(token), cancel == b"t", float(now)))
+    return runs
+
+
+def array_literal(items: list | None) -> str | None:
+    """An array literal of `items` (a None item: NULL; None: no array) for the
+    hot statements' text parameters."""
+    if items is None:
+        return None
+    return "{" + ",".join(
+        "NULL" if item is None else '"' + str(item).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        for item in items
+    ) + "}"

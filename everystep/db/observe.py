@@ -1,0 +1,38 @@
+"""What the supervisor's metrics and health checks read, and what a worker
+says about itself for them. Statements: sql/observe.sql."""
+
+from __future__ import annotations
+
+import psycopg
+
+from everystep.db import queries
+from everystep.db.rows import QueueStats
+
+
+def set_statement_timeout(conn: psycopg.Connection, milliseconds: int) -> None:
+    """Bound every statement of this session (the observer's connection)."""
+    conn.execute(queries.get("statement_timeout"), {"milliseconds": str(milliseconds)})
+
+
+def queue_stats(conn: psycopg.Connection) -> QueueStats:
+    """The queue as it stands: counts of the unfinished statuses and the age of
+    the oldest scheduled run, measured with the server's clock."""
+    row = conn.execute(queries.get("queue_stats"), {}).fetchone()
+    return QueueStats(row[0], row[1], row[2], max(float(row[3]), 0.0), row[4])
+
+
+def runners_without_lock(conn: psycopg.Connection, runners: list[str]) -> list[str]:
+    """The runner names, among `runners`, whose advisory lock nobody holds in
+    this database."""
+    return [row[0] for row in conn.execute(queries.get("runners_without_lock"), {"runners": runners}).fetchall()]
+
+
+def publish_route(conn: psycopg.Connection, runner: str, routes: list[str] | None) -> None:
+    """Say which workflows this runner claims (LIKE patterns; None: all)."""
+    conn.execute(queries.get("publish_route"), {"runner": runner, "patterns": routes})
+
+
+def unserved_runs(conn: psycopg.Connection) -> dict[str, int]:
+    """Scheduled runs, by workflow name, that no live worker (one whose lock
+    is held in this database) claims: none of their routes matches."""
+    return dict(conn.execute(queries.get("unserved_runs"), {}).fetchall())

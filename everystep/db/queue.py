@@ -1,0 +1,258 @@
+"""The queue: waiting for runs, claiming them, concurrency limits, taking
+back what a runner holds, crash counting, the group-committed step rows and
+ends of runs, requeues. Statements: sql/queue.sql.
+
+Fencing: every claim of a run gives it a new execution token (a sequence
+value on its row), and every write about a held run is conditional on the run
+still being `running`, claimed by the writer and carrying the writer's token.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+from psycopg import errors
+
+from everystep.db import libpq, queries
+from everystep.db.rows import (
+    BatchEnd,
+    Claim,
+    ClaimedRun,
+    Ended,
+    EndedRuns,
+    EndWrite,
+    StepRow,
+    StepWrite,
+    Written,
+)
+from everystep.db.session import Executor
+
+# ---------------------------------------------------------------- waiting for runs
+
+
+def wait_for_runs(conn: psycopg.Connection, runner: str) -> None:
+    """Register a worker as waiting for runs (it has a free slot), so that
+    scheduling transactions notify. Taking the wake lock exclusively waits
+    for the scheduling transactions in flight: a claim after this returns
+    sees their runs, and every later one sees the registration. Own
+    transaction (the control connection is in autocommit)."""
+    with conn.transaction():
+        conn.execute(queries.get("wake_lock_exclusive"), {})
+        conn.execute(queries.get("register_waiting"), {"runner": runner})
+
+
+def stop_waiting(conn: psycopg.Connection, runner: str) -> None:
+    """The worker's slots are full: scheduling needs not wake it."""
+    conn.execute(queries.get("stop_waiting"), {"runner": runner})
+
+
+# ---------------------------------------------------------------- claiming
+
+
+def routes_of(patterns: list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """The LIKE patterns of shell-style workflow name patterns (`*` any run
+    of characters, `?` one character), or None for "every workflow"."""
+    if patterns is None:
+        return None
+    like = []
+    for pattern in patterns:
+        escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        like.append(escaped.replace("*", "%").replace("?", "_"))
+    return like
+
+
+def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] | None = None) -> list[ClaimedRun]:
+    """Claim up to `limit` scheduled runs, oldest first, with their recorded
+    steps: of unlimited workflows, and of limited ones as far as they have
+    free slots; only of workflows matching `routes` (LIKE patterns, see
+    `routes_of`; None: all)."""
+    rows = conn.execute(queries.get("claim"), {"runner": runner, "limit": limit, "routes": routes},
+                        prepare=True).fetchall()
+    runs = [ClaimedRun(*row) for row in rows]
+    runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
+    return runs
+
+
+def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None]) -> None:
+    """Write the concurrency limit of each workflow (None: no limit), in one
+    transaction: its row and its slots 1..N. Lowering a limit drops the slots
+    above it; a run still running in one finishes."""
+    limited = {name: n for name, n in limits.items() if n is not None}
+    with conn.transaction():
+        conn.execute(queries.get("drop_limits"), {"names": [name for name, n in limits.items() if n is None]})
+        if not limited:
+            return
+        params = {"names": list(limited), "counts": list(limited.values())}
+        conn.execute(queries.get("put_limits"), params)
+        conn.execute(queries.get("drop_slots_above"), params)
+        conn.execute(queries.get("add_slots"), params)
+        conn.execute(queries.get("notify"), {})  # a raised limit may make runs claimable
+
+
+def limits(conn: psycopg.Connection) -> dict[str, int]:
+    """The concurrency limits in force, by workflow name."""
+    return dict(conn.execute(queries.get("limits"), {}).fetchall())
+
+
+# ---------------------------------------------------------------- what a runner holds
+
+
+def reclaim_held(conn: psycopg.Connection, runner: str, executing: list[int] = ()) -> list[ClaimedRun]:
+    """Claim again, with new tokens, the runs `running` under this runner's
+    name that none of its live executions (`executing`: their tokens) holds:
+    left by its previous incarnation, or claimed by a write whose answer was
+    lost. Oldest first."""
+    rows = conn.execute(queries.get("reclaim_held"), {"runner": runner, "executing": list(executing)}).fetchall()
+    runs = [ClaimedRun(*row) for row in rows]
+    runs.sort(key=lambda r: r.id)
+    return runs
+
+
+def held_claims(conn: psycopg.Connection, runner: str) -> list[Claim]:
+    """The runs `running` under this runner's name, with their tokens."""
+    return [Claim(*row) for row in conn.execute(queries.get("held_claims"), {"runner": runner})]
+
+
+def running_claimers(conn: psycopg.Connection) -> list[str]:
+    """Every distinct claimer of a running run."""
+    return [row[0] for row in conn.execute(queries.get("running_claimers"), {})]
+
+
+def count_crashes(
+    conn: psycopg.Connection, claimer: str, claims: list[Claim], max_crashes: int, poison_error: str
+) -> list[uuid.UUID]:
+    """Count one crash (a claim that ended with its worker dead) for each of
+    these runs still held under `claimer` with the same token. The count
+    restarts when the run recorded new steps since its last crash. Runs that
+    reach `max_crashes` are failed with `poison_error`; returns them."""
+    if not claims:
+        return []
+    with conn.transaction():
+        rows = conn.execute(queries.get("count_crashes"), {
+            "ids": [c.id for c in claims], "tokens": [c.token for c in claims], "claimer": claimer}).fetchall()
+        poisoned = [run_id for run_id, crashes in rows if crashes >= max_crashes]
+        if not poisoned:
+            return []
+        failed = conn.execute(queries.get("fail_poisoned"),
+                              {"error": poison_error, "ids": poisoned, "claimer": claimer}).fetchall()
+    return [row[0] for row in failed]
+
+
+# ---------------------------------------------------------------- group commit
+# The step rows and run ends of many executions of one runner (every run
+# thread of a worker process) in one statement and one commit: see
+# everystep.writer. Each row is fenced by its own execution's token; a row
+# whose fence fails is reported to its own execution only.
+
+_RECORD_STEPS = libpq.hot("record_steps")
+_END_RUNS = libpq.hot("end_runs")
+_END_UNLIMITED_RUNS = libpq.hot("end_unlimited_runs")
+
+
+def _step_columns(rows: list[StepRow | None]) -> dict[str, str]:
+    """The columns of step rows as array parameters (None rows: all NULL)."""
+    return {field: libpq.array_literal([None if row is None else row[i] for row in rows])
+            for i, field in enumerate(StepRow._fields)}
+
+
+def record_steps(conn: psycopg.Connection, runner: str, steps: list[StepWrite]) -> list[Written | bool]:
+    """Write step rows of `runner`'s executions in one statement: for each,
+    Written, or False (not held by its execution, or the row exists)."""
+    result = libpq.run(conn, _RECORD_STEPS, {
+        "runs": libpq.array_literal([w.run for w in steps]), "tokens": libpq.array_literal([w.token for w in steps]),
+        "runner": runner, **_step_columns([w.row for w in steps])})
+    seen = {int(result.get_value(i, 0)): result.get_value(i, 1) == b"t" for i in range(result.ntuples)}
+    return [Written(seen[n]) if n in seen else False for n in range(1, len(steps) + 1)]
+
+
+def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes: list[str] | None,
+             unlimited_only: bool = False) -> EndedRuns:
+    """End runs of `runner`'s executions in one statement, claiming their
+    successors. `routes`: the workflows a successor may be of (see `claim`);
+    `unlimited_only`: of workflows without a concurrency limit only (a
+    smaller statement, see queue.sql: end_unlimited_runs)."""
+    result = libpq.run(conn, _END_UNLIMITED_RUNS if unlimited_only else _END_RUNS, {
+        "runs": libpq.array_literal([e.run for e in ends]), "tokens": libpq.array_literal([e.token for e in ends]),
+        "statuses": libpq.array_literal([e.status for e in ends]),
+        "results": libpq.array_literal([e.result for e in ends]),
+        "errors": libpq.array_literal([e.error for e in ends]),
+        "claims": libpq.array_literal(["t" if e.claim else "f" for e in ends]), "runner": runner,
+        "routes": libpq.array_literal(routes), **_step_columns([e.last_step for e in ends])})
+    successors = libpq.claimed_runs(conn, result, first_column=3)
+    receivers, statuses, exists, limited_waiting = [], {}, set(), False
+    for i in range(result.ntuples):
+        kind = result.get_value(i, 0)
+        if kind == b"h":
+            receivers.append(int(result.get_value(i, 1)))
+        elif kind == b"e":
+            statuses[int(result.get_value(i, 1))] = result.get_value(i, 2).decode()
+        elif kind == b"s":
+            exists.add(int(result.get_value(i, 1)))
+        elif kind == b"l":
+            limited_waiting = True
+    successors.sort(key=lambda r: r.id)  # UUIDv7: the oldest to the first asking
+    given = dict(zip(sorted(receivers), successors))
+    return EndedRuns([BatchEnd(statuses.get(n), n in exists, given.get(n)) for n in range(1, len(ends) + 1)],
+                     limited_waiting)
+
+
+def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:
+    """Record one step's outcome (`done`/`failed`), or the `started` mark of
+    an unsafe-to-repeat step, with the token of the execution that wrote it:
+    record_steps with one step. The unique (workflow, step_id) makes this
+    insert the claim on the step: False if the run is not held by this
+    execution or the row exists."""
+    return record_steps(conn, runner, [StepWrite(run, token, row)])[0]
+
+
+def finish_run(
+    conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, status: str, result: str | None,
+    error: str | None, last_step: StepRow | None = None, claim: bool = False, routes: list[str] | None = None,
+) -> Ended | None:
+    """End one held run (completed/failed/stopped/blocked, or cancelled) with
+    the row of its last step when that is not written yet and, with `claim`,
+    claim the next run for the slot it frees: end_runs with one end.
+    Returns the end and the runs claimed, or None if the run was not held by
+    this execution (nothing was written). Raises UniqueViolation (nothing
+    written) if the last step's row exists already. `routes`: as for `claim`."""
+    (end,) = end_runs(conn, runner, [EndWrite(run, token, status, result, error, last_step, claim)],
+                      routes).finished
+    if end.step_exists:
+        raise errors.UniqueViolation(f"step {last_step.step_id!r} of run {run} exists already")
+    if end.status is None:
+        return None
+    return Ended(end.status, [end.successor] if end.successor else [])
+
+
+# ---------------------------------------------------------------- requeues
+
+
+def requeue_held(conn: Executor, runner: str, claims: list[Claim]) -> list[uuid.UUID]:
+    """Put runs held by these executions of `runner` back to `scheduled`
+    (drain, a dead claimer's runs); returns those that matched."""
+    rows = conn.execute(queries.get("requeue_held"), {
+        "ids": [c.id for c in claims], "tokens": [c.token for c in claims], "runner": runner}).fetchall()
+    return [row[0] for row in rows]
+
+
+def requeue_claimer(conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
+    """Requeue every running run of a claimer whose lock the caller holds and
+    none of whose executions can write any more (a worker's own shutdown)."""
+    return [row[0] for row in conn.execute(queries.get("requeue_claimer"), {"claimer": claimer}).fetchall()]
+
+
+def requeue_from_dead_claimers(conn: psycopg.Connection, claims: list[tuple[uuid.UUID, str | None]]) -> list[uuid.UUID]:
+    """Put `running` runs back to `scheduled`, each only if it is still claimed
+    by the given claimer (one the caller found dead and whose lock it holds).
+    Returns the runs that matched."""
+    rows = conn.execute(queries.get("requeue_from_dead_claimers"), {
+        "ids": [run for run, _ in claims], "claimers": [claimer for _, claimer in claims]}).fetchall()
+    return [row[0] for row in rows]
+
+
+def next_due_in(conn: psycopg.Connection) -> float | None:
+    """Seconds until the earliest waiting run becomes due, by the database's
+    clock (<= 0: one is due now), or None when nothing waits."""
+    row = conn.execute(queries.get("next_due_in"), {}, prepare=True).fetchone()
+    return None if row[0] is None else float(row[0])

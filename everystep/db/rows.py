@@ -1,0 +1,175 @@
+"""What the data layer's functions take and return: one NamedTuple per
+kind of row, so that nothing positional leaves the layer. Rows read whole
+(a run, a schedule, a page of the UI) are dicts keyed by column name."""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from typing import Any, NamedTuple
+
+import psycopg
+
+# ---------------------------------------------------------------- claims
+
+
+class ClaimedRun(NamedTuple):
+    id: uuid.UUID
+    name: str
+    args: Any  # stored JSON, not yet decoded
+    steps: list  # [[step_id, name, status, result, error, attempts], ...] as stored
+    token: int  # the execution token of this claim
+    cancel_requested: bool = False  # a cancel request was on the run when it was claimed
+    claimed_at: float = 0.0  # the database's time of the claim (epoch seconds)
+
+
+class Claim(NamedTuple):
+    """A run held by a claimer, as its row says: which run, which execution."""
+    id: uuid.UUID
+    token: int | None  # None: claimed before execution tokens existed
+
+
+# ---------------------------------------------------------------- step rows and ends of runs
+
+
+class StepRow(NamedTuple):
+    """A step row as the runner writes it: JSON as text, times as epoch seconds."""
+    step_id: str
+    name: str
+    args: str
+    kwargs: str
+    status: str  # done, failed, or started (an unsafe step's mark)
+    result: str | None
+    error: str | None
+    started_at: float
+    finished_at: float | None  # None while `started`
+
+
+class Written(NamedTuple):
+    """A fenced step write went through; the run's row said whether a cancel
+    is requested (learnt with the write, at no extra round trip)."""
+    cancel_requested: bool
+
+
+class Attempt(NamedTuple):
+    cancel_requested: bool
+    attempt: dict  # {"attempt": n, "error": {...}, "at": epoch, "retry_at": epoch}, database time
+
+
+class StepWrite(NamedTuple):
+    """One step row of a group commit (record_steps), fenced by its execution's token."""
+    run: uuid.UUID
+    token: int
+    row: StepRow
+
+
+class EndWrite(NamedTuple):
+    """One end of a run of a group commit (end_runs), fenced by its execution's token."""
+    run: uuid.UUID
+    token: int
+    status: str
+    result: str | None
+    error: str | None
+    last_step: StepRow | None
+    claim: bool  # claim a successor for the slot this end frees
+
+
+class BatchEnd(NamedTuple):
+    status: str | None  # the run's end as written; None: not written (see why_not_written)
+    step_exists: bool  # not written because its last step's row is there already
+    successor: ClaimedRun | None  # claimed for this slot (it is this execution's to run, even if status is None)
+
+
+class EndedRuns(NamedTuple):
+    finished: list[BatchEnd]  # for each end
+    limited_waiting: bool  # (unlimited_only) a limited workflow has runs to claim: use the whole claim
+
+
+class Ended(NamedTuple):
+    status: str  # the run's end as written: `cancelled` when a cancel request was on the row
+    claimed: list[ClaimedRun]  # the successor claimed for the slot, if any
+
+
+class TracedExecution(NamedTuple):
+    context: dict  # the run's stored trace context
+    number: int  # which traced execution of the run this is (1, 2, ...)
+
+
+class StepState(NamedTuple):
+    name: str
+    status: str
+
+
+# ---------------------------------------------------------------- time, waits, messages
+
+
+class Sleep(NamedTuple):
+    wake_at: float  # epoch seconds, database time
+    now: float  # the database's time of the write
+
+
+class Parking(NamedTuple):
+    parked: bool  # the run is `waiting` until its due time; this execution is over
+    cancel_requested: bool  # not parked: a cancel request is on the run
+    # neither: the time has come already (by the database's clock)
+
+
+class Wait(NamedTuple):
+    """The answer of a fenced write about a wait (truthy: the run is held)."""
+    result: Any  # the wait's recorded result (JSON data), None while nothing came
+    wakes: int  # the run's message count as this statement saw it
+    now: float  # the database's time (epoch seconds)
+
+
+class Sent(NamedTuple):
+    status: str | None  # the run's status; None: no such run
+    created: bool  # this call stored the message (False: terminal run, or the key sent it already)
+
+
+class EventValue(NamedTuple):
+    status: str | None  # the run's status; None: no such run
+    found: bool  # the event is set
+    value: Any  # its value as JSON data
+
+
+# ---------------------------------------------------------------- scheduling and control
+
+
+class Scheduled(NamedTuple):
+    id: uuid.UUID
+    created: bool  # False: an existing run of the same (name, idempotency key)
+
+
+class CancelOutcome(NamedTuple):
+    status: str | None  # the run's status after the call; None: no such run
+    changed: bool  # this call cancelled it, or requested its cancel
+
+
+# ---------------------------------------------------------------- observability and the UI
+
+
+class QueueStats(NamedTuple):
+    pending: int  # claimable now: scheduled, or waiting and due
+    running: int
+    blocked: int
+    oldest_pending_age_seconds: float  # database time; 0 when nothing is pending
+    waiting: int = 0  # waiting for their time (delayed starts, sleeps, retry back-offs)
+
+
+class RunFilter(NamedTuple):
+    """What the UI's run list is narrowed by; None: no condition."""
+
+    status: str | None = None
+    workflow: str | None = None
+    since: datetime.datetime | None = None  # created at or after
+    until: datetime.datetime | None = None  # created before
+    run_id: uuid.UUID | None = None
+    idempotency_key: str | None = None
+    args_contain: str | None = None  # JSON text: args @> it
+    before: tuple[datetime.datetime, uuid.UUID] | None = None  # keyset cursor: (created_at, id) of the last row shown
+
+
+def dicts(cur: psycopg.Cursor) -> list[dict]:
+    """A result's rows as dicts keyed by column name."""
+    names = [c.name for c in cur.description]
+    return [dict(zip(names, row)) for row in cur]

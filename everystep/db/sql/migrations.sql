@@ -1,0 +1,21 @@
+-- The migration applier's own statements (everystep/db/migrations.py). The
+-- migrations themselves are the numbered files of everystep/migrations/.
+
+
+-- name: migration_lock
+-- Concurrent migrators of one schema queue up (until the transaction ends).
+SELECT pg_advisory_xact_lock(hashtextextended('everystep:migrate:' || current_schema(), 0));
+
+-- name: create_migration_ledger
+CREATE TABLE IF NOT EXISTS everystep_migration (
+    name       text PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: applied_migrations
+SELECT name
+FROM everystep_migration;
+
+-- name: record_migration
+INSERT INTO everystep_migration (name)
+VALUES (%(name)s);

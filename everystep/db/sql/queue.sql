@@ -1,0 +1,637 @@
+-- The queue: waiting for runs, claiming them (with the slots of limited
+-- workflows), the limits themselves, taking back what a runner holds,
+-- counting crashes, the group-committed step rows and ends of runs, and
+-- requeues. Read by everystep/db/queue.py.
+--
+-- Terms used throughout:
+--   claimable  a run with status IN ('scheduled', 'waiting') AND due_at <= now(),
+--              taken in (due_at, id) order: the partial index
+--              everystep_workflow_ready (due_at, id) makes that a range scan
+--              that never reads a run not due yet and stops at the first
+--              unlocked entry.
+--   claimable of one workflow  the same with the due time compared as
+--              (w.name, w.due_at) <= (name, now()), which only
+--              everystep_workflow_due_by_name (name, due_at, id) can serve.
+--              Given a name, the planner cannot tell how many claimable runs
+--              are that workflow's; walking the ready index for them would
+--              read every claimable run of every other workflow first.
+--   routed     (routes IS NULL OR w.name LIKE ANY(routes)): the workflows a
+--              claimer runs, as LIKE patterns (NULL: all).
+--   "running"  written as (status = 'running') IS TRUE in the fenced lookups
+--              of a run by its primary key, so that no index on status can
+--              serve them: seeing few running rows, the planner would
+--              otherwise walk the running entries of the status index (dead
+--              ones included, thousands of them between two vacuums under
+--              load) rather than look the run up.
+--   notify     pg_notify('everystep:' || current_schema(), ''): a channel per
+--              schema, so deployments sharing a database (or test schemas)
+--              do not wake each other's workers.
+
+
+-- name: wake_lock_exclusive
+-- Taken exclusively by a worker registering as waiting for runs: it waits
+-- for the scheduling transactions in flight, which hold it shared (in
+-- everystep_wake, 0008_perf.sql).
+SELECT pg_advisory_xact_lock(hashtextextended('everystep:wake:' || current_schema(), 0));
+
+-- name: register_waiting
+INSERT INTO everystep_waiting (runner)
+VALUES (%(runner)s)
+ON CONFLICT DO NOTHING;
+
+-- name: stop_waiting
+DELETE FROM everystep_waiting
+WHERE runner = %(runner)s;
+
+
+-- name: claim
+-- Claim up to `limit` claimable runs for `runner`, with the slots of limited
+-- workflows they need, and return each with its recorded steps.
+--
+-- free .. picked choose the runs: `unlimited` the claimable runs of workflows
+-- without a limit, `limited` those of limited workflows as far as `free`
+-- found free slots for them, `ranked`/`numbered`/`first` pair each limited
+-- run with a slot and keep the oldest `limit`, `picked` gives each a new
+-- execution token.
+--
+-- A slot is free when its last run is not running in it any more. A claim
+-- that committed after this statement's snapshot was taken has written its
+-- newer token on the slot row: the row lock then re-checks the condition on
+-- that version, against the run as the snapshot shows it, whose token is
+-- older than the slot's (or NULL): busy. The scalar subquery keeps the check
+-- a subplan re-evaluated on that recheck (an anti-join would not be). A
+-- claim locks no more free slots than it may claim runs, and only slots of
+-- workflows with claimable runs, so concurrent claims do not lock each other
+-- out of slots they could use.
+--
+-- The OFFSET 0 keep the two (NOT) EXISTS tests subplans run per row: turned
+-- into joins, they let the planner (which cannot know that everystep_limit
+-- is small or empty) read and sort every claimable run instead of walking
+-- the ready index to the first unlocked entry.
+--
+-- The steps come as one JSON array: ARRAY(...) rather than json_agg, no
+-- aggregate to set up on every claim, and most claimed runs have no steps.
+WITH
+    free AS (
+        SELECT s.name, s.slot
+        FROM everystep_slot s
+        WHERE ((SELECT count(*)
+                FROM everystep_workflow h
+                WHERE h.id = s.run_id
+                  AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0)
+          AND EXISTS (SELECT 1
+                      FROM everystep_workflow w
+                      WHERE status IN ('scheduled', 'waiting') AND w.name = s.name
+                        AND (w.name, w.due_at) <= (s.name, now())
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                      OFFSET 0)
+        LIMIT %(limit)s
+        FOR UPDATE OF s SKIP LOCKED
+    ),
+    room AS (
+        SELECT name, count(*) AS n
+        FROM free
+        GROUP BY name
+    ),
+    unlimited AS (
+        SELECT w.id, w.name, w.due_at
+        FROM everystep_workflow w
+        WHERE status IN ('scheduled', 'waiting') AND due_at <= now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+        ORDER BY due_at, w.id
+        LIMIT %(limit)s
+        FOR UPDATE OF w SKIP LOCKED
+    ),
+    limited AS (
+        SELECT w.id, w.name, w.due_at
+        FROM room
+        CROSS JOIN LATERAL (
+            SELECT w.id, w.name, w.due_at
+            FROM everystep_workflow w
+            WHERE status IN ('scheduled', 'waiting') AND w.name = room.name
+              AND (w.name, w.due_at) <= (room.name, now())
+              AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+            ORDER BY due_at, w.id
+            LIMIT least(room.n, %(limit)s)
+            FOR UPDATE OF w SKIP LOCKED
+        ) w
+    ),
+    ranked AS (
+        SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k
+        FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate
+    ),
+    numbered AS (
+        SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k
+        FROM free
+    ),
+    first AS (
+        SELECT r.id, f.name AS slot_name, f.slot
+        FROM ranked r
+        LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
+        ORDER BY r.due_at, r.id
+        LIMIT %(limit)s
+    ),
+    picked AS MATERIALIZED (
+        SELECT id, slot_name, slot, nextval('everystep_claim_token') AS token
+        FROM first
+    ),
+    took AS (
+        UPDATE everystep_slot s
+        SET run_id = p.id, token = p.token
+        FROM picked p
+        WHERE s.name = p.slot_name AND s.slot = p.slot
+    )
+UPDATE everystep_workflow w
+SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = p.slot
+FROM picked p
+WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
+RETURNING w.id, w.name, w.args,
+    to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
+                  FROM everystep_step s
+                  WHERE s.workflow_id = w.id)),
+    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8;
+
+
+-- name: drop_limits
+-- The workflows whose limit was removed: their slots go with them (FK cascade).
+DELETE FROM everystep_limit
+WHERE name = ANY(%(names)s);
+
+-- name: put_limits
+INSERT INTO everystep_limit (name, concurrency)
+SELECT * FROM unnest(%(names)s::text[], %(counts)s::int[])
+ON CONFLICT (name) DO UPDATE
+SET concurrency = EXCLUDED.concurrency, updated_at = now()
+WHERE everystep_limit.concurrency <> EXCLUDED.concurrency;
+
+-- name: drop_slots_above
+-- A lowered limit: a run still running in a dropped slot finishes.
+DELETE FROM everystep_slot s
+USING unnest(%(names)s::text[], %(counts)s::int[]) AS l(name, n)
+WHERE s.name = l.name AND s.slot > l.n;
+
+-- name: add_slots
+INSERT INTO everystep_slot (name, slot)
+SELECT l.name, generate_series(1, l.n)
+FROM unnest(%(names)s::text[], %(counts)s::int[]) AS l(name, n)
+ON CONFLICT DO NOTHING;
+
+-- name: notify
+-- Wake the claimers: a raised limit, a resolved step may make runs claimable.
+SELECT pg_notify('everystep:' || current_schema(), '');
+
+-- name: limits
+SELECT name, concurrency
+FROM everystep_limit
+ORDER BY name;
+
+
+-- name: reclaim_held
+-- New tokens for the runs `running` under this runner's name that none of
+-- its live executions holds (their tokens: `executing`), returned as claimed.
+UPDATE everystep_workflow w
+SET claim_token = nextval('everystep_claim_token')
+WHERE w.status = 'running' AND w.claimed_by = %(runner)s
+  AND (w.claim_token IS NULL OR w.claim_token <> ALL(%(executing)s::bigint[]))
+RETURNING w.id, w.name, w.args,
+    to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
+                  FROM everystep_step s
+                  WHERE s.workflow_id = w.id)),
+    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8;
+
+-- name: held_claims
+SELECT id, claim_token
+FROM everystep_workflow
+WHERE status = 'running' AND claimed_by = %(runner)s;
+
+-- name: running_claimers
+SELECT DISTINCT claimed_by
+FROM everystep_workflow
+WHERE status = 'running' AND claimed_by IS NOT NULL;
+
+
+-- name: count_crashes
+-- One crash more for each claim still held under the same token; the count
+-- restarts when the run recorded new steps since its last crash.
+INSERT INTO everystep_crash (workflow_id, crashes, steps_seen)
+SELECT w.id, 1, (SELECT count(*) FROM everystep_step s WHERE s.workflow_id = w.id)
+FROM everystep_workflow w
+JOIN unnest(%(ids)s::uuid[], %(tokens)s::bigint[]) AS c(id, token) ON w.id = c.id
+WHERE w.status = 'running' AND w.claimed_by = %(claimer)s AND w.claim_token IS NOT DISTINCT FROM c.token
+ON CONFLICT (workflow_id) DO UPDATE
+SET crashes = CASE WHEN everystep_crash.steps_seen = EXCLUDED.steps_seen
+                   THEN everystep_crash.crashes + 1 ELSE 1 END,
+    steps_seen = EXCLUDED.steps_seen
+RETURNING workflow_id, crashes;
+
+-- name: fail_poisoned
+UPDATE everystep_workflow
+SET status = 'failed', completed_at = now(), error = %(error)s::jsonb
+WHERE id = ANY(%(ids)s) AND status = 'running' AND claimed_by = %(claimer)s
+RETURNING id;
+
+
+-- name: record_steps
+-- Step rows of several runs of one runner (group commit, see
+-- everystep/writer.py), each fenced by its own execution's token: the FOR
+-- SHARE of its run row keeps a requeue and the write from both winning.
+-- The input rows come as parallel arrays (one element per write, numbered
+-- n = 1, 2, ...); returns the rows written, with the cancel request seen on
+-- their run. Run through libpq's prepared path (everystep/db/libpq.py).
+WITH
+    i AS (
+        SELECT *
+        FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(step_id)s::text[], %(name)s::text[],
+                    %(args)s::text[], %(kwargs)s::text[], %(status)s::text[], %(result)s::text[],
+                    %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[])
+            WITH ORDINALITY AS i(run, token, step_id, step_name, args, kwargs, step_status, step_result,
+                                 step_error, started_at, finished_at, n)
+    ),
+    w AS (
+        SELECT id, claim_token, cancel_requested_at
+        FROM everystep_workflow
+        WHERE id = ANY(%(runs)s::uuid[]) AND (status = 'running') IS TRUE AND claimed_by = %(runner)s
+        FOR SHARE
+    ),
+    ins AS (
+        INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
+                                    started_at, finished_at)
+        SELECT i.run, i.step_id, i.step_name, i.args::jsonb, i.kwargs::jsonb, i.step_status, i.step_result::jsonb,
+               i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)
+        FROM i
+        JOIN w ON w.id = i.run AND w.claim_token = i.token
+        ON CONFLICT (workflow_id, step_id) DO NOTHING
+        RETURNING workflow_id, step_id
+    )
+SELECT i.n, w.cancel_requested_at IS NOT NULL
+FROM ins
+JOIN i ON i.run = ins.workflow_id AND i.step_id = ins.step_id
+JOIN w ON w.id = i.run;
+
+
+-- name: end_runs
+-- Ending several runs of one runner (group commit), each fenced by its own
+-- token, each with the row of its last step when it has one (not ended if
+-- that row is there already), and claiming one successor per ended run that
+-- asks for one: the CTEs free .. took of `claim`, gated and counted by
+-- `held` (the runs this statement's snapshot shows held by their
+-- executions). For `free`, the slot of a run this statement ends is free
+-- too (the snapshot still shows it running). The claim runs first, before
+-- the ending UPDATE can wait on a row lock: a snapshot grown stale in such a
+-- wait would make the claim lock runs other claimers took meanwhile, and
+-- hold those locks to the commit (a failed recheck keeps its lock), stalling
+-- their ends in turn.
+--
+-- A cancel request that reached the row before the end wins over every
+-- other end: the run is `cancelled` (what the body returned or raised is
+-- kept in result/error). Children that ended wake their parents; a parent
+-- parked on one of them is due.
+--
+-- Rows: ('c', NULL, NULL, claimed run...) for the successors; ('h', n) for
+-- the ends that asked for one, in order (the successors are theirs in that
+-- order); ('e', n, status) for the ends written; ('s', n) for the ends whose
+-- last step's row exists; ('n') when a limited run that ended freed a slot
+-- no successor took, or a parent became due: the claimers are woken.
+-- Run through libpq's prepared path (everystep/db/libpq.py).
+WITH
+    i AS (
+        SELECT *
+        FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
+                    %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
+                    %(args)s::text[], %(kwargs)s::text[], %(status)s::text[], %(result)s::text[],
+                    %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[])
+            WITH ORDINALITY AS i(run, token, status, result, error, claim, step_id, step_name, args, kwargs,
+                                 step_status, step_result, step_error, started_at, finished_at, n)
+    ),
+    fenced AS MATERIALIZED (
+        SELECT i.*, w.name AS workflow, w.slot,
+               i.step_id IS NOT NULL AND EXISTS (SELECT 1
+                                                 FROM everystep_step s
+                                                 WHERE s.workflow_id = i.run AND s.step_id = i.step_id)
+                   AS step_exists
+        FROM i
+        JOIN everystep_workflow w ON w.id = i.run
+        WHERE w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE AND w.claimed_by = %(runner)s
+          AND w.claim_token = i.token
+    ),
+    held AS (
+        SELECT *
+        FROM fenced
+        WHERE NOT step_exists
+    ),
+    free AS (
+        SELECT s.name, s.slot
+        FROM everystep_slot s
+        WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
+          AND ((SELECT count(*)
+                FROM everystep_workflow h
+                WHERE h.id = s.run_id
+                  AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
+               OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot))
+          AND EXISTS (SELECT 1
+                      FROM everystep_workflow w
+                      WHERE status IN ('scheduled', 'waiting') AND w.name = s.name
+                        AND (w.name, w.due_at) <= (s.name, now())
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                      OFFSET 0)
+        LIMIT (SELECT count(*) FROM held WHERE held.claim)
+        FOR UPDATE OF s SKIP LOCKED
+    ),
+    room AS (
+        SELECT name, count(*) AS n
+        FROM free
+        GROUP BY name
+    ),
+    unlimited AS (
+        SELECT w.id, w.name, w.due_at
+        FROM everystep_workflow w
+        WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
+          AND status IN ('scheduled', 'waiting') AND due_at <= now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+        ORDER BY due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim)
+        FOR UPDATE OF w SKIP LOCKED
+    ),
+    limited AS (
+        SELECT w.id, w.name, w.due_at
+        FROM room
+        CROSS JOIN LATERAL (
+            SELECT w.id, w.name, w.due_at
+            FROM everystep_workflow w
+            WHERE status IN ('scheduled', 'waiting') AND w.name = room.name
+              AND (w.name, w.due_at) <= (room.name, now())
+              AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+            ORDER BY due_at, w.id
+            LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
+            FOR UPDATE OF w SKIP LOCKED
+        ) w
+    ),
+    ranked AS (
+        SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k
+        FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate
+    ),
+    numbered AS (
+        SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k
+        FROM free
+    ),
+    first AS (
+        SELECT r.id, f.name AS slot_name, f.slot
+        FROM ranked r
+        LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
+        ORDER BY r.due_at, r.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim)
+    ),
+    picked AS MATERIALIZED (
+        SELECT id, slot_name, slot, nextval('everystep_claim_token') AS token
+        FROM first
+    ),
+    took AS (
+        UPDATE everystep_slot s
+        SET run_id = p.id, token = p.token
+        FROM picked p
+        WHERE s.name = p.slot_name AND s.slot = p.slot
+    ),
+    claimed AS (
+        UPDATE everystep_workflow w
+        SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = p.slot
+        FROM picked p
+        WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
+        RETURNING w.id, w.name, w.args,
+            to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
+                          FROM everystep_step s
+                          WHERE s.workflow_id = w.id)),
+            w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8
+    ),
+    ended AS (
+        UPDATE everystep_workflow w
+        SET status = CASE WHEN w.cancel_requested_at IS NULL THEN h.status ELSE 'cancelled' END,
+            result = h.result::jsonb,
+            error = h.error::jsonb,
+            completed_at = CASE WHEN h.status = 'blocked' AND w.cancel_requested_at IS NULL THEN NULL ELSE now() END
+        FROM held h
+        WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
+          AND w.claimed_by = %(runner)s
+          AND w.claim_token = h.token
+        RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id
+    ),
+    step AS (
+        INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
+                                    started_at, finished_at)
+        SELECT i.run, i.step_id, i.step_name, i.args::jsonb, i.kwargs::jsonb, i.step_status, i.step_result::jsonb,
+               i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)
+        FROM ended
+        JOIN i USING (n)
+        WHERE i.step_id IS NOT NULL
+        ON CONFLICT (workflow_id, step_id) DO NOTHING
+    ),
+    woke AS (
+        UPDATE everystep_workflow p
+        SET wakes = p.wakes + 1,
+            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END
+        FROM (SELECT parent_id, array_agg('child:' || id) AS waits
+              FROM ended
+              WHERE parent_id IS NOT NULL
+              GROUP BY parent_id) e
+        WHERE p.id = e.parent_id
+        RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due
+    )
+SELECT 'c', NULL::bigint, NULL::text, claimed.*
+FROM claimed
+UNION ALL
+SELECT 'h', n, NULL,
+       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+FROM held
+WHERE claim
+UNION ALL
+SELECT 'e', n, status,
+       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+FROM ended
+UNION ALL
+SELECT 's', n, NULL,
+       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+FROM fenced
+WHERE step_exists
+UNION ALL
+SELECT 'n', NULL, (pg_notify('everystep:' || current_schema(), ''))::text,
+       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+WHERE EXISTS (SELECT FROM ended
+              WHERE ended.slot IS NOT NULL
+                AND NOT EXISTS (SELECT FROM picked WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))
+   OR EXISTS (SELECT FROM woke WHERE due);
+
+
+-- name: end_unlimited_runs
+-- end_runs with successors of workflows without a concurrency limit only:
+-- no slots (`free` .. `numbered` are gone, `picked` takes the unlimited runs
+-- as they come), a plan about half the size, which is what PostgreSQL sets
+-- up again at every execution. One row more, ('l'), when a limited workflow
+-- has runs to claim: the caller then goes back to end_runs for a while.
+-- Run through libpq's prepared path (everystep/db/libpq.py).
+WITH
+    i AS (
+        SELECT *
+        FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
+                    %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
+                    %(args)s::text[], %(kwargs)s::text[], %(status)s::text[], %(result)s::text[],
+                    %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[])
+            WITH ORDINALITY AS i(run, token, status, result, error, claim, step_id, step_name, args, kwargs,
+                                 step_status, step_result, step_error, started_at, finished_at, n)
+    ),
+    fenced AS MATERIALIZED (
+        SELECT i.*, w.name AS workflow, w.slot,
+               i.step_id IS NOT NULL AND EXISTS (SELECT 1
+                                                 FROM everystep_step s
+                                                 WHERE s.workflow_id = i.run AND s.step_id = i.step_id)
+                   AS step_exists
+        FROM i
+        JOIN everystep_workflow w ON w.id = i.run
+        WHERE w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE AND w.claimed_by = %(runner)s
+          AND w.claim_token = i.token
+    ),
+    held AS (
+        SELECT *
+        FROM fenced
+        WHERE NOT step_exists
+    ),
+    unlimited AS (
+        SELECT w.id, w.name, w.due_at
+        FROM everystep_workflow w
+        WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
+          AND status IN ('scheduled', 'waiting') AND due_at <= now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+        ORDER BY due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim)
+        FOR UPDATE OF w SKIP LOCKED
+    ),
+    picked AS MATERIALIZED (
+        SELECT id, NULL::varchar AS slot_name, NULL::integer AS slot, nextval('everystep_claim_token') AS token
+        FROM unlimited
+    ),
+    claimed AS (
+        UPDATE everystep_workflow w
+        SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = p.slot
+        FROM picked p
+        WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
+        RETURNING w.id, w.name, w.args,
+            to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
+                          FROM everystep_step s
+                          WHERE s.workflow_id = w.id)),
+            w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8
+    ),
+    ended AS (
+        UPDATE everystep_workflow w
+        SET status = CASE WHEN w.cancel_requested_at IS NULL THEN h.status ELSE 'cancelled' END,
+            result = h.result::jsonb,
+            error = h.error::jsonb,
+            completed_at = CASE WHEN h.status = 'blocked' AND w.cancel_requested_at IS NULL THEN NULL ELSE now() END
+        FROM held h
+        WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
+          AND w.claimed_by = %(runner)s
+          AND w.claim_token = h.token
+        RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id
+    ),
+    step AS (
+        INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
+                                    started_at, finished_at)
+        SELECT i.run, i.step_id, i.step_name, i.args::jsonb, i.kwargs::jsonb, i.step_status, i.step_result::jsonb,
+               i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)
+        FROM ended
+        JOIN i USING (n)
+        WHERE i.step_id IS NOT NULL
+        ON CONFLICT (workflow_id, step_id) DO NOTHING
+    ),
+    woke AS (
+        UPDATE everystep_workflow p
+        SET wakes = p.wakes + 1,
+            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END
+        FROM (SELECT parent_id, array_agg('child:' || id) AS waits
+              FROM ended
+              WHERE parent_id IS NOT NULL
+              GROUP BY parent_id) e
+        WHERE p.id = e.parent_id
+        RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due
+    )
+SELECT 'c', NULL::bigint, NULL::text, claimed.*
+FROM claimed
+UNION ALL
+SELECT 'h', n, NULL,
+       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+FROM held
+WHERE claim
+UNION ALL
+SELECT 'e', n, status,
+       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+FROM ended
+UNION ALL
+SELECT 's', n, NULL,
+       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+FROM fenced
+WHERE step_exists
+UNION ALL
+SELECT 'n', NULL, (pg_notify('everystep:' || current_schema(), ''))::text,
+       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+WHERE EXISTS (SELECT FROM ended
+              WHERE ended.slot IS NOT NULL
+                AND NOT EXISTS (SELECT FROM picked WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))
+   OR EXISTS (SELECT FROM woke WHERE due)
+UNION ALL
+SELECT 'l', NULL, NULL,
+       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+WHERE EXISTS (SELECT 1
+              FROM everystep_limit l
+              WHERE EXISTS (SELECT 1
+                            FROM everystep_workflow w
+                            WHERE status IN ('scheduled', 'waiting') AND w.name = l.name
+                              AND (w.name, w.due_at) <= (l.name, now())
+                              AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                            OFFSET 0));
+
+
+-- name: requeue_held
+-- Runs held by these executions of a runner back to `scheduled` (a drain, a
+-- dead claimer's runs), each only under the token it was claimed with.
+WITH q AS (
+    UPDATE everystep_workflow w
+    SET status = 'scheduled', claimed_by = NULL
+    FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[]) AS c(id, token)
+    WHERE w.id = c.id AND w.status = 'running' AND w.claimed_by = %(runner)s
+      AND w.claim_token IS NOT DISTINCT FROM c.token
+    RETURNING w.id
+)
+SELECT id, pg_notify('everystep:' || current_schema(), '')
+FROM q;
+
+-- name: requeue_claimer
+-- Every running run of a claimer whose lock the caller holds (a worker's own shutdown).
+WITH q AS (
+    UPDATE everystep_workflow
+    SET status = 'scheduled', claimed_by = NULL
+    WHERE status = 'running' AND claimed_by = %(claimer)s
+    RETURNING id
+)
+SELECT id, pg_notify('everystep:' || current_schema(), '')
+FROM q;
+
+-- name: requeue_from_dead_claimers
+-- Each run only if it is still claimed by the claimer given with it (one the
+-- caller found dead and whose lock it holds).
+WITH q AS (
+    UPDATE everystep_workflow w
+    SET status = 'scheduled', claimed_by = NULL
+    FROM unnest(%(ids)s::uuid[], %(claimers)s::text[]) AS c(id, claimer)
+    WHERE w.id = c.id AND w.status = 'running' AND w.claimed_by IS NOT DISTINCT FROM c.claimer
+    RETURNING w.id
+)
+SELECT id, pg_notify('everystep:' || current_schema(), '')
+FROM q;
+
+
+-- name: next_due_in
+-- Seconds until the earliest waiting run is due (database time): a min()
+-- on the claim's index, one index probe.
+SELECT extract(epoch FROM min(due_at) - now())
+FROM everystep_workflow
+WHERE status IN ('scheduled', 'waiting') AND due_at > now();
