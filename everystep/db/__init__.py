@@ -18,6 +18,9 @@ consumers write `from everystep import db` and `db.claim(conn, ...)`:
 - libpq: the prepared fast path of the hot statements
 - migrations: the applier of everystep/migrations/
 - rows: what the functions return
+
+everystep/db/schema.sql shows the tables, indexes and functions the
+migrations leave, for reading; tests/test_schema.py keeps it true.
 """
 
 from everystep.db.fenced import (

@@ -1,0 +1,291 @@
+-- everystep's schema as the migrations leave it: every table, column,
+-- index, constraint, sequence and function, for reading.
+--
+-- The engine never applies this file: a database gets its schema from the
+-- numbered migrations of everystep/migrations/ (`everystep migrate`, or the
+-- supervisor at start), recorded in everystep_migration.
+-- tests/test_schema.py migrates one fresh schema, loads this file into
+-- another and compares their catalogs, so this file is current: a change to
+-- the migrations comes with the same change here.
+--
+-- Table names are unqualified: a deployment may live in its own schema (its
+-- URL's search_path). Columns are in the order the migrations added them,
+-- as \d shows them; the migration that added a column is noted where it is
+-- not the table's first.
+--
+-- The status columns hold the engine's own literals (everystep/schema.py
+-- names them; the statements of everystep/db/sql/ write them) and have no
+-- CHECK constraint: PostgreSQL parses and plans a CHECK expression again for
+-- every statement that writes the table, about 10% of the database's CPU
+-- for a claimed, executed and ended run.
+
+
+-- ---------------------------------------------------------------- runs
+
+-- One row per run of a workflow: what to run, where it is in its life, who
+-- holds it, and how it ended.
+CREATE TABLE everystep_workflow (
+    id                  uuid PRIMARY KEY,               -- UUIDv7, time-ordered
+    name                varchar(300) NOT NULL,          -- the workflow's module.qualname
+    args                jsonb NOT NULL,
+    idempotency_key     varchar(255),
+    status              varchar(16) NOT NULL,           -- scheduled waiting running completed failed stopped
+                                                        -- blocked cancelled
+    claimed_by          varchar(255),                   -- the runner holding it (status running)
+    result              jsonb,
+    error               jsonb,
+    created_at          timestamptz NOT NULL DEFAULT now(),
+    completed_at        timestamptz,
+    -- 0003: the execution token of the claim holding it, from
+    -- everystep_claim_token; every write about a held run matches it
+    claim_token         bigint,
+    -- 0006: the trace context of the code that scheduled it, and how many
+    -- executions were traced; NULL when scheduled with tracing off
+    trace_context       jsonb,
+    -- 0007: when it becomes claimable, by the database's clock (now() unless
+    -- delayed, or parked by a sleep, a retry's back-off or a wait)
+    due_at              timestamptz NOT NULL DEFAULT now(),
+    -- 0007: a durable cancel request, honoured at the next step boundary
+    cancel_requested_at timestamptz,
+    cancel_reason       text,
+    -- 0009: the slot of its workflow's concurrency limit it was claimed into
+    slot                integer,
+    -- 0009: what a parked wait waits for ('message:<topic>', 'child:<id>')
+    waiting_on          varchar(300),
+    -- 0009: +1 by every message sent to it and every child that ended: a
+    -- wait parks only if the count is still the one it saw
+    wakes               bigint NOT NULL DEFAULT 0,
+    -- 0009: the run that started it (a child workflow)
+    parent_id           uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL
+);
+
+-- What makes schedule()'s idempotency key safe under concurrency.
+CREATE UNIQUE INDEX everystep_workflow_idempotency
+    ON everystep_workflow (name, idempotency_key) WHERE idempotency_key IS NOT NULL;
+-- Listings by status, in time order.
+CREATE INDEX everystep_workflow_status ON everystep_workflow (status, created_at);
+-- Newest-first listings and pruning by age.
+CREATE INDEX everystep_workflow_created_at ON everystep_workflow (created_at);
+-- Catchup and the dead-claimer sweep: running runs by claimer.
+CREATE INDEX everystep_workflow_running ON everystep_workflow (claimed_by) WHERE status = 'running';
+-- The UI's workflow filter, and the list of workflow names (a loose index scan).
+CREATE INDEX everystep_workflow_name_created ON everystep_workflow (name, created_at);
+-- Search by idempotency key alone; only keyed runs are in it.
+CREATE INDEX everystep_workflow_key ON everystep_workflow (idempotency_key) WHERE idempotency_key IS NOT NULL;
+-- The claim of a limited workflow's earliest due runs, by name.
+CREATE INDEX everystep_workflow_due_by_name ON everystep_workflow (name, due_at, id)
+    WHERE status IN ('scheduled', 'waiting');
+-- A run's children.
+CREATE INDEX everystep_workflow_parent ON everystep_workflow (parent_id) WHERE parent_id IS NOT NULL;
+-- The one index every claim walks: the claimable runs in (due_at, id) order,
+-- a range scan that never reads a run not due yet and stops at the first
+-- unlocked one.
+CREATE INDEX everystep_workflow_ready ON everystep_workflow (due_at, id) WHERE status IN ('scheduled', 'waiting');
+
+-- Execution tokens: every claim of a run (first claim, catchup, successor
+-- claim, reclaim after a lost answer) takes a new one.
+CREATE SEQUENCE everystep_claim_token AS bigint;
+
+
+-- ---------------------------------------------------------------- steps
+
+-- One row per executed step of a run (and per sleep, wait, child start and
+-- set_event), unique on (run, step id): the insert is the claim on the step.
+CREATE TABLE everystep_step (
+    id          bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    workflow_id uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    step_id     varchar(300) NOT NULL,                  -- the dotpath identity
+    name        varchar(300) NOT NULL,                  -- the step function's module.qualname
+    args        jsonb NOT NULL,
+    kwargs      jsonb NOT NULL,
+    status      varchar(16) NOT NULL,                   -- done failed started retrying
+    result      jsonb,
+    error       jsonb,
+    -- 0003: the execution that wrote it (NULL on rows written before 0003)
+    claim_token bigint,
+    -- 0003: when the step's execution started and ended, by the worker's
+    -- clock (finished_at NULL while `started`)
+    started_at  timestamptz,
+    finished_at timestamptz,
+    -- 0007: the failed attempts before the last, of a retried step:
+    -- [{"attempt": 1, "error": {...}, "at": <epoch>, "retry_at": <epoch>}, ...]
+    attempts    jsonb,
+    CONSTRAINT everystep_step_once UNIQUE (workflow_id, step_id)
+);
+
+
+-- ---------------------------------------------------------------- the queue
+
+-- Poison-run accounting: one row per run that has ever lost its worker
+-- mid-claim, counting the claims in a row that died with no new step.
+CREATE TABLE everystep_crash (
+    workflow_id uuid PRIMARY KEY REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    crashes     integer NOT NULL,
+    steps_seen  integer NOT NULL                        -- step rows when last counted
+);
+
+-- The workers waiting for runs (a free slot, waiting on their LISTEN): only
+-- then does a scheduling transaction notify (everystep_wake).
+CREATE TABLE everystep_waiting (
+    runner varchar(255) PRIMARY KEY,
+    since  timestamptz NOT NULL DEFAULT now()
+);
+
+-- Concurrency limits, fleet-wide: at most `concurrency` runs of a workflow
+-- running at once across every worker sharing the schema.
+CREATE TABLE everystep_limit (
+    name        varchar(300) PRIMARY KEY,               -- the workflow's module.qualname
+    concurrency integer NOT NULL CHECK (concurrency >= 1),
+    updated_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- One row per unit of a limit. A claim of a limited run takes a free slot in
+-- the same statement and writes its run and token on it; a slot is free
+-- again once its run is no longer running in it.
+CREATE TABLE everystep_slot (
+    name   varchar(300) NOT NULL REFERENCES everystep_limit (name) ON DELETE CASCADE,
+    slot   integer NOT NULL,                            -- 1 .. concurrency
+    run_id uuid,                                        -- the run that took it last (no FK: runs are pruned)
+    token  bigint,                                      -- the execution token of that claim
+    PRIMARY KEY (name, slot)
+);
+
+-- Routing: the workflows each worker runs (LIKE patterns; NULL: every
+-- workflow), as it said when it took its lock. Rows of workers whose lock
+-- nobody holds are stale and ignored.
+CREATE TABLE everystep_route (
+    runner     varchar(255) PRIMARY KEY,
+    patterns   text[],
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+
+
+-- ---------------------------------------------------------------- messages and events
+
+-- Messages into a running workflow (everystep.send / wait_for), each
+-- consumed by exactly one wait, which writes its step id in consumed_by.
+CREATE TABLE everystep_message (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- the order of delivery
+    run_id          uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    topic           varchar(255) NOT NULL,
+    payload         jsonb NOT NULL,
+    idempotency_key varchar(255),
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    consumed_by     varchar(300),                       -- the step id of the wait that took it
+    consumed_at     timestamptz
+);
+-- What makes send()'s idempotency key safe under concurrency: one message per (run, key).
+CREATE UNIQUE INDEX everystep_message_idempotency ON everystep_message (run_id, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+-- A wait's question: the oldest message on its topic not consumed yet.
+CREATE INDEX everystep_message_waiting ON everystep_message (run_id, topic, id) WHERE consumed_by IS NULL;
+
+-- What a run published (everystep.set_event), the last value per key.
+CREATE TABLE everystep_event (
+    run_id     uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    key        varchar(255) NOT NULL,
+    value      jsonb NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, key)
+);
+
+
+-- ---------------------------------------------------------------- recurring schedules
+
+-- The schedules: their definitions (from the manifest's `schedules:`, or the
+-- application's everystep.schedules), and the state the scheduler advances
+-- as it fires them. Rows are retired, never deleted.
+CREATE TABLE everystep_schedule (
+    key                  varchar(200) PRIMARY KEY,
+    -- the definition
+    workflow             varchar(300) NOT NULL,         -- module.qualname
+    args                 jsonb NOT NULL,
+    cron                 text NOT NULL,
+    timezone             text NOT NULL,                 -- the IANA name the cron is read in
+    catchup              varchar(16) NOT NULL CHECK (catchup IN ('skip', 'fire_once', 'fire_all')),
+    max_catchup          integer NOT NULL CHECK (max_catchup >= 1),
+    overlap              varchar(16) NOT NULL CHECK (overlap IN ('allow', 'forbid')),
+    max_lateness_seconds double precision NOT NULL CHECK (max_lateness_seconds > 0),
+    paused               boolean NOT NULL,
+    version              integer NOT NULL DEFAULT 1,    -- +1 on every change
+    -- the state, advanced by the scheduler in the transaction that fires
+    next_fire_at         timestamptz NOT NULL,          -- the earliest fire time not yet decided
+    last_fire_at         timestamptz,                   -- the fire time of the latest run it made
+    last_run_id          uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL,
+    last_error           text,                          -- why a due time did not fire; cleared when it does
+    created_at           timestamptz NOT NULL DEFAULT now(),
+    updated_at           timestamptz NOT NULL DEFAULT now(),
+    retired_at           timestamptz,                   -- retired schedules never fire
+    -- 0004: who owns the key (the manifest's `source:`, or the application
+    -- API's); only its owner changes or retires it
+    source               varchar(100) NOT NULL DEFAULT 'deployment',
+    -- 0004: pause after this many failed runs in a row; NULL: never
+    auto_pause_after     integer CHECK (auto_pause_after >= 1),
+    -- 0004: why the schedule paused itself; cleared by the next write of its definition
+    paused_reason        text
+);
+
+-- The scheduler's question every few seconds: which live schedules are due.
+CREATE INDEX everystep_schedule_due ON everystep_schedule (next_fire_at) WHERE retired_at IS NULL AND NOT paused;
+
+-- The runs a schedule made, by fire time: what auto-pause counts. A pruned
+-- run takes its row with it.
+CREATE TABLE everystep_schedule_run (
+    schedule_key varchar(200) NOT NULL,
+    fire_at      timestamptz NOT NULL,
+    run_id       uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    fired_at     timestamptz NOT NULL DEFAULT now(),   -- database time of the firing
+    PRIMARY KEY (schedule_key, fire_at)
+);
+-- Pruning a run finds its row here.
+CREATE INDEX everystep_schedule_run_run ON everystep_schedule_run (run_id);
+
+
+-- ---------------------------------------------------------------- operators
+
+-- The audit trail of every action taken from the UI or the CLI.
+CREATE TABLE everystep_audit (
+    id        bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    at        timestamptz NOT NULL DEFAULT now(),
+    actor     varchar(255) NOT NULL,                 -- who: "operator" (UI token), a Django user, a Unix user@host
+    source    varchar(16) NOT NULL,                  -- ui, cli
+    action    varchar(64) NOT NULL,                  -- resolve-step, requeue, schedule, prune, ...
+    run_id    uuid,                                  -- no foreign key: the record outlives a pruned run
+    step_id   varchar(300),
+    target    varchar(300),                          -- a schedule key, a workflow, a filter
+    details   jsonb NOT NULL DEFAULT '{}'::jsonb     -- the values given, and what came of them
+);
+CREATE INDEX everystep_audit_at ON everystep_audit (at);
+CREATE INDEX everystep_audit_run ON everystep_audit (run_id) WHERE run_id IS NOT NULL;
+
+-- The ledger of applied migrations, written by the applier
+-- (everystep/db/migrations.py), not by a migration.
+CREATE TABLE everystep_migration (
+    name       text PRIMARY KEY,                     -- 0001_initial, ...
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+
+-- ---------------------------------------------------------------- functions
+
+-- Called by every scheduling statement: notify the workers when one of them
+-- is waiting, once per transaction. The shared wake lock, held to the
+-- commit, makes a worker that registers later wait for this transaction, so
+-- its claim after registering sees these runs. A VOLATILE function sees
+-- rows committed after the calling statement started (READ COMMITTED); in
+-- REPEATABLE READ and SERIALIZABLE the snapshot could miss a registration,
+-- so those transactions always notify.
+CREATE FUNCTION everystep_wake() RETURNS void LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF current_setting('everystep.woke', true) = 'yes' THEN
+        RETURN;  -- this transaction has decided already (the setting ends with it)
+    END IF;
+    PERFORM set_config('everystep.woke', 'yes', true);
+    IF current_setting('transaction_isolation') IN ('read committed', 'read uncommitted') THEN
+        PERFORM pg_advisory_xact_lock_shared(hashtextextended('everystep:wake:' || current_schema(), 0));
+        IF NOT EXISTS (SELECT 1 FROM everystep_waiting) THEN
+            RETURN;
+        END IF;
+    END IF;
+    PERFORM pg_notify('everystep:' || current_schema(), '');
+END $$;
