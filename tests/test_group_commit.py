@@ -69,10 +69,9 @@ def write_together(db, writer: GroupWriter, writes: list) -> list:
         blocker.execute("SELECT 1 FROM everystep_workflow WHERE id = %s FOR UPDATE", (first_run,))
         threads = [threading.Thread(target=submit, args=(0,))]
         threads[0].start()
-        # The group commit's statements (record_steps, end_runs) start alike.
-        wait_for(lambda: db.value("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                                  " AND query LIKE 'WITH%%i AS (%%FROM unnest(%%'") == 1, 10,
-                 what="the first batch waiting")
+        # Waiting for this blocker's lock (the server may be running other tests' batches).
+        wait_for(lambda: db.value("SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                                  (blocker.info.backend_pid,)) == 1, 10, what="the first batch waiting")
         threads += [threading.Thread(target=submit, args=(i,)) for i in range(1, len(writes))]
         for t in threads[1:]:
             t.start()
