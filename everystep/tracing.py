@@ -115,8 +115,8 @@ def run_started(replay: Any) -> RunSpan | None:
     from opentelemetry import context, propagate  # noqa: PLC0415  (loaded already: the API is)
 
     # Not retried: on a connection error this execution goes untraced (logged).
-    with replay.cursor() as cur:
-        started = store.start_traced_execution(cur, replay.run_id, replay.runner.name, replay.token)
+    with replay.held.cursor() as cur:
+        started = store.start_traced_execution(cur, replay.run_id, replay.runner_name, replay.held.claim.token)
     if started is None:
         return None  # not held: the run's own first write reports the lost claim
     stored, execution = started
@@ -126,7 +126,7 @@ def run_started(replay: Any) -> RunSpan | None:
     attributes = {
         "everystep.workflow": replay.workflow_name,
         "everystep.run_id": str(replay.run_id),
-        "everystep.runner": replay.runner.name,
+        "everystep.runner": replay.runner_name,
         "everystep.attempt": execution,
     }
     span = _tracer(trace).start_span(f"run {replay.workflow_name}", context=parent, kind=trace.SpanKind.CONSUMER,
