@@ -246,6 +246,14 @@ class HeldRun:
             raise self._lost(f"run {self.claim.id}: the answer of a write was lost; replaying")
         return done
 
+    def start_traced(self) -> tuple[dict, int] | None:
+        """Count one more traced execution of the run (only with tracing on):
+        (the stored trace context, the number of this execution). None: the
+        count matched nothing though the run is still this execution's (its
+        status changed meanwhile); it goes untraced. A retry after a lost
+        answer counts once more: the numbers then skip one."""
+        return self._fenced(store.start_traced_execution, (), None, RunStatus.RUNNING, "a traced execution")
+
     # -------------------------------------------------------------- step rows
 
     def record_step(self, step_id: str, name: str, args: str, kwargs: str, status: str, result: Any,

@@ -45,8 +45,11 @@ class Execution:
 
 
 @_never_fails
-def run_started(replay: Any) -> Execution | None:
-    span = tracing.run_started(replay)
+def run_started(replay: Any, traced: tuple[dict, int] | None) -> Execution | None:
+    """As the execution starts. `traced`: with tracing on, what counting
+    this execution of the run returned (execution.HeldRun.start_traced)."""
+    span = None if traced is None else tracing.run_started(replay.workflow_name, replay.run_id, replay.runner_name,
+                                                           *traced)
     report = sentry.enabled()
     if span is None and not report:
         return None

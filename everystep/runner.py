@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from psycopg_pool import ConnectionPool
 
-from everystep import metrics, observe, registry, serde, store
+from everystep import metrics, observe, registry, serde, store, tracing
 from everystep.context import (
     MAX_STEP_ID,
     Outcome,
@@ -116,7 +116,11 @@ class Runner:
         with HeldRun(self._lent, run) as held:
             replay = Replay(held, run)
             try:
-                replay.trace = observe.run_started(replay)
+                # With tracing on, the execution is counted under the claim
+                # (a fenced write like any other) and the span continues the
+                # trace stored with the run.
+                traced = held.start_traced() if tracing.enabled() else None
+                replay.trace = observe.run_started(replay, traced)
                 outcome = replay.run()
             except LostClaim as exc:
                 log.warning("claim lost, run abandoned: %s", exc, extra=extra)
