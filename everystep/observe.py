@@ -45,8 +45,11 @@ class Execution:
 
 
 @_never_fails
-def run_started(replay: Any) -> Execution | None:
-    span = tracing.run_started(replay)
+def run_started(replay: Any, traced: tuple[dict, int] | None) -> Execution | None:
+    """As the execution starts. `traced`: with tracing on, what counting
+    this execution of the run returned (execution.HeldRun.start_traced)."""
+    span = None if traced is None else tracing.run_started(replay.workflow_name, replay.run_id, replay.runner_name,
+                                                           *traced)
     report = sentry.enabled()
     if span is None and not report:
         return None
@@ -77,10 +80,10 @@ def _report_end(replay: Any, execution: Execution, outcome: str) -> None:
     # Reported only once the end is written (outcome == status): a run fails once.
     if outcome == RunStatus.FAILED and exc is not None:
         step = next((name for failed, name in reversed(execution.failed_steps) if _caused(exc, failed)), None)
-        sentry.report_failed(replay.run_id, replay.workflow_name, replay.runner.name, step, exc, execution.attempt)
+        sentry.report_failed(replay.run_id, replay.workflow_name, replay.runner_name, step, exc, execution.attempt)
     elif outcome == RunStatus.BLOCKED:
         step_id, step = blocked_on or (None, None)
-        sentry.report_blocked(replay.run_id, replay.workflow_name, replay.runner.name, step_id, step,
+        sentry.report_blocked(replay.run_id, replay.workflow_name, replay.runner_name, step_id, step,
                               execution.attempt)
 
 
@@ -119,9 +122,9 @@ def _caused(exc: BaseException, failed: BaseException) -> bool:
 
 def _started_step(replay: Any) -> tuple[str, str] | None:
     """The (id, name) of the started step a blocked run waits on."""
-    for step_id, (name, status, _result, _error, _attempts) in list(replay.recorded.items()):
-        if status == StepStatus.STARTED:
-            return step_id, name
+    for step_id, step in list(replay.recorded.items()):
+        if step.status == StepStatus.STARTED:
+            return step_id, step.name
     return None
 
 

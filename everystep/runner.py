@@ -4,25 +4,25 @@ On every claim the workflow function is called from the top with its stored
 args. Each step call looks up its step id among the recorded steps: a recorded
 outcome is served without running the function; otherwise the function runs
 and its outcome is recorded: before the next step starts, with the end of the
-run, or OUTCOME_DELAY after the step returned, whichever comes first.
+run, or OUTCOME_DELAY (everystep.execution) after the step returned, whichever comes first.
+
+`Runner.execute` is one run's life, claim to end. `Replay` holds the replay
+rules and does no I/O: every read and write about the run goes through the
+execution's `HeldRun` (everystep.execution), fenced by the claim.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import db, metrics, observe, registry, serde
+from everystep import db, metrics, observe, registry, serde, tracing
 from everystep.context import (
     MAX_STEP_ID,
     Outcome,
@@ -43,7 +43,7 @@ from everystep.errors import (
     Terminal,
     WorkflowCodeError,
 )
-from everystep.ids import uuid7
+from everystep.execution import Fence, HeldRun, Lent, Successors
 from everystep.retries import RetryPolicy
 from everystep.schema import RunStatus, StepStatus
 from everystep.writer import GroupWriter
@@ -58,57 +58,15 @@ EVENT = "everystep.set_event"
 # The step names of a child's start (result {"child": id}) and of a wait for its end.
 START = "everystep.start"
 RESULT = "everystep.result"
+# The step name a patch decision is recorded under (see Replay.patched).
+PATCH_STEP = "everystep.patched"
 # A wait no longer than this (seconds) is waited on the run's thread; a longer
 # one parks the run (`waiting`), its slot given back.
 MOMENT = 1.0
 
-
-@functools.cache
-def _step_metrics(workflow: str, step: str, status: str) -> tuple:
-    """The labelled step counter and histogram (labels are code-defined
-    names, so this stays small): looked up once, not at every step."""
-    return metrics.STEP_RUNS.labels(workflow, step, status), metrics.STEP_DURATION.labels(workflow, step)
-
-
 @functools.cache
 def _run_metrics(workflow: str, outcome: str) -> tuple:
     return metrics.WORKFLOW_RUNS.labels(workflow, outcome), metrics.WORKFLOW_DURATION.labels(workflow, outcome)
-
-
-class Fence:
-    """How an execution's writes stay fenced by its claim, beyond the
-    database's own check of the execution token. A worker supplies one tied
-    to its liveness lock; this default never interrupts and retries a write
-    that failed on a connection error a few times with back-off."""
-
-    def check(self, run: db.ClaimedRun) -> None:
-        """Before a step starts: raise `Drain` to stop at this step boundary,
-        block while the claim is uncertain, raise `LostClaim` once it is gone."""
-
-    def before_write(self, run: db.ClaimedRun) -> None:
-        """Before every write about the run: block while the claim is
-        uncertain, raise `LostClaim` once it is gone."""
-
-    def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
-        """After a write failed on a connection error: wait before the retry,
-        or raise to give up."""
-        if attempt >= 8:
-            raise error
-        time.sleep(min(0.1 * 2**attempt, 5.0))
-
-
-class Successors:
-    """Whether the statement that ends a run may also claim the next run for
-    the slot it frees. This default never claims."""
-
-    # The workflows a successor may be of (LIKE patterns, db.routes_of; None: all).
-    routes: list[str] | None = None
-
-    def reserve(self, run: db.ClaimedRun) -> bool:
-        """Asked once, as this execution of the run is about to end. True
-        obliges the caller of `Runner.execute` to take the execution's
-        `successor` (or its absence) into account once it returns or raises."""
-        return False
 
 
 class Execution(NamedTuple):
@@ -118,54 +76,6 @@ class Execution(NamedTuple):
     successor: db.ClaimedRun | None  # claimed for this slot by the statement that ended the run
     look_again: bool  # the runner may hold runs it does not know of: an answer was lost, or another
     # execution's row was found
-
-
-# The step name a patch decision is recorded under (see Replay.patched).
-PATCH_STEP = "everystep.patched"
-
-
-# A step's outcome, on the run's own thread, waits for the next step or the
-# end of the run to be written with it, but never longer than this (seconds):
-# a body that sleeps or computes between two steps does not leave it unwritten.
-OUTCOME_DELAY = 0.05
-
-
-class _LateOutcomes:
-    """The runs executing in this process, and one daemon thread that writes
-    the outcomes that have waited OUTCOME_DELAY."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.replays: set[Replay] = set()
-        self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
-
-    def add(self, replay: Replay) -> None:
-        with self.lock:
-            self.replays.add(replay)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._write_forever, name="everystep-outcomes", daemon=True)
-                self.thread.start()
-
-    def discard(self, replay: Replay) -> None:
-        with self.lock:
-            self.replays.discard(replay)
-
-    def _write_forever(self) -> None:
-        while True:
-            time.sleep(OUTCOME_DELAY / 2)
-            due = time.perf_counter() - OUTCOME_DELAY
-            with self.lock:
-                replays = list(self.replays)
-            for replay in replays:
-                replay.write_late_outcome(due)
-
-
-_late_outcomes = _LateOutcomes()
-# A forked child starts without the parent's threads, and with no run of its own.
-os.register_at_fork(after_in_child=_late_outcomes.reset)
 
 
 class Runner:
@@ -182,6 +92,7 @@ class Runner:
         # heavier statement that ends runs and claims their successors.
         self.step_writer = GroupWriter(pool, name, lambda: None)
         self.end_writer = GroupWriter(pool, name, lambda: self.successors.routes)
+        self._lent = Lent(pool, name, self.fence, self.successors, self.step_writer, self.end_writer)
 
     def close(self) -> None:
         """Stop the writers (once no execution writes any more)."""
@@ -190,146 +101,87 @@ class Runner:
 
     def execute(self, run: db.ClaimedRun) -> Execution:
         """Replay one held run to an end and say what happened: how it ended,
-        and the run its end claimed for this slot, if any."""
-        started = time.perf_counter()
-        replay = Replay(self, run)
-        _late_outcomes.add(replay)
-        extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
-        try:
-            replay.trace = observe.run_started(replay)
-            outcome = replay.run()
-        except LostClaim as exc:
-            log.warning("claim lost, run abandoned: %s", exc, extra=extra)
-            metrics.CLAIMS_LOST.labels(self.name).inc()
-            outcome = "abandoned"
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # SystemExit or the like out of user code: not ours to record
-                _late_outcomes.discard(replay)
-                replay.release()
-                raise
-            # The engine itself failed on this run.
-            log.exception("engine error on run; marking it failed", extra=extra)
-            observe.run_ending(replay, RunStatus.FAILED, exc)
-            try:
-                error = serde.dumps(serde.encode_exception(exc))
-                replay.end(RunStatus.FAILED, None, error, None)
-                outcome = RunStatus.FAILED
-            except LostClaim:
-                outcome = "abandoned"
-            except Exception:
-                log.exception("could not mark the run failed; it stays claimed", extra=extra)
-                replay.look_again = True  # still held here, executed by nobody: replay it
-                outcome = "abandoned"
-        return self._ended(run, replay, outcome, started)
+        and the run its end claimed for this slot, if any.
 
-    @staticmethod
-    def _ended(run: db.ClaimedRun, replay: Replay, outcome: str, started: float) -> Execution:
-        _late_outcomes.discard(replay)
-        replay.release()
+        The run's life crosses these threads: this one (the worker's slot
+        thread) runs the workflow body and the steps it calls; the runner's
+        writer threads commit its step rows and its end with other runs'
+        (this thread waits for each answer); the late-outcome thread writes
+        a step's outcome that waited OUTCOME_DELAY (everystep.execution); each `parallel` branch
+        but the last runs on a thread of its own, writing through a
+        connection borrowed for each write. The HeldRun does every write,
+        whichever the thread; the Replay decides them."""
+        started = time.perf_counter()
+        extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
+        with HeldRun(self._lent, run) as held:
+            replay = Replay(held, run)
+            try:
+                # With tracing on, the execution is counted under the claim
+                # (a fenced write like any other) and the span continues the
+                # trace stored with the run.
+                traced = held.start_traced() if tracing.enabled() else None
+                replay.trace = observe.run_started(replay, traced)
+                outcome = replay.run()
+            except LostClaim as exc:
+                log.warning("claim lost, run abandoned: %s", exc, extra=extra)
+                metrics.CLAIMS_LOST.labels(self.name).inc()
+                outcome = "abandoned"
+            except Exception as exc:
+                # The engine itself failed on this run. (SystemExit or the like
+                # out of user code is not ours to record: it goes on up.)
+                log.exception("engine error on run; marking it failed", extra=extra)
+                observe.run_ending(replay, RunStatus.FAILED, exc)
+                try:
+                    held.end(RunStatus.FAILED, None, serde.dumps(serde.encode_exception(exc)), None)
+                    outcome = RunStatus.FAILED
+                except LostClaim:
+                    outcome = "abandoned"
+                except Exception:
+                    log.exception("could not mark the run failed; it stays claimed", extra=extra)
+                    held.look_again = True  # still held here, executed by nobody: replay it
+                    outcome = "abandoned"
         observe.run_ended(replay, outcome)
         runs, duration = _run_metrics(run.name, outcome)
         runs.inc()
         duration.observe(time.perf_counter() - started)
-        return Execution(outcome, replay.successor, replay.look_again)
+        return Execution(outcome, held.successor, held.look_again)
+
+
+class RecordedStep(NamedTuple):
+    """A step as recorded when the run was claimed (or since, by this
+    execution): `result` and `error` are plain JSON data, not yet decoded."""
+    step_id: str
+    name: str
+    status: str  # done, failed, started or retrying
+    result: Any
+    error: dict | None
+    attempts: list | None  # the failed attempts of a retried step, oldest first
+
+
+def recorded_steps(raw: list) -> dict[str, RecordedStep]:
+    """A claimed run's steps ([[step_id, name, status, result, error,
+    attempts], ...] as stored), by step id."""
+    return {row[0]: RecordedStep(*row) for row in raw}
 
 
 class Replay:
-    """One execution of one run: serves recorded steps and records new ones."""
+    """The replay rules of one execution of one run: serves recorded steps,
+    checks that the workflow still calls what was recorded, and decides what
+    to record; its HeldRun writes it."""
 
-    def __init__(self, runner: Runner, run: db.ClaimedRun):
-        self.runner = runner
-        self.claim = run
+    def __init__(self, held: HeldRun, run: db.ClaimedRun):
+        self.held = held
         self.run_id: uuid.UUID = run.id
-        self.token: int = run.token
         self.workflow_name: str = run.name
+        self.runner_name: str = held.runner
         self.args = run.args
-        # step id -> [name, status, result, error, attempts]
-        self.recorded: dict[str, list] = {row[0]: row[1:] for row in run.steps}
-        # A cancel request known to this execution (from its claim or a step
-        # write's answer), and whether the body got its `Cancelled` yet.
-        self.cancel_requested = run.cancel_requested
+        self.claimed_at = run.claimed_at  # the database's time of the claim
+        self.recorded = recorded_steps(run.steps)
+        # Whether the body got its `Cancelled` yet (the request itself is the
+        # HeldRun's: from the claim or a write's answer).
         self.cancel_delivered: Cancelled | None = None
-        self.halt: BaseException | None = None
-        self._halt_lock = threading.Lock()
-        self.context = RunContext(run.id, run.name, runner.name, self)
-        # What the end of the execution hands back (see Execution).
-        self.successor: db.ClaimedRun | None = None
-        self.claim_successor: bool | None = None  # asked once, at the end
-        self.look_again = False
-        # The run's own connection, for the writes of the thread executing it;
-        # parallel branches borrow from the pool for each write.
-        self._owner = threading.get_ident()
-        self._conn: psycopg.Connection | None = None
-        self._cursor: psycopg.Cursor | None = None
-        # The outcome of the owner thread's last step, not written yet: it is
-        # written before the next step starts, or with the run's end.
-        # (row, started, written by) guarded by _outcome_lock, which is held
-        # while it is written.
-        self._unwritten: tuple[db.StepRow, float, float] | None = None
-        self._outcome_lock = threading.Lock()
-        self._late_failure_logged = False
+        self.context = RunContext(run.id, run.name, held.runner, self)
         self.trace: Any = None  # the tracing and error-report hooks' state (everystep.observe)
-
-    # -------------------------------------------------------------- writes
-
-    @contextlib.contextmanager
-    def cursor(self) -> Iterator[psycopg.Cursor]:
-        """A cursor for one write. The thread executing the run keeps one
-        pooled connection, and one cursor on it, for the whole execution;
-        parallel branches borrow a connection from the pool for each write."""
-        if threading.get_ident() != self._owner:
-            with self.runner.pool.connection() as conn:
-                yield conn.cursor()
-            return
-        if self._cursor is None:
-            self._conn = self.runner.pool.getconn()
-            self._cursor = self._conn.cursor()
-        try:
-            yield self._cursor
-        except db.CONNECTION_ERRORS:
-            self.release()  # the pool discards a broken connection; the retry gets another
-            raise
-
-    def release(self) -> None:
-        if self._conn is not None:
-            self.runner.pool.putconn(self._conn)
-            self._conn = self._cursor = None
-
-    def _fenced(self, write: Callable[..., Any], args: tuple, step_id: str | None, status: str, what: str,
-                grouped: bool = False) -> Any:
-        """Run a fenced db write about this execution and return what it
-        returned, retrying connection errors as the fence allows. A write that
-        matches nothing is explained (db.why_not_written): this execution's
-        own earlier attempt wrote it (its answer was lost): None is returned;
-        the run is no longer held by this execution, or another execution
-        wrote the row: `LostClaim`. `grouped`: a write of the runner's writer,
-        which takes no cursor."""
-        attempt = 0
-        while True:
-            try:
-                self.runner.fence.before_write(self.claim)
-                if grouped:
-                    done = write(self.run_id, self.runner.name, self.token, *args)
-                else:
-                    with self.cursor() as cur:
-                        done = write(cur, self.run_id, self.runner.name, self.token, *args)
-                if done is not None and done is not False:
-                    return done
-                with self.cursor() as cur:
-                    why = db.why_not_written(cur, self.run_id, self.runner.name, self.token, step_id, status)
-                if why == db.WRITTEN:
-                    return None
-                if why == db.OTHER:
-                    # Held here, but not by this execution's writes: the worker
-                    # looks again at what it holds and replays the run afresh.
-                    self.look_again = True
-                    raise LostClaim(f"run {self.run_id}: another execution wrote {what}; this one stops")
-                raise LostClaim(f"run {self.run_id} is no longer held by this execution under "
-                                f"{self.runner.name} ({what})")
-            except db.CONNECTION_ERRORS as exc:
-                self.look_again = True  # the answer may be lost: a claim made by it included
-                self.runner.fence.wait_after_error(self.claim, attempt, exc)
-                attempt += 1
 
     # -------------------------------------------------------------- the run
 
@@ -352,19 +204,14 @@ class Replay:
 
     def _end(self, raised: BaseException | None, value: Any) -> str:
         # A halt wins over whatever the body did with it.
-        exc = self.halt or raised
-        with self._outcome_lock:
-            unwritten, self._unwritten = self._unwritten, None
+        exc = self.held.halt or raised
+        last = self.held.ending()
         if isinstance(exc, LostClaim):
             raise exc
         if isinstance(exc, Parked):
             return "sleeping"  # parked by the statement that recorded it
         if isinstance(exc, Drain):
-            if unwritten is not None:
-                self._write_step(unwritten[0], unwritten[1], update=False)  # recorded before the requeue
-            self._fenced(lambda cur, run, runner, token: db.requeue_held(cur, runner, [db.Claim(run, token)]),
-                         (), None, RunStatus.SCHEDULED, "requeueing the run")
-            metrics.REQUEUED.labels(self.runner.name).inc()
+            self.held.requeue(last)
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
             raise exc  # KeyboardInterrupt, SystemExit: not ours to record
@@ -395,95 +242,67 @@ class Replay:
             if status == RunStatus.FAILED:
                 log.warning(
                     "run failed: %s: %s", type(exc).__name__, exc,
-                    extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner.name},
+                    extra={"run": str(self.run_id), "workflow": self.workflow_name, "runner": self.runner_name},
                     exc_info=exc,
                 )
         observe.run_ending(self, status, exc)
-        return self.end(status, result, error, unwritten)
-
-    def end(self, status: str, result: str | None, error: str | None,
-            unwritten: tuple[db.StepRow, float, float] | None) -> str:
-        """The last step's row, the run's end and the claim of the next run for
-        this slot: one statement, one commit. The successor, if any, is left in
-        `self.successor`. Returns the run's end as written (`cancelled` when a
-        cancel request reached the row first)."""
-        row = None if unwritten is None else unwritten[0]
-        if self.claim_successor is None:
-            self.claim_successor = self.runner.successors.reserve(self.claim)
-
-        def write_end(run: uuid.UUID, runner: str, token: int, last_step: db.StepRow | None) -> str | None:
-            done = self.runner.end_writer.finish_run(run, token, status, result, error, last_step,
-                                                 self.claim_successor and self.successor is None)
-            if done.successor is not None:
-                self.successor = done.successor  # this slot's next run, whatever became of this end
-            if done.step_exists:
-                raise psycopg.errors.UniqueViolation(f"step {last_step.step_id!r} of run {run} exists")
-            return done.status
-
-        try:
-            ended = self._fenced(write_end, (row,), None, status, "ending the run", grouped=True)
-        except psycopg.errors.UniqueViolation:
-            # The last step's row is there already: written by this execution's
-            # earlier attempt (then end without it), or by another execution.
-            with self.cursor() as cur:
-                why = db.why_not_written(cur, self.run_id, self.runner.name, self.token, row.step_id, row.status)
-            if why != db.WRITTEN:
-                self.look_again = self.look_again or why == db.OTHER
-                raise LostClaim(f"run {self.run_id}: step {row.step_id!r} was written by another execution") from None
-            ended = self._fenced(write_end, (None,), None, status, "ending the run", grouped=True)
-        # None: an earlier attempt ended it, and its claim, if any, is found
-        # by the worker looking again (look_again is set by the retry).
-        if unwritten is not None:
-            self._count(row.name, row.status, unwritten[1])
-        return ended or status
-
-    def stop_with(self, exc: BaseException) -> BaseException:
-        """Set the run's halt (the first one wins) and return it to raise."""
-        with self._halt_lock:
-            if self.halt is None:
-                self.halt = exc
-            return self.halt
+        return self.held.end(status, result, error, last)
 
     def outcomes(self) -> Mapping[str, Outcome]:
-        self._write_unwritten()
+        self.held.flush()
         return {
             step_id: Outcome(
-                name, status, serde.from_json(result) if status == StepStatus.DONE else None,
-                serde.decode_exception(error) if status == StepStatus.FAILED else None,
+                step.name, step.status, serde.from_json(step.result) if step.status == StepStatus.DONE else None,
+                serde.decode_exception(step.error) if step.status == StepStatus.FAILED else None,
             )
-            for step_id, (name, status, result, error, _) in list(self.recorded.items())
+            for step_id, step in list(self.recorded.items())
         }
+
+    def _next_id(self, scope: Scope, everystep_id: str | None) -> str:
+        """The id of this call, unless the run is halted."""
+        step_id = scope.next_id(everystep_id)
+        if self.held.halt is not None:
+            raise self.held.halt
+        return step_id
+
+    def _code_changed(self, step_id: str, recorded: RecordedStep, doing: str) -> BaseException:
+        """The run's halt when the workflow now does something else than what
+        was recorded at `step_id`."""
+        return self.held.stop_with(WorkflowCodeError(
+            f"step {step_id!r} was recorded as {recorded.name} but the workflow now {doing} there; "
+            "the workflow code changed in a way that breaks replay"
+        ))
+
+    def _failure(self, recorded: RecordedStep) -> BaseException:
+        """A recorded failure, to raise again; a recorded `Cancelled` is the
+        cancel request delivered (by an earlier execution)."""
+        exc = serde.decode_exception(recorded.error)
+        if isinstance(exc, Cancelled) and self.cancel_delivered is None:
+            self.cancel_delivered = exc
+        return exc
 
     # -------------------------------------------------------------- steps
 
     def step(self, scope: Scope, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
              everystep_id: str | None, retry: RetryPolicy | None = None) -> Any:
-        step_id = scope.next_id(everystep_id)
-        if self.halt is not None:
-            raise self.halt
+        step_id = self._next_id(scope, everystep_id)
         recorded = self.recorded.get(step_id)
         rerun_started = False
         attempts: list = []
         if recorded is not None:
-            rec_name, status, result, error, attempts = recorded
-            attempts = attempts or []
-            if rec_name != name:
-                raise self.stop_with(WorkflowCodeError(
-                    f"step {step_id!r} was recorded as {rec_name} but the workflow now calls {name} there; "
-                    "the workflow code changed in a way that breaks replay"
-                ))
-            if status == StepStatus.DONE:
-                return serde.from_json(result)
-            if status == StepStatus.FAILED:
-                exc = serde.decode_exception(error)
+            attempts = list(recorded.attempts or [])
+            if recorded.name != name:
+                raise self._code_changed(step_id, recorded, f"calls {name}")
+            if recorded.status == StepStatus.DONE:
+                return serde.from_json(recorded.result)
+            if recorded.status == StepStatus.FAILED:
+                exc = self._failure(recorded)
                 observe.step_ended(self, None, name, StepStatus.FAILED, exc)  # no span: served; the report's step tag
                 if isinstance(exc, Terminal):
-                    raise self.stop_with(exc)
-                if isinstance(exc, Cancelled) and self.cancel_delivered is None:
-                    self.cancel_delivered = exc  # delivered here by an earlier execution
+                    raise self.held.stop_with(exc)
                 raise exc
-            if status == StepStatus.STARTED and unsafe:  # no outcome: the effect may or may not have happened
-                raise self.stop_with(EffectUncertain(
+            if recorded.status == StepStatus.STARTED and unsafe:  # no outcome: the effect may or may not have happened
+                raise self.held.stop_with(EffectUncertain(
                     f"step {step_id!r} ({name}) is unsafe to repeat and was started without a recorded "
                     "outcome; resolve it with `everystep resolve-step`"
                 ))
@@ -492,7 +311,7 @@ class Replay:
 
         self._boundary(step_id, name, rerun_started)
         if attempts:  # retrying: the back-off recorded with the last failed attempt comes first
-            self._wait(scope, attempts[-1]["retry_at"], self.claim.claimed_at)
+            self._wait(scope, attempts[-1]["retry_at"], self.claimed_at)
         args_json = serde.dumps(list(args))
         kwargs_json = serde.dumps(kwargs)
         while True:
@@ -530,8 +349,17 @@ class Replay:
                 continue
             self._record(step_id, name, args_json, kwargs_json, StepStatus.FAILED, None, error, rerun_started, started)
             if isinstance(failure, Terminal):
-                raise self.stop_with(failure)
+                raise self.held.stop_with(failure)
             raise failure
+
+    def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,
+                result: Any, error: dict | None, update: bool, started: tuple[float, float]) -> None:
+        """Record a step's outcome (or an unsafe step's `started` mark): as
+        this execution knows it now, and in its row (see HeldRun.record_step)."""
+        previous = self.recorded.get(step_id)
+        attempts = None if previous is None else previous.attempts
+        self.recorded[step_id] = RecordedStep(step_id, name, status, result, error, attempts)
+        self.held.record_step(step_id, name, args, kwargs, status, result, error, update, started)
 
     def _boundary(self, step_id: str, name: str, update: bool = False) -> None:
         """Before a new step (or sleep) starts: stop here for a drain or a
@@ -539,20 +367,19 @@ class Replay:
         cancel request), and deliver a known cancel request. `update`: the
         step has a row already (`retrying`, or `started` by a step no longer
         unsafe)."""
-        try:
-            self.runner.fence.check(self.claim)
-        except (Drain, LostClaim) as exc:
-            raise self.stop_with(exc) from None
-        self._write_unwritten()  # the previous step's outcome is written before this step starts
+        self.held.check()
+        self.held.flush()  # the previous step's outcome is written before this step starts
         self._deliver_cancel(step_id, name, update)
 
     def _deliver_cancel(self, step_id: str, name: str, update: bool) -> None:
         """Raise a known cancel request as `Cancelled` (once), recorded as
         this step's failure so that a replay raises it at the same call."""
-        if not self.cancel_requested or self.cancel_delivered is not None:
-            return
-        with self.cursor() as cur:
-            cancelled = Cancelled(db.cancel_reason(cur, self.run_id))
+        if self.held.cancel_requested and self.cancel_delivered is None:
+            self._cancel(step_id, name, update)
+
+    def _cancel(self, step_id: str, name: str, update: bool) -> None:
+        """Raise `Cancelled` at this call, recorded as its failure."""
+        cancelled = Cancelled(self.held.cancel_reason())
         self.cancel_delivered = cancelled
         self._record(step_id, name, "[]", "{}", StepStatus.FAILED, None, serde.encode_exception(cancelled), update,
                      (time.perf_counter(), time.time()))
@@ -563,50 +390,29 @@ class Replay:
                         wait: float, started: tuple[float, float]) -> dict:
         """Record a failed attempt that will be retried after `wait` seconds;
         returns the attempt as recorded (its times by the database's clock)."""
-        row = db.StepRow(step_id, name, args, kwargs, StepStatus.RETRYING, None, serde.dump_data(error), started[1],
-                            time.time())
-        self._write_unwritten()
-        try:
-            done = self._fenced(db.record_attempt, (row, attempt, wait), step_id, StepStatus.RETRYING,
-                                f"attempt {attempt} of step {step_id!r}")
-        except LostClaim as lost:
-            raise self.stop_with(lost) from None
-        if done is None:  # written by this execution's earlier try: its answer was lost
-            self.look_again = True
-            raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
-        self._cancel_known(done)
+        done = self.held.record_attempt(step_id, name, args, kwargs, error, attempt, wait, started)
         metrics.STEP_RETRIES.labels(self.workflow_name, name).inc()
-        attempts = self.recorded.setdefault(step_id, [name, StepStatus.RETRYING, None, None, []])
-        attempts[1], attempts[4] = StepStatus.RETRYING, (attempts[4] or []) + [done.attempt]
-        return done.attempt
+        previous = self.recorded.get(step_id) or RecordedStep(step_id, name, StepStatus.RETRYING, None, None, None)
+        self.recorded[step_id] = previous._replace(status=StepStatus.RETRYING,
+                                                   attempts=[*(previous.attempts or []), done])
+        return done
 
     # -------------------------------------------------------------- time
 
     def sleep(self, scope: Scope, seconds: float | None, until: Any) -> None:
         """A durable sleep: a recorded step whose result is the wake time."""
-        step_id = scope.next_id(None)
-        if self.halt is not None:
-            raise self.halt
+        step_id = self._next_id(scope, None)
         recorded = self.recorded.get(step_id)
         if recorded is not None:
-            if recorded[0] != SLEEP:
-                raise self.stop_with(WorkflowCodeError(
-                    f"step {step_id!r} was recorded as {recorded[0]} but the workflow now sleeps there; "
-                    "the workflow code changed in a way that breaks replay"
-                ))
-            if recorded[1] == StepStatus.FAILED:
-                exc = serde.decode_exception(recorded[3])
-                if isinstance(exc, Cancelled) and self.cancel_delivered is None:
-                    self.cancel_delivered = exc
-                raise exc
-            self._wait(scope, float(recorded[2]), self.claim.claimed_at)
+            if recorded.name != SLEEP:
+                raise self._code_changed(step_id, recorded, "sleeps")
+            if recorded.status == StepStatus.FAILED:
+                raise self._failure(recorded)
+            self._wait(scope, float(recorded.result), self.claimed_at)
             return
         self._boundary(step_id, SLEEP)
-        done = self._fenced(db.record_sleep, (step_id, SLEEP, seconds, until), step_id, StepStatus.DONE, "a sleep")
-        if done is None:  # written by this execution's earlier try: its answer was lost
-            self.look_again = True
-            raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
-        self.recorded[step_id] = [SLEEP, StepStatus.DONE, done.wake_at, None, None]
+        done = self.held.record_sleep(step_id, SLEEP, seconds, until)
+        self.recorded[step_id] = RecordedStep(step_id, SLEEP, StepStatus.DONE, done.wake_at, None, None)
         self._wait(scope, done.wake_at, done.now)
 
     def _wait(self, scope: Scope, wake_at: float, now: float) -> None:
@@ -618,91 +424,11 @@ class Replay:
         remaining = wake_at - now
         if remaining <= 0:
             return
-        if remaining > MOMENT and scope.prefix == "" and threading.get_ident() == self._owner:
-            self._write_unwritten()
-            parking = self._fenced(db.park_run, (wake_at,), None, RunStatus.WAITING, "parking the run")
-            if parking is None or parking.parked:
-                raise self.stop_with(Parked())
-            if parking.cancel_requested:
-                self.cancel_requested = True
-                return
-            return  # the time came meanwhile
+        if remaining > MOMENT and scope.prefix == "" and self.held.on_own_thread():
+            self.held.flush()
+            self.held.park(wake_at)
+            return  # the time came meanwhile, or a cancel request is on the run
         time.sleep(remaining)
-
-    def _cancel_known(self, written: Any) -> None:
-        if getattr(written, "cancel_requested", False):
-            self.cancel_requested = True
-
-    def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,
-                result: Any, error: dict | None, update: bool, started: tuple[float, float]) -> None:
-        """Record a step's row; `result` and `error` are plain JSON data.
-
-        The outcome of a step of the run's own thread is written a little
-        later: before the next step starts, or in the statement that ends the
-        run, which saves a commit per run — or by the late-outcome thread
-        after OUTCOME_DELAY. Steps are at-least-once, so an outcome lost with
-        the worker in between only means the step runs again. The `started`
-        mark of an unsafe step, and its outcome, are written at once.
-        `started`: (perf_counter, time) when the step started."""
-        row = db.StepRow(step_id, name, args, kwargs, status,
-                            None if status != StepStatus.DONE else serde.dump_data(result),
-                            None if error is None else serde.dump_data(error),
-                            started[1], None if status == StepStatus.STARTED else time.time())
-        attempts = self.recorded.get(step_id, [None] * 5)[4]
-        self.recorded[step_id] = [name, status, result, error, attempts]
-        if status != StepStatus.STARTED and not update and threading.get_ident() == self._owner:
-            with self._outcome_lock:
-                self._unwritten = (row, started[0], time.perf_counter())
-        else:
-            self._write_step(row, started[0], update)
-
-    def _write_unwritten(self) -> None:
-        """Write the outcome waiting to be written, if any (or wait for the
-        late-outcome thread to finish writing it)."""
-        with self._outcome_lock:
-            if self._unwritten is not None:
-                self._write_step(self._unwritten[0], self._unwritten[1], update=False)
-                self._unwritten = None
-
-    def write_late_outcome(self, due: float) -> None:
-        """From the late-outcome thread: write the waiting outcome if it has
-        waited since before `due`, unless the run's thread is at it."""
-        unwritten = self._unwritten
-        if unwritten is None or unwritten[2] > due or self.halt is not None:
-            return
-        if not self._outcome_lock.acquire(blocking=False):
-            return  # the run's own thread is writing it now
-        try:
-            if self._unwritten is unwritten:
-                self._write_step(unwritten[0], unwritten[1], update=False)
-                self._unwritten = None
-        except LostClaim:
-            pass  # the run is halted; its own thread reports it
-        except Exception as exc:
-            if not self._late_failure_logged:  # retried every tick: say it once
-                self._late_failure_logged = True
-                log.warning("could not write a step outcome yet (%s); retrying", exc, extra={"run": str(self.run_id)})
-        finally:
-            self._outcome_lock.release()
-
-    def _write_step(self, row: db.StepRow, started: float, update: bool) -> None:
-        try:
-            if update:
-                written = self._fenced(db.complete_started_step, (row,), row.step_id, row.status,
-                                       f"step {row.step_id!r}")
-            else:
-                written = self._fenced(self.runner.step_writer.record_step, (row,), row.step_id, row.status,
-                                       f"step {row.step_id!r}", grouped=True)
-        except LostClaim as lost:
-            raise self.stop_with(lost) from None
-        self._cancel_known(written)
-        if row.status != StepStatus.STARTED:
-            self._count(row.name, row.status, started)
-
-    def _count(self, name: str, status: str, started: float) -> None:
-        runs, duration = _step_metrics(self.workflow_name, name, status)
-        runs.inc()
-        duration.observe(time.perf_counter() - started)
 
     # -------------------------------------------------------------- messages and events
 
@@ -714,7 +440,7 @@ class Replay:
         timeout. While nothing comes the run is parked `waiting`, its slot
         given back; a send on the topic makes it due at once."""
         result = self._recorded_wait(scope, WAIT, "waits for a message", topic, f"message:{topic}", timeout,
-                                     db.take_message, topic)
+                                     self.held.take_message, topic)
         return serde.from_json(result["message"]) if "message" in result else None
 
     def _recorded_wait(self, scope: Scope, name: str, doing: str, topic: str, waiting_on: str,
@@ -722,127 +448,82 @@ class Replay:
         """A wait recorded like a step (`name`: WAIT or RESULT): its `started`
         row with `topic` and the deadline, then, once something came or the
         deadline passed, its result (parked meanwhile, see _wait_until_done)."""
-        step_id = scope.next_id(None)
-        if self.halt is not None:
-            raise self.halt
+        step_id = self._next_id(scope, None)
         recorded = self.recorded.get(step_id)
-        if recorded is not None and recorded[0] != name:
-            raise self.stop_with(WorkflowCodeError(
-                f"step {step_id!r} was recorded as {recorded[0]} but the workflow now {doing} there; "
-                "the workflow code changed in a way that breaks replay"
-            ))
+        if recorded is not None and recorded.name != name:
+            raise self._code_changed(step_id, recorded, doing)
         if recorded is None:
             self._boundary(step_id, name)
-            begun = self._fenced(db.begin_wait, (step_id, name, topic, timeout), step_id, StepStatus.STARTED,
-                                 "a wait")
-            if begun is None:  # written by this execution's earlier try: its answer was lost
-                self.look_again = True
-                raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
-            recorded = self.recorded[step_id] = [name, StepStatus.STARTED, begun.result, None, None]
-        if recorded[1] == StepStatus.FAILED:
-            exc = serde.decode_exception(recorded[3])
-            if isinstance(exc, Cancelled) and self.cancel_delivered is None:
-                self.cancel_delivered = exc
-            raise exc
-        if recorded[1] == StepStatus.STARTED:
-            recorded[2] = self._wait_until_done(scope, step_id, take, what, waiting_on, recorded[2].get("deadline"))
-            recorded[1] = StepStatus.DONE
-        return recorded[2]
+            begun = self.held.begin_wait(step_id, name, topic, timeout)
+            recorded = self.recorded[step_id] = RecordedStep(step_id, name, StepStatus.STARTED, begun, None, None)
+        if recorded.status == StepStatus.FAILED:
+            raise self._failure(recorded)
+        if recorded.status == StepStatus.STARTED:
+            result = self._wait_until_done(scope, step_id, take, what, waiting_on, recorded.result.get("deadline"))
+            recorded = self.recorded[step_id] = recorded._replace(status=StepStatus.DONE, result=result)
+        return recorded.result
 
     def _wait_until_done(self, scope: Scope, step_id: str, take: Callable, what: Any, waiting_on: str,
                          deadline: float | None) -> dict:
-        """Until the started wait `step_id` ends (`take`: db.take_message
-        or db.take_child, about `what`): its recorded result. Parks the
-        run on `waiting_on` while nothing came."""
-        parks = scope.prefix == "" and threading.get_ident() == self._owner
+        """Until the started wait `step_id` ends (`take`: HeldRun.take_message
+        or take_child, about `what`): its recorded result. Parks the run on
+        `waiting_on` while nothing came."""
+        parks = scope.prefix == "" and self.held.on_own_thread()
         pause = 0.02
         while True:
-            took = self._fenced(take, (step_id, what, deadline), step_id, StepStatus.DONE, "a wait")
-            if took is None:
-                self.look_again = True
-                raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
+            took = take(step_id, what, deadline)
             if took.result is not None:
                 return took.result
             remaining = None if deadline is None else deadline - took.now
             if parks and (remaining is None or remaining > MOMENT):
-                parking = self._fenced(db.park_waiting, (deadline, waiting_on, took.wakes), None,
-                                       RunStatus.WAITING, "parking the run")
-                if parking is None or parking.parked:
-                    raise self.stop_with(Parked())
-                if parking.cancel_requested:
-                    self._cancel_wait(step_id)
+                if self.held.park_waiting(deadline, waiting_on, took.wakes):
+                    self._cancel(step_id, WAIT, update=True)  # a wait's `Cancelled`, recorded as its failure
                 continue  # a message came, or the child ended, meanwhile
             # A parallel branch, or a moment to go: wait on this thread.
             time.sleep(pause if remaining is None else max(0.0, min(pause, remaining)))
             pause = min(pause * 2, 0.5)
+
+    def set_event(self, scope: Scope, key: str, value_json: str) -> None:
+        """Publish `key` = value for the outside (`everystep.get_event`),
+        recorded like a step: a replay does not write it again."""
+        step_id = self._next_id(scope, None)
+        recorded = self.recorded.get(step_id)
+        if recorded is not None:
+            if recorded.name != EVENT:
+                raise self._code_changed(step_id, recorded, "sets an event")
+            return
+        self._boundary(step_id, EVENT)
+        self.held.set_event(step_id, EVENT, key, value_json)
+        self.recorded[step_id] = RecordedStep(step_id, EVENT, StepStatus.DONE, None, None, None)
 
     # -------------------------------------------------------------- child workflows
 
     def start_child(self, scope: Scope, child_name: str, args_json: str) -> uuid.UUID:
         """Schedule a child run once, recorded like a step: a replay returns
         the same child."""
-        step_id = scope.next_id(None)
-        if self.halt is not None:
-            raise self.halt
+        step_id = self._next_id(scope, None)
         recorded = self.recorded.get(step_id)
         if recorded is None:
             self._boundary(step_id, START)
-            result = self._fenced(db.start_child, (step_id, START, uuid7(), child_name, args_json), step_id,
-                                  StepStatus.DONE, "starting a child")
-            if result is None:
-                self.look_again = True
-                raise self.stop_with(LostClaim(f"run {self.run_id}: the answer of a write was lost; replaying"))
-            recorded = self.recorded[step_id] = [START, StepStatus.DONE, result, None, None]
-        elif recorded[0] != START:
-            raise self.stop_with(WorkflowCodeError(
-                f"step {step_id!r} was recorded as {recorded[0]} but the workflow now starts a child there; "
-                "the workflow code changed in a way that breaks replay"
-            ))
-        if recorded[1] == StepStatus.FAILED:
-            raise serde.decode_exception(recorded[3])
-        return uuid.UUID(recorded[2]["child"])
+            result = self.held.start_child(step_id, START, child_name, args_json)
+            recorded = self.recorded[step_id] = RecordedStep(step_id, START, StepStatus.DONE, result, None, None)
+        elif recorded.name != START:
+            raise self._code_changed(step_id, recorded, "starts a child")
+        if recorded.status == StepStatus.FAILED:
+            raise serde.decode_exception(recorded.error)
+        return uuid.UUID(recorded.result["child"])
 
     def child_result(self, scope: Scope, child: uuid.UUID, timeout: float | None) -> Any:
         """Wait (parked) until the child run ends: its result, or ChildFailed
         for a child that failed, stopped or was cancelled; TimeoutError after
         `timeout` seconds. Recorded like a step."""
         end = self._recorded_wait(scope, RESULT, "waits for a child", f"child:{child}", f"child:{child}", timeout,
-                                  db.take_child, child)
+                                  self.held.take_child, child)
         if end.get("timeout"):
             raise TimeoutError(f"child run {child} did not end within the timeout")
         if end["status"] == RunStatus.COMPLETED:
             return serde.from_json(end["result"])
         raise ChildFailed(child, end["status"], None if end["error"] is None else serde.decode_exception(end["error"]))
-
-    def _cancel_wait(self, step_id: str) -> None:
-        """A cancel request reached a run in a wait: the wait raises `Cancelled`
-        (recorded as its failure, so a replay raises it at the same call)."""
-        self.cancel_requested = True
-        with self.cursor() as cur:
-            cancelled = Cancelled(db.cancel_reason(cur, self.run_id))
-        self.cancel_delivered = cancelled
-        self._record(step_id, WAIT, "[]", "{}", StepStatus.FAILED, None, serde.encode_exception(cancelled), True,
-                     (time.perf_counter(), time.time()))
-        metrics.CANCELLATIONS.labels(self.workflow_name).inc()
-        raise cancelled
-
-    def set_event(self, scope: Scope, key: str, value_json: str) -> None:
-        """Publish `key` = value for the outside (`everystep.get_event`),
-        recorded like a step: a replay does not write it again."""
-        step_id = scope.next_id(None)
-        if self.halt is not None:
-            raise self.halt
-        recorded = self.recorded.get(step_id)
-        if recorded is not None:
-            if recorded[0] != EVENT:
-                raise self.stop_with(WorkflowCodeError(
-                    f"step {step_id!r} was recorded as {recorded[0]} but the workflow now sets an event there; "
-                    "the workflow code changed in a way that breaks replay"
-                ))
-            return
-        self._boundary(step_id, EVENT)
-        self._fenced(db.set_event, (step_id, EVENT, key, value_json), step_id, StepStatus.DONE, "an event")
-        self.recorded[step_id] = [EVENT, StepStatus.DONE, None, None, None]
 
     # -------------------------------------------------------------- patches
 
@@ -857,26 +538,23 @@ class Replay:
         step_id = f"{scope.prefix}patch:{patch}"
         if len(step_id) > MAX_STEP_ID:
             raise EverystepError(f"patch id {step_id[:60]}... is {len(step_id)} characters; at most {MAX_STEP_ID}")
-        if self.halt is not None:
-            raise self.halt
+        if self.held.halt is not None:
+            raise self.held.halt
         recorded = self.recorded.get(step_id)
         if recorded is not None:
-            if recorded[0] != PATCH_STEP:
-                raise self.stop_with(WorkflowCodeError(
-                    f"id {step_id!r} was recorded as the step {recorded[0]}, not as a patch"))
-            return bool(serde.from_json(recorded[2]))
+            if recorded.name != PATCH_STEP:
+                raise self.held.stop_with(WorkflowCodeError(
+                    f"id {step_id!r} was recorded as the step {recorded.name}, not as a patch"))
+            return bool(serde.from_json(recorded.result))
         with scope.lock:
             reached = set(scope.used)  # the ids this scope has given out so far (a fork's: its branches too)
         went_further = any(
             other.startswith(scope.prefix) and other[len(scope.prefix):].split(".")[0] not in reached
-            and row[0] != PATCH_STEP
-            for other, row in list(self.recorded.items())
+            and step.name != PATCH_STEP
+            for other, step in list(self.recorded.items())
         )
-        try:
-            self.runner.fence.check(self.claim)
-        except (Drain, LostClaim) as exc:
-            raise self.stop_with(exc) from None
-        self._write_unwritten()
+        self.held.check()
+        self.held.flush()
         now = (time.perf_counter(), time.time())
         self._record(step_id, PATCH_STEP, "[]", "{}", StepStatus.DONE, not went_further, None, False, now)
         return not went_further
@@ -884,12 +562,10 @@ class Replay:
     # -------------------------------------------------------------- parallel
 
     def fork(self, scope: Scope, branches: tuple, everystep_id: str | None) -> tuple:
-        fork_id = scope.next_id(everystep_id)
-        if self.halt is not None:
-            raise self.halt
-        self._write_unwritten()  # the branches' steps come after it
+        fork_id = self._next_id(scope, everystep_id)
+        self.held.flush()  # the branches' steps come after it
         scopes = [scope.branch(fork_id, i) for i in range(len(branches))]
         results = run_branches(branches, scopes)
-        if self.halt is not None:
-            raise self.halt
+        if self.held.halt is not None:
+            raise self.held.halt
         return results

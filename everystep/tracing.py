@@ -22,10 +22,10 @@ import json
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from everystep import db
 from everystep.schema import RunStatus
 
 log = logging.getLogger("everystep")
@@ -106,30 +106,26 @@ class RunSpan:
         self.attributes = attributes  # shared with its step spans
 
 
-def run_started(replay: Any) -> RunSpan | None:
-    """Open the span of this execution (on the thread executing it) and make
-    it current; None when tracing is off or the run is no longer held."""
+def run_started(workflow: str, run_id: uuid.UUID, runner: str, stored: dict, execution: int) -> RunSpan | None:
+    """Open the span of this execution of a run (on the thread executing it)
+    and make it current; None when tracing is off. `stored`: the trace
+    context stored with the run; `execution`: the number of this traced
+    execution (both as the runner's write of the execution returned them)."""
     trace = _trace_api()
     if trace is None:
         return None
     from opentelemetry import context, propagate  # noqa: PLC0415  (loaded already: the API is)
 
-    # Not retried: on a connection error this execution goes untraced (logged).
-    with replay.cursor() as cur:
-        started = db.start_traced_execution(cur, replay.run_id, replay.runner.name, replay.token)
-    if started is None:
-        return None  # not held: the run's own first write reports the lost claim
-    stored, execution = started
     # Only the stored context is the parent, never whatever this worker thread
     # has current; no stored context (scheduled with tracing off): a new trace.
     parent = propagate.extract(stored, context=context.Context())
     attributes = {
-        "everystep.workflow": replay.workflow_name,
-        "everystep.run_id": str(replay.run_id),
-        "everystep.runner": replay.runner.name,
+        "everystep.workflow": workflow,
+        "everystep.run_id": str(run_id),
+        "everystep.runner": runner,
         "everystep.attempt": execution,
     }
-    span = _tracer(trace).start_span(f"run {replay.workflow_name}", context=parent, kind=trace.SpanKind.CONSUMER,
+    span = _tracer(trace).start_span(f"run {workflow}", context=parent, kind=trace.SpanKind.CONSUMER,
                                      attributes=attributes)
     token = context.attach(trace.set_span_in_context(span, parent))
     return RunSpan(trace, span, token, attributes)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,3 +138,37 @@ def test_nobody_but_the_data_layer_writes_sql():
                if module in SQL_HOLDERS and SQL_HOLDERS[module] in (None, texts)}
     assert {module: sorted(texts) for module, texts in found.items() if module not in allowed} == {}
     assert "everystep.store" not in MODULES
+# The JSON codec, the registry, log lines and spans never import the database
+# layer: what they need of it comes in as values.
+WITHOUT_DATABASE = ("everystep.serde", "everystep.registry", "everystep.logs", "everystep.tracing")
+
+
+def is_database_layer(module: str) -> bool:
+    return module.split(".")[0].startswith("psycopg") or module.split(".")[:2] in (
+        ["everystep", "store"], ["everystep", "db"])
+
+
+def test_the_codec_the_registry_logs_and_tracing_never_import_the_database_layer():
+    # As imported, in a fresh interpreter. The package's __init__ (the public
+    # API, which schedules runs through the store) is left out: a bare package
+    # stands in for it, so that only these modules' own imports count.
+    code = (
+        "import sys, types\n"
+        "package = types.ModuleType('everystep')\n"
+        f"package.__path__ = [{str(ROOT / 'everystep')!r}]\n"
+        "sys.modules['everystep'] = package\n"
+        f"for name in {WITHOUT_DATABASE!r}: __import__(name)\n"
+        "print(*sorted(sys.modules))\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=ROOT).stdout.split()
+    assert set(WITHOUT_DATABASE) <= set(loaded)
+    assert [module for module in loaded if is_database_layer(module)] == []
+    # As written, the lazy imports included.
+    reached, todo = set(), list(WITHOUT_DATABASE)
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(GRAPH[module])
+    assert sorted(module for module in reached if is_database_layer(module)) == []

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.support.processes import ROOT, wait_for
@@ -41,7 +42,9 @@ from opentelemetry.util._once import Once  # noqa: E402
 from sentry_sdk.transport import Transport  # noqa: E402
 
 import everystep  # noqa: E402
+import everystep.db  # noqa: E402
 from everystep import logs, observe, tracing  # noqa: E402
+from everystep.runner import Runner  # noqa: E402
 from tests.apps import tracing_workflows as flows  # noqa: E402
 from tests.support.otlp_receiver import Receiver  # noqa: E402
 from tests.support.supervisor_process import config  # noqa: E402
@@ -245,6 +248,44 @@ def test_a_run_scheduled_with_tracing_off_gets_a_trace_of_its_own(db, spans):
     assert db.run_pending() == {run_id: "completed"}
     (run,) = by_name(spans.get_finished_spans())["run tests.apps.tracing_workflows.fan_out"]
     assert run.parent is None and run.attributes["everystep.attempt"] == 1
+
+
+def test_counting_a_traced_execution_is_retried_across_a_connection_error(db, spans, tmp_path, monkeypatch):
+    run_id = schedule(db, flows.touches, str(tmp_path / "touched"))
+    real, calls = everystep.db.start_traced_execution, []
+
+    def cut_once(*args):
+        calls.append(args[1:])
+        if len(calls) == 1:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return real(*args)
+
+    monkeypatch.setattr(everystep.db, "start_traced_execution", cut_once)
+    assert db.run_pending() == {run_id: "completed"}
+    assert len(calls) == 2  # retried under the claim, as every write about the run is
+    (run,) = by_name(spans.get_finished_spans())["run tests.apps.tracing_workflows.touches"]
+    assert run.attributes["everystep.attempt"] == 1 and run.attributes["everystep.outcome"] == "completed"
+    assert db.value("SELECT trace_context->>'executions' FROM everystep_workflow WHERE id = %s", (run_id,)) == "1"
+
+
+def test_a_traced_execution_whose_claim_was_lost_stops_before_its_first_step(db, spans, tmp_path):
+    touched = tmp_path / "touched"
+    run_id = schedule(db, flows.touches, str(touched))
+    with db.connect() as conn:
+        (stale,) = everystep.db.claim(conn, "test-runner", 1)
+        # Put back and claimed again: a new execution of the run, with a token of its own.
+        assert everystep.db.requeue_held(conn, "test-runner", [everystep.db.Claim(stale.id, stale.token)]) == [run_id]
+        (fresh,) = everystep.db.claim(conn, "test-runner", 1)
+    engine = Runner(db.pool, "test-runner")
+    try:
+        assert engine.execute(stale).outcome == "abandoned"
+        assert not touched.exists()  # the lost claim was found by the count, before the step ran
+        assert engine.execute(fresh).outcome == "completed"
+    finally:
+        engine.close()
+    assert touched.exists()
+    (run,) = by_name(spans.get_finished_spans())["run tests.apps.tracing_workflows.touches"]
+    assert run.attributes["everystep.attempt"] == 1  # the stale execution counted nothing
 
 
 def test_json_log_lines_carry_the_ids_of_the_current_span(db, spans):

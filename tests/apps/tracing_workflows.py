@@ -108,3 +108,14 @@ def flaky_once(key: str) -> str:
 @workflow
 def retried_once(key: str) -> str:
     return flaky_once(key)
+
+
+@step
+def touch(path: str) -> str:
+    Path(path).touch()
+    return path
+
+
+@workflow
+def touches(path: str) -> str:
+    return touch(path)

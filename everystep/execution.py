@@ -1,0 +1,485 @@
+"""One execution of a held run, as the database sees it: the claim it writes
+under, its connection, and every write about the run. Decides nothing about
+the workflow: the replay rules (everystep.runner.Replay) say what to write.
+
+Every write carries the run's claimer and this execution's token (the
+database matches nothing once the run is no longer held by this execution),
+passes the worker's fence first, and is retried on a connection error as
+the fence allows. A write that matched nothing is explained
+(db.why_not_written): this execution's own earlier attempt wrote it (its
+answer was lost), the claim is lost, or another execution wrote the row.
+
+A step's outcome, on the run's own thread, waits for the next step or the
+end of the run to be written with it, but never longer than OUTCOME_DELAY:
+the late-outcome thread writes it then.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from everystep import db, metrics, serde
+from everystep.errors import Drain, LostClaim, Parked
+from everystep.ids import uuid7
+from everystep.schema import RunStatus, StepStatus
+from everystep.writer import GroupWriter
+
+log = logging.getLogger("everystep")
+
+# A step's outcome, on the run's own thread, waits for the next step or the
+# end of the run to be written with it, but never longer than this (seconds):
+# a body that sleeps or computes between two steps does not leave it unwritten.
+OUTCOME_DELAY = 0.05
+
+
+class Fence:
+    """How an execution's writes stay fenced by its claim, beyond the
+    database's own check of the execution token. A worker supplies one tied
+    to its liveness lock; this default never interrupts and retries a write
+    that failed on a connection error a few times with back-off."""
+
+    def check(self, run: db.ClaimedRun) -> None:
+        """Before a step starts: raise `Drain` to stop at this step boundary,
+        block while the claim is uncertain, raise `LostClaim` once it is gone."""
+
+    def before_write(self, run: db.ClaimedRun) -> None:
+        """Before every write about the run: block while the claim is
+        uncertain, raise `LostClaim` once it is gone."""
+
+    def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
+        """After a write failed on a connection error: wait before the retry,
+        or raise to give up."""
+        if attempt >= 8:
+            raise error
+        time.sleep(min(0.1 * 2**attempt, 5.0))
+
+
+class Successors:
+    """Whether the statement that ends a run may also claim the next run for
+    the slot it frees. This default never claims."""
+
+    # The workflows a successor may be of (LIKE patterns, db.routes_of; None: all).
+    routes: list[str] | None = None
+
+    def reserve(self, run: db.ClaimedRun) -> bool:
+        """Asked once, as this execution of the run is about to end. True
+        obliges the caller of `Runner.execute` to take the execution's
+        `successor` (or its absence) into account once it returns or raises."""
+        return False
+
+
+class Lent(NamedTuple):
+    """What a runner lends each of its executions."""
+    pool: ConnectionPool
+    runner: str  # the claimer's name
+    fence: Fence
+    successors: Successors
+    step_writer: GroupWriter  # step rows of all the runner's executions, in shared commits
+    end_writer: GroupWriter  # run ends (and their successors' claims), likewise
+
+
+class Pending(NamedTuple):
+    """A step's outcome not written yet."""
+    row: db.StepRow
+    started: float  # perf_counter when the step started
+    since: float  # perf_counter when it began to wait
+
+
+@functools.cache
+def _step_metrics(workflow: str, step: str, status: str) -> tuple:
+    """The labelled step counter and histogram (labels are code-defined
+    names, so this stays small): looked up once, not at every step."""
+    return metrics.STEP_RUNS.labels(workflow, step, status), metrics.STEP_DURATION.labels(workflow, step)
+
+
+class HeldRun:
+    """One execution of one held run: its fenced writes, and what they taught
+    it (a cancel request, the successor its end claimed, whether the worker
+    should look again at what it holds). Also why the execution stops
+    (`halt`): set by the replay rules or by a write that found the claim
+    lost, from any of the run's threads; the first reason wins.
+
+    The thread that created it (the run's own) keeps one pooled connection,
+    and one cursor on it, for the whole execution; parallel branches borrow
+    a connection from the pool for each write. Use it as a context manager:
+    inside, its late outcomes are written; at the end its connection goes
+    back to the pool."""
+
+    def __init__(self, lent: Lent, run: db.ClaimedRun):
+        self.lent = lent
+        self.claim = run
+        self.runner = lent.runner
+        # A cancel request known to this execution: from its claim or a write's answer.
+        self.cancel_requested = run.cancel_requested
+        self.halt: BaseException | None = None
+        self._halt_lock = threading.Lock()
+        # What the end of the execution hands back (see runner.Execution).
+        self.successor: db.ClaimedRun | None = None
+        self.claim_successor: bool | None = None  # asked once, at the end
+        self.look_again = False
+        self._owner = threading.get_ident()
+        self._conn: psycopg.Connection | None = None
+        self._cursor: psycopg.Cursor | None = None
+        # The outcome of the owner thread's last step, not written yet: it is
+        # written before the next step starts, or with the run's end. Guarded
+        # by _pending_lock, which is held while it is written.
+        self._pending: Pending | None = None
+        self._pending_lock = threading.Lock()
+        self._late_failure_logged = False
+
+    def __enter__(self) -> HeldRun:
+        _late_outcomes.add(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _late_outcomes.discard(self)
+        self.release()
+
+    def on_own_thread(self) -> bool:
+        """Whether this is the run's own thread (not a parallel branch's, nor
+        the late-outcome thread)."""
+        return threading.get_ident() == self._owner
+
+    def stop_with(self, exc: BaseException) -> BaseException:
+        """Set the execution's halt (the first one wins) and return it to raise."""
+        with self._halt_lock:
+            if self.halt is None:
+                self.halt = exc
+            return self.halt
+
+    def check(self) -> None:
+        """At a step boundary: the fence's `Drain` or `LostClaim`, as the halt."""
+        try:
+            self.lent.fence.check(self.claim)
+        except (Drain, LostClaim) as exc:
+            raise self.stop_with(exc) from None
+
+    # -------------------------------------------------------------- the connection
+
+    @contextmanager
+    def cursor(self) -> Iterator[psycopg.Cursor]:
+        """A cursor for one write or read (see the class)."""
+        if not self.on_own_thread():
+            with self.lent.pool.connection() as conn:
+                yield conn.cursor()
+            return
+        if self._cursor is None:
+            self._conn = self.lent.pool.getconn()
+            self._cursor = self._conn.cursor()
+        try:
+            yield self._cursor
+        except db.CONNECTION_ERRORS:
+            self.release()  # the pool discards a broken connection; the retry gets another
+            raise
+
+    def release(self) -> None:
+        if self._conn is not None:
+            self.lent.pool.putconn(self._conn)
+            self._conn = self._cursor = None
+
+    def cancel_reason(self) -> str | None:
+        with self.cursor() as cur:
+            return db.cancel_reason(cur, self.claim.id)
+
+    # -------------------------------------------------------------- fenced writes
+
+    def _fenced(self, write: Callable[..., Any], args: tuple, step_id: str | None, status: str, what: str,
+                grouped: bool = False) -> Any:
+        """Run a fenced write of the data layer about this execution and return what it
+        returned, retrying connection errors as the fence allows. A write that
+        matches nothing is explained (db.why_not_written): this execution's
+        own earlier attempt wrote it (its answer was lost): None is returned;
+        the run is no longer held by this execution, or another execution
+        wrote the row: `LostClaim`, as the halt. `grouped`: a write of the
+        runner's writer, which takes no cursor."""
+        attempt = 0
+        run, runner, token = self.claim.id, self.runner, self.claim.token
+        while True:
+            try:
+                self.lent.fence.before_write(self.claim)
+                if grouped:
+                    done = write(run, runner, token, *args)
+                else:
+                    with self.cursor() as cur:
+                        done = write(cur, run, runner, token, *args)
+                if done is not None and done is not False:
+                    return done
+                with self.cursor() as cur:
+                    why = db.why_not_written(cur, run, runner, token, step_id, status)
+                if why == db.WRITTEN:
+                    return None
+                if why == db.OTHER:
+                    # Held here, but not by this execution's writes: the worker
+                    # looks again at what it holds and replays the run afresh.
+                    self.look_again = True
+                    raise self._lost(f"run {run}: another execution wrote {what}; this one stops")
+                raise self._lost(f"run {run} is no longer held by this execution under {runner} ({what})")
+            except db.CONNECTION_ERRORS as exc:
+                self.look_again = True  # the answer may be lost: a claim made by it included
+                self.lent.fence.wait_after_error(self.claim, attempt, exc)
+                attempt += 1
+
+    def _lost(self, message: str) -> LostClaim:
+        """The claim is lost: the execution's halt, unless it has one already."""
+        lost = LostClaim(message)
+        self.stop_with(lost)
+        return lost
+
+    def _answered(self, write: Callable[..., Any], args: tuple, step_id: str, status: str, what: str) -> Any:
+        """A fenced write whose answer the run needs: one written by this
+        execution's earlier try, its answer lost, stops the execution (the
+        worker replays the run)."""
+        done = self._fenced(write, args, step_id, status, what)
+        if done is None:
+            self.look_again = True
+            raise self._lost(f"run {self.claim.id}: the answer of a write was lost; replaying")
+        return done
+
+    def start_traced(self) -> tuple[dict, int] | None:
+        """Count one more traced execution of the run (only with tracing on):
+        (the stored trace context, the number of this execution). None: the
+        count matched nothing though the run is still this execution's (its
+        status changed meanwhile); it goes untraced. A retry after a lost
+        answer counts once more: the numbers then skip one."""
+        return self._fenced(db.start_traced_execution, (), None, RunStatus.RUNNING, "a traced execution")
+
+    # -------------------------------------------------------------- step rows
+
+    def record_step(self, step_id: str, name: str, args: str, kwargs: str, status: str, result: Any,
+                    error: dict | None, update: bool, started: tuple[float, float]) -> None:
+        """Write a step's row; `result` and `error` are plain JSON data.
+
+        The outcome of a step of the run's own thread is written a little
+        later: before the next step starts, or in the statement that ends the
+        run, which saves a commit per run — or by the late-outcome thread
+        after OUTCOME_DELAY. Steps are at-least-once, so an outcome lost with
+        the worker in between only means the step runs again. The `started`
+        mark of an unsafe step, and its outcome, are written at once.
+        `update`: the step has a row already (`retrying`, or `started`).
+        `started`: (perf_counter, time) when the step started."""
+        row = db.StepRow(step_id, name, args, kwargs, status,
+                            None if status != StepStatus.DONE else serde.dump_data(result),
+                            None if error is None else serde.dump_data(error),
+                            started[1], None if status == StepStatus.STARTED else time.time())
+        if status != StepStatus.STARTED and not update and self.on_own_thread():
+            with self._pending_lock:
+                self._pending = Pending(row, started[0], time.perf_counter())
+        else:
+            self._write_step(Pending(row, started[0], 0.0), update)
+
+    def flush(self) -> None:
+        """Write the outcome waiting to be written, if any (or wait for the
+        late-outcome thread to finish writing it)."""
+        with self._pending_lock:
+            if self._pending is not None:
+                self._write_step(self._pending, update=False)
+                self._pending = None
+
+    def write_late(self, due: float) -> None:
+        """From the late-outcome thread: write the waiting outcome if it has
+        waited since before `due`, unless the run's thread is at it."""
+        pending = self._pending
+        if pending is None or pending.since > due or self.halt is not None:
+            return
+        if not self._pending_lock.acquire(blocking=False):
+            return  # the run's own thread is writing it now
+        try:
+            if self._pending is pending:
+                self._write_step(pending, update=False)
+                self._pending = None
+        except LostClaim:
+            pass  # the run is halted; its own thread reports it
+        except Exception as exc:
+            if not self._late_failure_logged:  # retried every tick: say it once
+                self._late_failure_logged = True
+                log.warning("could not write a step outcome yet (%s); retrying", exc,
+                            extra={"run": str(self.claim.id)})
+        finally:
+            self._pending_lock.release()
+
+    def _write_step(self, step: Pending, update: bool) -> None:
+        row = step.row
+        if update:
+            written = self._fenced(db.complete_started_step, (row,), row.step_id, row.status,
+                                   f"step {row.step_id!r}")
+        else:
+            written = self._fenced(self.lent.step_writer.record_step, (row,), row.step_id, row.status,
+                                   f"step {row.step_id!r}", grouped=True)
+        self._cancel_known(written)
+        if row.status != StepStatus.STARTED:
+            self._count(step)
+
+    def _count(self, step: Pending) -> None:
+        runs, duration = _step_metrics(self.claim.name, step.row.name, step.row.status)
+        runs.inc()
+        duration.observe(time.perf_counter() - step.started)
+
+    def _cancel_known(self, written: Any) -> None:
+        if getattr(written, "cancel_requested", False):
+            self.cancel_requested = True
+
+    def record_attempt(self, step_id: str, name: str, args: str, kwargs: str, error: dict, attempt: int,
+                       wait: float, started: tuple[float, float]) -> dict:
+        """Record a failed attempt that will be retried after `wait` seconds;
+        returns the attempt as recorded (its times by the database's clock)."""
+        row = db.StepRow(step_id, name, args, kwargs, StepStatus.RETRYING, None, serde.dump_data(error), started[1],
+                            time.time())
+        self.flush()
+        done = self._answered(db.record_attempt, (row, attempt, wait), step_id, StepStatus.RETRYING,
+                              f"attempt {attempt} of step {step_id!r}")
+        self._cancel_known(done)
+        return done.attempt
+
+    # -------------------------------------------------------------- sleeps, waits, children, events
+
+    def record_sleep(self, step_id: str, name: str, seconds: float | None, until: Any) -> db.Sleep:
+        """A durable sleep's row: its result the wake time."""
+        return self._answered(db.record_sleep, (step_id, name, seconds, until), step_id, StepStatus.DONE,
+                              "a sleep")
+
+    def park(self, wake_at: float) -> None:
+        """Leave the run `waiting` until `wake_at` (database time), which ends
+        this execution (`Parked`) — unless the time came meanwhile or a cancel
+        request is on the run (then `cancel_requested`): then it returns."""
+        self._parked(self._fenced(db.park_run, (wake_at,), None, RunStatus.WAITING, "parking the run"))
+
+    def park_waiting(self, deadline: float | None, waiting_on: str, wakes: int) -> bool:
+        """Leave the run `waiting` on `waiting_on` until `deadline`, as `park`
+        does, unless something came meanwhile. True: a cancel request is on
+        the run."""
+        parking = self._fenced(db.park_waiting, (deadline, waiting_on, wakes), None, RunStatus.WAITING,
+                               "parking the run")
+        self._parked(parking)
+        return parking.cancel_requested
+
+    def _parked(self, parking: db.Parking | None) -> None:
+        if parking is None or parking.parked:
+            raise self.stop_with(Parked())
+        if parking.cancel_requested:
+            self.cancel_requested = True
+
+    def begin_wait(self, step_id: str, name: str, topic: str, timeout: float | None) -> dict:
+        """A wait's `started` row: its result holds the topic and the deadline."""
+        return self._answered(db.begin_wait, (step_id, name, topic, timeout), step_id, StepStatus.STARTED,
+                              "a wait").result
+
+    def take_message(self, step_id: str, topic: str, deadline: float | None) -> db.Wait:
+        """End the started wait `step_id` with the next message on `topic`, or
+        its timeout, if either is there (see db.take_message)."""
+        return self._answered(db.take_message, (step_id, topic, deadline), step_id, StepStatus.DONE, "a wait")
+
+    def take_child(self, step_id: str, child: uuid.UUID, deadline: float | None) -> db.Wait:
+        """End the started wait `step_id` with the child's end, or its
+        timeout, if either is there (see db.take_child)."""
+        return self._answered(db.take_child, (step_id, child, deadline), step_id, StepStatus.DONE, "a wait")
+
+    def start_child(self, step_id: str, name: str, child_name: str, args_json: str) -> dict:
+        """Schedule a child run with the step row that records its start."""
+        return self._answered(db.start_child, (step_id, name, uuid7(), child_name, args_json), step_id,
+                              StepStatus.DONE, "starting a child")
+
+    def set_event(self, step_id: str, name: str, key: str, value_json: str) -> None:
+        self._fenced(db.set_event, (step_id, name, key, value_json), step_id, StepStatus.DONE, "an event")
+
+    # -------------------------------------------------------------- the end
+
+    def ending(self) -> Pending | None:
+        """The execution is about to end: the outcome waiting to be written,
+        taken for the end's statement (the late-outcome thread leaves it)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        return pending
+
+    def requeue(self, last: Pending | None) -> None:
+        """Put the run back in the queue (the worker drains): `last` first."""
+        if last is not None:
+            self._write_step(last, update=False)  # recorded before the requeue
+        self._fenced(lambda cur, run, runner, token: db.requeue_held(cur, runner, [db.Claim(run, token)]),
+                     (), None, RunStatus.SCHEDULED, "requeueing the run")
+        metrics.REQUEUED.labels(self.runner).inc()
+
+    def end(self, status: str, result: str | None, error: str | None, last: Pending | None) -> str:
+        """The last step's row, the run's end and the claim of the next run for
+        this slot: one statement, one commit. The successor, if any, is left in
+        `self.successor`. Returns the run's end as written (`cancelled` when a
+        cancel request reached the row first)."""
+        row = None if last is None else last.row
+        if self.claim_successor is None:
+            self.claim_successor = self.lent.successors.reserve(self.claim)
+
+        def write_end(run: uuid.UUID, runner: str, token: int, last_step: db.StepRow | None) -> str | None:
+            done = self.lent.end_writer.finish_run(run, token, status, result, error, last_step,
+                                                   self.claim_successor and self.successor is None)
+            if done.successor is not None:
+                self.successor = done.successor  # this slot's next run, whatever became of this end
+            if done.step_exists:
+                raise psycopg.errors.UniqueViolation(f"step {last_step.step_id!r} of run {run} exists")
+            return done.status
+
+        try:
+            ended = self._fenced(write_end, (row,), None, status, "ending the run", grouped=True)
+        except psycopg.errors.UniqueViolation:
+            # The last step's row is there already: written by this execution's
+            # earlier attempt (then end without it), or by another execution.
+            with self.cursor() as cur:
+                why = db.why_not_written(cur, self.claim.id, self.runner, self.claim.token, row.step_id,
+                                            row.status)
+            if why != db.WRITTEN:
+                self.look_again = self.look_again or why == db.OTHER
+                raise self._lost(f"run {self.claim.id}: step {row.step_id!r} was written by another "
+                                 "execution") from None
+            ended = self._fenced(write_end, (None,), None, status, "ending the run", grouped=True)
+        # None: an earlier attempt ended it, and its claim, if any, is found
+        # by the worker looking again (look_again is set by the retry).
+        if last is not None:
+            self._count(last)
+        return ended or status
+
+
+class _LateOutcomes:
+    """The runs executing in this process, and one daemon thread that writes
+    the outcomes that have waited OUTCOME_DELAY."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.held: set[HeldRun] = set()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def add(self, held: HeldRun) -> None:
+        with self.lock:
+            self.held.add(held)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._write_forever, name="everystep-outcomes", daemon=True)
+                self.thread.start()
+
+    def discard(self, held: HeldRun) -> None:
+        with self.lock:
+            self.held.discard(held)
+
+    def _write_forever(self) -> None:
+        while True:
+            time.sleep(OUTCOME_DELAY / 2)
+            due = time.perf_counter() - OUTCOME_DELAY
+            with self.lock:
+                held = list(self.held)
+            for run in held:
+                run.write_late(due)
+
+
+_late_outcomes = _LateOutcomes()
+# A forked child starts without the parent's threads, and with no run of its own.
+os.register_at_fork(after_in_child=_late_outcomes.reset)
