@@ -6,15 +6,18 @@
     everystep resolve-step RUN STEP (--result JSON | --error MSG | --discard)
     everystep requeue RUN...
     everystep cancel RUN... [--reason TEXT]
+    everystep reschedule RUN...
     everystep prune --older-than DAYS [--dry-run]
     everystep schedule MODULE:FUNC [JSON ...] [--idempotency-key K]
     everystep schedules plan|apply|retire|list [-o text|json]
     everystep worker --name NAME [--import MODULE ...]
+    everystep maintenance [--interval S] [--grace S] [--max-crashes N]
     everystep ui [--bind ADDRESS] [--port N]
     everystep roles [--apply] [--prefix P] [--schema S]
 
-Every action (resolve-step, requeue, prune, schedule, schedules apply and
-retire) is recorded in the audit trail, everystep_audit.
+Every action (resolve-step, requeue, cancel, reschedule, prune, schedule,
+schedules apply and retire) is recorded in the audit trail, everystep_audit.
+The actions on runs are everystep.operations' functions, the UI's too.
 
 The database comes from --database-url, else $EVERYSTEP_DATABASE_URL, else
 the `database.url` of `-c FILE`.

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from everystep import registry, serde, store
+from everystep import operations, registry, serde, store
 from everystep.logs import first_line
 
 EXIT_REFUSED = 1
@@ -86,10 +86,8 @@ def load_run(conn: psycopg.Connection, run_id: uuid.UUID) -> dict:
     return run
 
 
-def audit(conn: psycopg.Connection, action: str, run: uuid.UUID | None = None, step_id: str | None = None,
-           target: str | None = None, details: dict | None = None) -> None:
-    """Record an action in the audit trail (everystep_audit), as the Unix
-    user on this host. A database not migrated to it yet records nothing."""
+def actor() -> operations.Actor:
+    """Who acts, as the audit trail records it: the Unix user on this host."""
     import getpass  # noqa: PLC0415
     import socket  # noqa: PLC0415
 
@@ -97,8 +95,16 @@ def audit(conn: psycopg.Connection, action: str, run: uuid.UUID | None = None, s
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid {os.getuid()}"
+    return operations.Actor(f"{user}@{socket.gethostname()}", "cli")
+
+
+def audit(conn: psycopg.Connection, action: str, run: uuid.UUID | None = None, step_id: str | None = None,
+          target: str | None = None, details: dict | None = None) -> None:
+    """Record an action that is not one of everystep.operations' in the audit
+    trail (everystep_audit). A database not migrated to it yet records nothing."""
+    who = actor()
     try:
-        store.audit(conn, f"{user}@{socket.gethostname()}", "cli", action, run, step_id, target, details)
+        store.audit(conn, who.name, who.source, action, run, step_id, target, details)
     except psycopg.errors.UndefinedTable:
         pass
 
