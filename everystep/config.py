@@ -150,6 +150,26 @@ _A_LEAP_YEAR = datetime.datetime(2028, 1, 1, tzinfo=datetime.UTC)
 CRON_MACROS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
 
 
+def worker_options(config: Config | None) -> dict[str, Any]:
+    """The `Worker` keyword arguments a config file sets (its defaults for
+    None): what the supervisor gives each of its workers, and `everystep
+    worker -c FILE` its one. The workflows' limits (`workflows:`) are written
+    by every worker when it starts, so a worker without them would put the
+    decorators' limits back in force."""
+    workers = config.workers if config is not None else WorkersConfig()
+    recovery = config.recovery if config is not None else RecoveryConfig()
+    workflows = config.workflows if config is not None else {}
+    return {"threads": workers.threads, "poll": workers.poll, "drain": workers.drain, "grace": recovery.grace,
+            "max_crashes": recovery.max_crashes, "workflows": workers.workflows,
+            "limits": {name: settings.concurrency for name, settings in workflows.items()}}
+
+
+def maintenance_options(config: Config | None) -> dict[str, Any]:
+    """The `Maintenance` keyword arguments a config file sets (its defaults for None)."""
+    recovery = config.recovery if config is not None else RecoveryConfig()
+    return {"interval": recovery.interval, "grace": recovery.grace, "max_crashes": recovery.max_crashes}
+
+
 def load(path: str | os.PathLike) -> Config:
     """Read, expand and validate a config file."""
     file = str(path)

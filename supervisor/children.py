@@ -128,16 +128,13 @@ def _after_fork(spec: ChildSpec, parent_pid: int, config) -> None:
 
 def _worker(spec: ChildSpec, config, status: _Status) -> None:
     from everystep import metrics  # noqa: PLC0415
+    from everystep.config import worker_options  # noqa: PLC0415
     from everystep.worker import Worker  # noqa: PLC0415
 
-    workers = config.workers
     worker = Worker(
-        spec.database_url, spec.name, threads=workers.threads, poll=workers.poll, drain=workers.drain,
-        grace=config.recovery.grace, max_crashes=config.recovery.max_crashes, on_claim=status.claimed_work,
+        spec.database_url, spec.name, **worker_options(config), on_claim=status.claimed_work,
         on_load=lambda inflight, threads: setproctitle(f"everystep: worker {spec.name} [{inflight}/{threads}]"),
-        on_lock=status.lock, workflows=workers.workflows,
-        limits={name: settings.concurrency for name, settings in config.workflows.items()},
-        direct_url=spec.direct_url or None,
+        on_lock=status.lock, direct_url=spec.direct_url or None,
     )
     metrics.declare_runner(spec.name)
     stop_on_signals(worker)
@@ -168,10 +165,10 @@ def _ui(spec: ChildSpec, config, status: _Status) -> None:
 
 
 def _maintenance(spec: ChildSpec, config, status: _Status) -> None:
+    from everystep.config import maintenance_options  # noqa: PLC0415
     from everystep.maintenance import Maintenance  # noqa: PLC0415
 
-    maintenance = Maintenance(spec.session_url, interval=config.recovery.interval, grace=config.recovery.grace,
-                              max_crashes=config.recovery.max_crashes)
+    maintenance = Maintenance(spec.session_url, **maintenance_options(config))
     stop_on_signals(maintenance)
     status.booted()
     maintenance.run()

@@ -401,6 +401,26 @@ def test_requeue_of_several_runs_requeues_all_or_nothing(db):
     assert status(db, orphan.id) == "running"
 
 
+# ---------------------------------------------------------------- reschedule
+
+
+def test_reschedule_schedules_a_new_run_of_each_with_the_same_args(db):
+    done = schedule_one(db, greet, "ada")
+    failed = schedule_one(db, fails, 7)
+    db.run_pending()
+    out = ok(cli(db, "reschedule", str(done.id), str(failed.id), str(done.id)))
+    again = dict(db.query("SELECT args::text, id FROM everystep_workflow WHERE status = 'scheduled'"))
+    greeting, failing = again['["ada"]'], again["[7]"]  # the same args, new runs
+    assert out.splitlines() == [f"scheduled run {done.id} again: new run {greeting}",
+                                f"scheduled run {failed.id} again: new run {failing}"]
+    rows = db.query("SELECT source, action, run_id, details FROM everystep_audit ORDER BY id")
+    assert rows == [("cli", "schedule-again", greeting, {"from_run": str(done.id)}),
+                    ("cli", "schedule-again", failing, {"from_run": str(failed.id)})]
+    unknown = uuid.uuid4()
+    assert error_line(cli(db, "reschedule", str(done.id), str(unknown)), 2) == f"everystep: no run {unknown}"
+    assert workflow_count(db) == 4  # all or nothing
+
+
 # ---------------------------------------------------------------- prune
 
 

@@ -13,8 +13,10 @@ import everystep.db
 from everystep import EverystepError
 from tests.apps.flow_workflows import limited, unlimited
 from tests.apps.workflows import marks_of
+from tests.support.engine import most_at_once
 from tests.support.processes import wait_for
 
+IMPORTS = ("tests.apps.workflows", "tests.apps.flow_workflows")
 LIMITED = limited.__everystep_workflow__
 UNLIMITED = unlimited.__everystep_workflow__
 
@@ -163,6 +165,23 @@ def test_eight_worker_processes_keep_the_limit(db, marks, start_worker):
             highest = max(highest, now)
     assert highest <= 3
     assert highest >= 2  # the limit admits in parallel, not one at a time
+
+
+def test_a_worker_started_with_a_config_file_keeps_its_workflow_limits(db, marks, start_worker, tmp_path):
+    """`everystep worker -c FILE` writes the file's `workflows:` limits, as the
+    supervisor's workers do; without them its own limits (the decorators')
+    would replace the file's, and a workflow the file limits to one run would
+    run four at once on four threads."""
+    config = tmp_path / "everystep.yaml"
+    config.write_text(f"workflows:\n  {UNLIMITED}:\n    concurrency: 1\n")
+    runs = db.schedule_many(unlimited, [(marks, 0.2) for _ in range(6)])
+    start_worker("w-config", threads=4, imports=IMPORTS, config=config)
+    ids = [run.id for run in runs]
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE id = ANY(%s) AND status = 'completed'",
+                              (ids,)) == 6, 60, what="every run completed")
+    with db.connect() as conn:
+        assert everystep.db.limits(conn) == {LIMITED: 3, UNLIMITED: 1}  # the decorator's, and the file's override
+    assert most_at_once(db, runs) == 1
 
 
 def test_the_decorator_refuses_a_bad_limit():

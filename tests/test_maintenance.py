@@ -22,6 +22,7 @@ from tests.apps.cli_workflows import greet
 from tests.support.processes import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
+UNREACHABLE = "host=127.0.0.1 port=1 user=postgres dbname=test connect_timeout=3"
 
 
 class MaintenanceProcess:
@@ -109,6 +110,21 @@ def test_the_command_takes_recovery_from_the_config_file_and_options_win(db, mai
     wait_for(lambda: "sweep every" in process.output(), timeout=30, what="the maintenance loop to start")
     assert "maintenance: the dead-claimer sweep every 0.3 s (grace 0.5 s)" in process.output()
     assert process.stop(signal.SIGINT) == 0
+
+
+def test_the_command_runs_as_the_supervisors_maintenance_child_does(db, maintenance, tmp_path):
+    """With -c FILE it connects with database.direct_url when the file has one
+    (a session: the sweep's and the scheduler's locks; database.url may be
+    PgBouncer's, here a port where nothing answers), and logs in the file's format."""
+    run = dead_claimers_run(db)
+    config = tmp_path / "everystep.yaml"
+    config.write_text(f"database:\n  url: {json.dumps(UNREACHABLE)}\n  direct_url: {json.dumps(db.url)}\n"
+                      "logging:\n  format: json\nrecovery:\n  interval: 0.2\n  grace: 0\n")
+    process = maintenance("-c", str(config))
+    wait_for(lambda: db.run(run.id)["status"] == "scheduled", timeout=30, what="the dead claimer's run requeued")
+    assert process.stop(signal.SIGTERM) == 0
+    records = [json.loads(line) for line in process.output().splitlines() if line.strip()]
+    assert any("claimer worker-dead is dead" in record["message"] for record in records)
 
 
 @pytest.mark.parametrize("args, message", [

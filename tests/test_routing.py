@@ -3,7 +3,10 @@ a workflow nobody serves stay scheduled and show in a metric."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import yaml
 
 import everystep.db
 from everystep import config
@@ -11,6 +14,7 @@ from everystep.config import ConfigError
 from supervisor.http_server import Database, QueueCollector
 from tests.apps.flow_workflows import cpu_job, gpu_job, unlimited
 from tests.apps.workflows import marks_of
+from tests.support.engine import most_at_once
 from tests.support.processes import wait_for
 from tests.support.supervisor_process import config as supervisor_config
 
@@ -47,6 +51,28 @@ def test_workers_claim_only_the_workflows_they_serve(db, marks, start_worker):
     assert unserved_gauge(db) == {}
 
 
+def test_a_worker_started_with_a_config_file_runs_as_the_supervisors_workers_do(db, marks, start_worker, tmp_path):
+    """`everystep worker -c FILE` takes what the supervisor gives its workers
+    from the file: the imports, workers.workflows (routing), workers.threads,
+    and the log format; an option given on the command line still wins."""
+    config = tmp_path / "everystep.yaml"
+    config.write_text(yaml.safe_dump({
+        "imports": list(IMPORTS), "logging": {"format": "json"},
+        "workers": {"threads": 2, "workflows": ["tests.apps.flow_workflows.gpu_*", unlimited.__everystep_workflow__]},
+    }))
+    cpu = db.schedule_many(cpu_job, [(marks,) for _ in range(2)])
+    gpu = db.schedule_many(gpu_job, [(marks,) for _ in range(2)])
+    slow = db.schedule_many(unlimited, [(marks, 0.3) for _ in range(6)])
+    worker = start_worker("cfg-1", config=config, imports=(), threads=None)
+    done = [r.id for r in gpu + slow]
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE id = ANY(%s) AND status = 'completed'",
+                              (done,)) == 8, 60, what="the routed runs completed")
+    assert {db.run(r.id)["status"] for r in cpu} == {"scheduled"}  # not in workers.workflows
+    assert most_at_once(db, slow) <= 2  # two threads, not the default eight
+    lines = [line for line in worker.output().splitlines() if line.strip()]
+    assert lines and all(json.loads(line)["message"] for line in lines)  # logging.format: json
+
+
 def test_routes_are_like_patterns_with_their_wildcards_escaped(db):
     assert everystep.db.routes_of(["a.b_c*", "x?y"]) == ["a.b\\_c%", "x_y"]
     assert everystep.db.routes_of(None) is None
@@ -74,6 +100,18 @@ def test_the_config_reads_routing_and_limits(tmp_path):
     assert loaded.workers.workflows == ("myapp.gpu.*", "myapp.render")
     assert loaded.workflows == {"myapp.render": config.WorkflowConfig(2), "myapp.other": config.WorkflowConfig(None)}
     assert config.load(write(tmp_path, "")).workers.workflows is None
+
+
+def test_a_workers_options_come_from_the_config_for_the_supervisor_and_the_cli_alike(tmp_path):
+    loaded = config.load(write(tmp_path, (
+        "workers: {threads: 3, poll: 0.5, drain: 5, workflows: [a.*]}\nrecovery: {grace: 2, max_crashes: 4}\n"
+        "workflows: {a.b: {concurrency: 2}, a.c: {concurrency: null}}\n"
+    )))
+    assert config.worker_options(loaded) == {"threads": 3, "poll": 0.5, "drain": 5, "grace": 2, "max_crashes": 4,
+                                             "workflows": ("a.*",), "limits": {"a.b": 2, "a.c": None}}
+    assert config.worker_options(None) == {"threads": 8, "poll": 1.0, "drain": 30.0, "grace": 10.0,
+                                           "max_crashes": 3, "workflows": None, "limits": {}}
+    assert config.maintenance_options(loaded) == {"interval": 5.0, "grace": 2, "max_crashes": 4}
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -21,9 +21,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import api, db, liveness, scheduler, serde
-from everystep.errors import EverystepError
-from everystep.ids import uuid7
+from everystep import db, liveness, operations, serde
 from everystep.logs import first_line
 from everystep.ui.hub import Hub
 
@@ -324,8 +322,8 @@ class Console:
     # ------------------------------------------------------------ actions
 
     def act(self, who: Who, action: str, body: Any) -> dict:
-        """Run an action for `who`; its audit record is written in the same
-        transaction as the change it describes."""
+        """Run an action for `who` (everystep.operations: its audit record is
+        written in the same transaction as the change it describes)."""
         if not who.can_act:
             raise Problem(403, "viewers cannot act: an operator token is needed")
         handler = _ACTIONS.get(action)
@@ -334,9 +332,12 @@ class Console:
         if not isinstance(body, dict):
             raise Problem(400, "the request body must be a JSON object")
         with self._db() as conn:
-            return handler(self, conn, who, body)
+            try:
+                return handler(self, conn, operations.Actor(who.name, "ui"), body)
+            except operations.Refused as refused:
+                raise Problem(409, str(refused)) from None
 
-    def _resolve(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
+    def _resolve(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         run, step, outcome = _run_id(body.get("run")), body.get("step"), body.get("outcome")
         if not isinstance(step, str) or not step:
             raise Problem(400, "step must be a step id")
@@ -351,13 +352,7 @@ class Console:
             how = {"discard": True}
         else:
             raise Problem(400, "outcome must be result, error or discard")
-        try:
-            with conn.transaction():
-                api.resolve_step(conn, run, step, **how)
-                db.audit(conn, who.name, "ui", "resolve-step", run=run, step_id=step,
-                            details={"outcome": outcome, "value": body.get("value")})
-        except EverystepError as refused:
-            raise Problem(409, str(refused)) from None
+        operations.resolve_step(conn, actor, run, step, **how)
         return {"message": f"step {step} of run {run} resolved ({outcome}); the run is scheduled again"}
 
     def _target_runs(self, conn: psycopg.Connection, body: dict) -> list[uuid.UUID]:
@@ -373,81 +368,46 @@ class Console:
             raise Problem(400, f"runs must be a list of 1 to {BULK_LIMIT} run ids")
         return list(dict.fromkeys(_run_id(r) for r in runs))
 
-    def _requeue(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
+    def _requeue(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         """Requeue each run whose claimer is dead (its lock is free); report the others."""
-        requeued, refused = [], []
-        for run in self._target_runs(conn, body):
-            found = db.load_run(conn, run)
-            if found is None or found["status"] != "running":
-                refused.append(f"{run}: {'no such run' if found is None else found['status']}, not running")
-                continue
-            claimer = found["claimed_by"]
-            if claimer is not None and not db.try_lock(conn, claimer):
-                refused.append(f"{run}: its claimer {claimer} holds its lock (alive)")
-                continue
-            try:
-                with conn.transaction():
-                    if db.requeue_from_dead_claimers(conn, [(run, claimer)]):
-                        db.audit(conn, who.name, "ui", "requeue", run=run, details={"claimer": claimer})
-                        requeued.append(run)
-                    else:
-                        refused.append(f"{run}: changed meanwhile")
-            finally:
-                if claimer is not None:
-                    db.unlock(conn, claimer)
-        return {"message": f"requeued {len(requeued)} run(s)" + (f"; refused {len(refused)}" if refused else ""),
-                "done": requeued, "refused": refused}
+        done, refused = operations.requeue(conn, actor, self._target_runs(conn, body), all_or_nothing=False)
+        return _answer(f"requeued {len(done)} run(s)", [each.run for each in done],
+                       [refusal.why for refusal in refused])
 
-    def _reschedule(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
-        created = []
-        for run in self._target_runs(conn, body):
-            with conn.transaction():
-                new = db.ui_reschedule(conn, run, uuid7())
-                if new is not None:
-                    db.audit(conn, who.name, "ui", "schedule-again", run=new, details={"from_run": str(run)})
-                    created.append(new)
-        return {"message": f"scheduled {len(created)} new run(s) with the same args", "done": created}
+    def _reschedule(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
+        done, refused = operations.reschedule(conn, actor, self._target_runs(conn, body), all_or_nothing=False)
+        return _answer(f"scheduled {len(done)} new run(s) with the same args", [each.new for each in done],
+                       [refusal.why for refusal in refused])
 
-    def _cancel(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
+    def _cancel(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         """Cancel runs as `everystep cancel` does: at once if not running, at
         the next step boundary if running; a run that has ended is reported."""
         reason = body.get("reason") or None
         if reason is not None and not isinstance(reason, str):
             raise Problem(400, "reason must be a string")
-        done, asked, refused = [], [], []
-        for run in self._target_runs(conn, body):
-            try:
-                with conn.transaction():
-                    status = api.cancel(run, reason, conn=conn)
-                    db.audit(conn, who.name, "ui", "cancel", run=run, details={"reason": reason, "status": status})
-            except EverystepError as unknown:
-                refused.append(f"{run}: {unknown}")
-                continue
-            if status == "cancelled":
-                done.append(run)
-            elif status == "running":
-                asked.append(run)
-            else:
-                refused.append(f"{run}: already {status}")
-        message = f"cancelled {len(done)} run(s)" + (f"; asked {len(asked)} running run(s) to stop" if asked else "")
-        return {"message": message + (f"; refused {len(refused)}" if refused else ""), "done": done + asked,
-                "refused": refused}
+        done, refused = operations.cancel(conn, actor, self._target_runs(conn, body), reason,
+                                          all_or_nothing=False)
+        asked = sum(each.status == "running" for each in done)
+        message = f"cancelled {len(done) - asked} run(s)" + (
+            f"; asked {asked} running run(s) to stop" if asked else "")
+        return _answer(message, [each.run for each in done], [
+            f"{refusal.run}: {refusal.why}" if refusal.status is None else f"{refusal.run}: already {refusal.status}"
+            for refusal in refused])
 
-    def _schedule_action(self, conn: psycopg.Connection, who: Who, body: dict) -> dict:
+    def _schedule_action(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         key, verb = body.get("key"), body.get("verb")
         if not isinstance(key, str) or verb not in ("pause", "resume", "fire"):
             raise Problem(400, "key must be a schedule key and verb one of pause, resume, fire")
-        try:
-            if verb == "fire":
-                run = db.fire_schedule_now(conn, key, uuid7())
-                db.audit(conn, who.name, "ui", "schedule-fire", run=run, target=key)
-                return {"message": f"schedule {key} fired: run {run}", "done": [run]}
-            db.ui_set_schedule_paused(conn, key, verb == "pause", lambda row: scheduler.next_fire_time(
-                row["cron"], row["timezone"], row["database_now"]))
-        except db.ScheduleRefused as refused:
-            raise Problem(409, str(refused)) from None
-        db.audit(conn, who.name, "ui", f"schedule-{verb}", target=key)
+        if verb == "fire":
+            run = operations.fire_schedule(conn, actor, key)
+            return {"message": f"schedule {key} fired: run {run}", "done": [run]}
+        (operations.pause_schedule if verb == "pause" else operations.resume_schedule)(conn, actor, key)
         return {"message": f"schedule {key} {verb}d"}
+
+
+def _answer(message: str, done: list[uuid.UUID], refused: list[str]) -> dict:
+    """The answer of an action on several runs: what it did, and what it refused."""
+    return {"message": message + (f"; refused {len(refused)}" if refused else ""), "done": done, "refused": refused}
 
 
 _ACTIONS = {

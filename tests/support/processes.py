@@ -33,17 +33,23 @@ def console_script(name: str) -> str:
 
 
 class WorkerProcess:
-    """`everystep worker` in a subprocess, logging to a file."""
+    """`everystep worker` in a subprocess, logging to a file. With `config`,
+    it is given `-c config`; an option given as None is left out (the file's
+    value, else the default, applies)."""
 
-    def __init__(self, url: str, name: str, log_dir: Path, threads: int = 4, poll: float = 0.5,
-                 drain: float = 10, grace: float = 2, max_crashes: int = 3, imports: tuple = ("tests.apps.workflows",),
-                 workflows: tuple = (), command: tuple = (sys.executable, "-m", "everystep.cli"), cwd: Path = ROOT,
-                 direct_url: str | None = None):
+    def __init__(self, url: str | None, name: str, log_dir: Path, threads: int | None = 4, poll: float | None = 0.5,
+                 drain: float | None = 10, grace: float | None = 2, max_crashes: int | None = 3,
+                 imports: tuple = ("tests.apps.workflows",), workflows: tuple = (),
+                 command: tuple = (sys.executable, "-m", "everystep.cli"), cwd: Path = ROOT,
+                 direct_url: str | None = None, config: Path | None = None):
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
-        args = [*command, "--database-url", url, "worker", "--name", name, "--threads", str(threads),
-                "--poll", str(poll), "--drain", str(drain), "--grace", str(grace), "--max-crashes", str(max_crashes)]
+        args = [*command, *(["--database-url", url] if url else []), *(["-c", str(config)] if config else []),
+                "worker", "--name", name]
+        options = {"--threads": threads, "--poll": poll, "--drain": drain, "--grace": grace,
+                   "--max-crashes": max_crashes}
+        args += [word for option, value in options.items() if value is not None for word in (option, str(value))]
         for module in imports:
             args += ["--import", module]
         for pattern in workflows:

@@ -1,0 +1,74 @@
+"""The database's upkeep: `everystep migrate`, `prune` and `roles`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from everystep import db
+from everystep.cli.common import Add, audit, connect, plural, whole_number_argument
+
+MAX_DAYS = 36500  # 100 years: the bound of --older-than
+PRUNE_BATCH = 1000  # runs deleted per transaction, so prune never holds locks for long
+
+
+def add_commands(commands: Any, add: Add) -> None:
+    add(commands, "migrate", cmd_migrate, "apply the schema migrations (safe to run concurrently and repeatedly)")
+
+    prune = add(commands, "prune", cmd_prune,
+                "delete completed, failed, stopped and cancelled runs (with their steps) older than a bound")
+    prune.add_argument("--older-than", type=whole_number_argument(1, MAX_DAYS), required=True,
+                       metavar="DAYS", help="days since the run ended")
+    prune.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
+
+    roles = add(commands, "roles", cmd_roles, "print the SQL of three least-privilege roles (producer, worker, "
+                "operator), or apply it")
+    roles.add_argument("--apply", action="store_true", help="run the SQL on the database instead of printing it")
+    roles.add_argument("--prefix", type=_role_prefix, default="everystep_",
+                       help="role name prefix (default everystep_)")
+    roles.add_argument("--schema", type=_role_prefix, default=None,
+                       help="schema of the everystep tables (default public)")
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    with connect(args) as conn:
+        applied = db.migrate(conn)
+    print(f"applied {', '.join(applied)}" if applied else "nothing to apply: the schema is up to date")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    what = f"completed, failed, stopped or cancelled more than {plural(args.older_than, 'day')} ago"
+    with connect(args) as conn:
+        if args.dry_run:
+            count = db.count_prunable(conn, args.older_than)
+            print(f"would delete {plural(count, 'run')} {what}, with their steps (dry run: nothing deleted)")
+            return 0
+        deleted = 0
+        while batch := db.prune_batch(conn, args.older_than, PRUNE_BATCH):
+            deleted += batch
+        audit(conn, "prune", details={"older_than_days": args.older_than, "deleted": deleted})
+    print(f"deleted {plural(deleted, 'run')} {what}, with their steps")
+    return 0
+
+
+def cmd_roles(args: argparse.Namespace) -> int:
+    """Print (or apply) the SQL of the producer, worker and operator roles."""
+    from everystep import roles  # noqa: PLC0415
+
+    text = roles.sql_text(args.prefix, args.schema)
+    if not args.apply:
+        print(text)
+        return 0
+    with connect(args) as conn:
+        conn.execute(text)  # one transaction: the SQL has its BEGIN and COMMIT
+    print(f"applied the roles {', '.join(roles.role_names(args.prefix))}")
+    return 0
+
+
+def _role_prefix(text: str) -> str:
+    if not text or len(text) > 40 or not (text[0].isalpha() or text[0] == "_") or \
+            not all(ch.isalnum() or ch == "_" for ch in text) or not text.isascii():
+        raise argparse.ArgumentTypeError(f"expected letters, digits and '_' (at most 40), not {text!r}")
+    return text.lower()
+

@@ -1,0 +1,208 @@
+"""`everystep runs list|show` and `everystep schedule`: reading runs, and
+scheduling one."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import inspect
+import json
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from everystep import api, db, registry, serde
+from everystep.cli.common import (
+    Add,
+    CliError,
+    audit,
+    connect,
+    json_value_argument,
+    load_run,
+    output_option,
+    plural,
+    print_json,
+    run_id_argument,
+    table,
+    utc,
+    whole_number_argument,
+)
+from everystep.errors import EverystepError
+
+STATUSES = ("scheduled", "waiting", "running", "completed", "failed", "stopped", "blocked", "cancelled")
+
+
+def add_commands(commands: Any, add: Add) -> None:
+    runs = add(commands, "runs", None, "list runs, or show one with its steps")
+    runs_commands = runs.add_subparsers(dest="runs_command", required=True, metavar="COMMAND")
+    listing = add(runs_commands, "list", cmd_runs_list, "list runs, newest first")
+    listing.add_argument("--status", choices=STATUSES, help="only runs in this status")
+    listing.add_argument("--workflow", metavar="NAME", help="only runs of this workflow (module.qualname)")
+    listing.add_argument("--parent", type=run_id_argument, metavar="RUN", help="only the child runs of this run")
+    listing.add_argument("--limit", type=whole_number_argument(1), default=50, metavar="N",
+                         help="at most N runs (default 50)")
+    output_option(listing)
+    show = add(runs_commands, "show", cmd_runs_show, "show a run and its recorded steps")
+    show.add_argument("run", type=run_id_argument, metavar="RUN")
+    output_option(show)
+
+    schedule = add(commands, "schedule", cmd_schedule, "schedule a run of a workflow")
+    schedule.add_argument("target", metavar="MODULE:FUNC", help="the @workflow, e.g. myapp.workflows:provision_vm")
+    schedule.add_argument("values", type=json_value_argument, nargs="*", metavar="JSON",
+                          help="each one positional argument, in everystep's JSON")
+    schedule.add_argument("--idempotency-key", metavar="K", help="return the existing run of this workflow and key")
+
+
+def cmd_runs_list(args: argparse.Namespace) -> int:
+    # MODULE:FUNC (as `schedule` takes it) names the same workflow as module.FUNC.
+    name = args.workflow.replace(":", ".") if args.workflow else None
+    with connect(args) as conn:
+        runs = db.list_runs(conn, args.status, name, args.limit + 1, args.parent)
+    more, runs = len(runs) > args.limit, runs[: args.limit]
+    if args.output == "json":
+        print_json(runs)
+        return 0
+    if not runs:
+        print("no runs")
+        return 0
+    print(table(
+        ("ID", "STATUS", "WORKFLOW", "CREATED", "ENDED", "CLAIMED BY"),
+        [(str(run["id"]), run["status"], run["name"], utc(run["created_at"]), utc(run["completed_at"]),
+          run["claimed_by"] or "-") for run in runs],
+    ))
+    if more:
+        print(f"(the newest {args.limit}; more runs match: raise --limit)")
+    return 0
+
+
+def cmd_runs_show(args: argparse.Namespace) -> int:
+    with connect(args) as conn:
+        # One snapshot, so the steps shown are the steps of the run shown.
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        with conn.transaction():
+            run = load_run(conn, args.run)
+            steps = db.load_steps(conn, args.run)
+            children = db.children(conn, args.run)
+            messages = db.load_messages(conn, args.run)
+            events = db.load_events(conn, args.run)
+    if args.output == "json":
+        print_json({**run, "steps": steps, "children": children, "messages": messages, "events": events})
+        return 0
+    fields = [
+        ("run", str(run["id"])),
+        ("workflow", run["name"]),
+        ("status", run["status"]),
+        ("claimed by", run["claimed_by"] or "-"),
+        ("idempotency key", run["idempotency_key"] or "-"),
+        ("created", utc(run["created_at"])),
+        ("ended", utc(run["completed_at"])),
+        ("args", _json_text(run["args"])),
+    ]
+    if run["status"] == "waiting":
+        fields.append(("due", utc(run["due_at"])))
+    if run["parent_id"] is not None:
+        fields.append(("parent", str(run["parent_id"])))
+    if children:
+        ended = sum(1 for child in children if child["status"] in db.TERMINAL)
+        fields.append(("children", f"{len(children)} ({ended} ended): `everystep runs list --parent {run['id']}`"
+                       if len(children) > 5 else ", ".join(f"{c['id']} {c['status']}" for c in children)))
+    if messages:
+        waiting = sum(1 for m in messages if m["consumed_by"] is None)
+        fields.append(("messages", f"{len(messages)} received, {waiting} not consumed yet"))
+    for event in events:
+        fields.append((f"event {event['key']}"[:15], _json_text(event["value"])))
+    if run["cancel_requested_at"] is not None:
+        fields.append(("cancel", f"requested {utc(run['cancel_requested_at'])}"
+                                 + (f": {run['cancel_reason']}" if run["cancel_reason"] else "")))
+    if run["status"] in ("completed", "cancelled") and run["result"] is not None:
+        fields.append(("result", _json_text(run["result"])))
+    if run["error"] is not None:
+        fields.append(("error", _describe_error(run["error"])))
+    for label, value in fields:
+        print(f"{label:<16}{value}")
+    print()
+    if not steps:
+        print("no steps recorded")
+    else:
+        print(table(("STEP", "STATUS", "FUNCTION", "ARGS", "RESULT OR ERROR"), [_step_row(s) for s in steps]))
+        for step in steps:
+            for attempt in step["attempts"] or []:
+                print(f"  step {step['step_id']} attempt {attempt['attempt']} failed at {_epoch_utc(attempt['at'])}:"
+                      f" {_describe_error(attempt['error'])}; retry at {_epoch_utc(attempt['retry_at'])}")
+    started = [s["step_id"] for s in steps if s["status"] == "started"]
+    if run["status"] == "blocked" and started:
+        print()
+        print(f"blocked on step {started[0]}: resolve it with `everystep resolve-step {run['id']} {started[0]}` and"
+              " --result JSON (it happened), --error MSG (it happened and failed) or --discard (it did not)")
+    return 0
+
+
+def _step_row(step: dict) -> tuple[str, ...]:
+    args = _json_text(step["args"]) + (f" {_json_text(step['kwargs'])}" if step["kwargs"] else "")
+    if step["name"] == "everystep.sleep" and step["status"] == "done":
+        outcome = f"wakes at {_epoch_utc(step['result'])}"
+    elif step["status"] == "done":
+        outcome = _json_text(step["result"])
+    elif step["status"] == "retrying":
+        outcome = f"(retrying after {plural(len(step['attempts'] or []), 'failed attempt')})"
+    elif step["status"] == "failed":
+        outcome = _describe_error(step["error"])
+    else:
+        outcome = "(started; outcome unknown)"
+    return step["step_id"], step["status"], step["name"], args, outcome
+
+
+def _epoch_utc(seconds: float) -> str:
+    """Epoch seconds (database time) as UTC, to the millisecond."""
+    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ").replace("000Z", "Z")
+
+
+def _json_text(data: Any) -> str:
+    """Stored JSON as one line."""
+    return json.dumps(data, ensure_ascii=False)
+
+
+def _describe_error(error: Any) -> str:
+    """An encoded exception as `module.Class: message`, with its args when
+    they say more than the message (a Terminal's payload)."""
+    if not isinstance(error, dict) or "type" not in error:
+        return _json_text(error)
+    message = str(error.get("message", "")).replace("\r", "\\r").replace("\n", "\\n")
+    args = error.get("args", [])
+    extra = f" (args: {_json_text(args)})" if args not in ([], [error.get("message")]) else ""
+    return f"{error['type']}: {message}{extra}"
+
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    workflow_fn = _import_workflow(args.target)
+    signature = inspect.signature(workflow_fn)
+    try:
+        signature.bind(*args.values)  # before anything is written: a run that could never start is bad input
+    except TypeError as exc:
+        raise CliError(f"{args.target}{signature}: {exc} (given {plural(len(args.values), 'value')})") from None
+    with connect(args) as conn:
+        try:
+            with api.transaction(conn):
+                run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key)
+                if run.created:
+                    audit(conn, "schedule", run.id, target=run.name, details={"args": serde.to_json(list(args.values)),
+                                                                               "idempotency_key": args.idempotency_key})
+        except EverystepError as exc:
+            raise CliError(str(exc)) from None
+    if run.created:
+        print(f"created run {run.id} of {run.name}")
+    else:
+        print(f"existing run {run.id} of {run.name} has the idempotency key {args.idempotency_key!r};"
+              " nothing scheduled")
+    return 0
+
+
+def _import_workflow(target: str) -> Callable:
+    try:
+        return registry.import_target(target)
+    except registry.TargetError as exc:
+        raise CliError(str(exc)) from None
+
