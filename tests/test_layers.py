@@ -113,10 +113,12 @@ def test_workflow_names_are_resolved_in_one_module():
 # A string that starts like an SQL statement.
 SQL_TEXT = re.compile(r"\s*(SELECT|INSERT|UPDATE|DELETE|WITH|CREATE|ALTER|DROP|SET|RESET|LISTEN|NOTIFY|GRANT|REVOKE"
                       r"|BEGIN|COMMIT|LOCK|TRUNCATE)\b")
-# Who may hold SQL in its source, and why: the data layer's one composed
-# statement (LISTEN takes its channel as an identifier), and the role script
-# `everystep roles` prints for an operator, made of the role and schema names.
-SQL_HOLDERS = {"everystep.db.session": {"LISTEN {}"}, "everystep.roles": None}
+# Who may hold SQL in its source, and why: the data layer's composed
+# statements, which take an identifier (LISTEN its channel, a test's schema
+# its name), and the role script `everystep roles` prints for an operator,
+# made of the role and schema names.
+SQL_HOLDERS = {"everystep.db.session": {"LISTEN {}"},
+               "everystep.db.testing": {"CREATE SCHEMA {}", "DROP SCHEMA {} CASCADE"}, "everystep.roles": None}
 
 
 def sql_texts(module: str) -> set[str]:

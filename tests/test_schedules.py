@@ -2,9 +2,9 @@
 through the CLI, and the tick — database time, catch-up, overlap, pause,
 concurrent schedulers, workflows that cannot be resolved.
 
-Most tests set the database's clock: a `now()` in the test's schema shadows
-`pg_catalog.now()` on connections that search that schema first, so the
-scheduler's notion of time is whatever the test says, and never the host's.
+Most tests set the engine's clock of their schema (everystep_now(), frozen
+at the moment they say with everystep.db.set_clock), so the scheduler's
+notion of time is whatever the test says, and never the host's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import conninfo, sql
 
 import everystep.db
 from everystep import scheduler, workflow
@@ -46,17 +45,15 @@ def at(text: str) -> dt.datetime:
 
 
 class Clock:
-    """The test database's clock, as the scheduler's connections see it."""
+    """The test schema's clock, as every connection to it sees it."""
 
     def __init__(self, db):
         self.db = db
-        self.url = conninfo.make_conninfo(db.url, options=f"-c search_path={db.schema},pg_catalog")
+        self.url = db.url
 
     def set(self, moment: str) -> None:
-        body = f"SELECT '{moment}+00'::timestamptz"  # a constant: time stands still until set again
         with self.db.connect() as conn:
-            conn.execute(sql.SQL("CREATE OR REPLACE FUNCTION {}.now() RETURNS timestamptz LANGUAGE sql STABLE AS {}")
-                         .format(sql.Identifier(self.db.schema), sql.Literal(body)))
+            everystep.db.set_clock(conn, at(moment), True)  # time stands still until set again
 
     def connect(self) -> psycopg.Connection:
         return psycopg.connect(self.url, autocommit=True)

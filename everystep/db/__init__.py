@@ -15,6 +15,7 @@ consumers write `from everystep import db` and `db.claim(conn, ...)`:
 - ops, ui, observe: the operators' actions and audit trail, the web UI's
   reads, what metrics and health checks read
 - session: session settings, pooled connections, liveness locks, LISTEN
+- testing: the engine's clock (everystep_now), and what everystep.testing reads
 - libpq: the prepared fast path of the hot statements
 - migrations: the applier of everystep/migrations/
 - rows: what the functions return
@@ -132,6 +133,18 @@ from everystep.db.session import (
     try_lock,
     unlock,
 )
+from everystep.db.testing import (
+    advance_clock,
+    clock_frozen,
+    create_schema,
+    current_schema,
+    drop_schema,
+    next_due_moment,
+    reset_clock,
+    run_statuses,
+    runs_of_workflow,
+    set_clock,
+)
 from everystep.db.ui import (
     UI_STATUS_CAP,
     ui_failures,
@@ -170,6 +183,9 @@ __all__ = [
     "advance_schedule", "auto_paused_schedules", "database_now", "due_schedules", "fire_schedule_now",
     "load_schedule", "load_schedules", "lock_scheduler", "put_schedule", "record_schedule_run", "retire_schedule",
     "schedules_failing", "set_schedule_error", "set_schedule_paused", "try_lock_scheduler",
+    # testing
+    "advance_clock", "clock_frozen", "create_schema", "current_schema", "drop_schema", "next_due_moment", "reset_clock",
+    "run_statuses", "runs_of_workflow", "set_clock",
     # ops, observe, ui
     "audit", "audit_records", "count_prunable", "prune_batch", "resolve_step",
     "publish_route", "queue_stats", "runners_without_lock", "set_statement_timeout", "unserved_runs",

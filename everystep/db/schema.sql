@@ -20,6 +20,45 @@
 -- for a claimed, executed and ended run.
 
 
+-- ---------------------------------------------------------------- the clock
+
+-- 0012: the engine's clock, the "now" of every statement of
+-- everystep/db/sql/ and of every default below (but the migration
+-- ledger's). In a deployment it is the server's now(), inlined by the
+-- planner; tests move it with everystep_set_clock (everystep.testing).
+CREATE FUNCTION everystep_now() RETURNS timestamptz LANGUAGE sql STABLE PARALLEL SAFE
+AS $$ SELECT pg_catalog.now() $$;
+
+-- 0012: set the clock to `at`, from which it runs on (or stands still, when
+-- `frozen`; NULL: as it did), by writing everystep_now() again with the
+-- offset (or the moment) in its body; wakes the workers. The owner's only.
+CREATE FUNCTION everystep_set_clock(at timestamptz, frozen boolean DEFAULT NULL) RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    body text;
+BEGIN
+    IF frozen IS NULL THEN
+        -- A clock that stands still has no now() in its body.
+        SELECT p.prosrc NOT LIKE '%now()%' INTO frozen
+        FROM pg_proc p
+        WHERE p.oid = 'everystep_now()'::regprocedure;
+    END IF;
+    IF frozen THEN
+        body := format(' SELECT to_timestamp(%s) ', extract(epoch FROM at));
+    ELSIF at = pg_catalog.now() THEN
+        body := ' SELECT pg_catalog.now() ';
+    ELSE
+        body := format(' SELECT pg_catalog.now() + make_interval(secs => %s) ',
+                       extract(epoch FROM at) - extract(epoch FROM pg_catalog.now()));
+    END IF;
+    EXECUTE format('CREATE OR REPLACE FUNCTION %I.everystep_now() RETURNS timestamptz LANGUAGE sql STABLE '
+                   'PARALLEL SAFE AS %L', current_schema(), body);
+    PERFORM pg_notify('everystep:' || current_schema(), '');
+    RETURN at;
+END $$;
+REVOKE EXECUTE ON FUNCTION everystep_set_clock(timestamptz, boolean) FROM PUBLIC;
+
+
 -- ---------------------------------------------------------------- runs
 
 -- One row per run of a workflow: what to run, where it is in its life, who
@@ -34,7 +73,7 @@ CREATE TABLE everystep_workflow (
     claimed_by          varchar(255),                   -- the runner holding it (status running)
     result              jsonb,
     error               jsonb,
-    created_at          timestamptz NOT NULL DEFAULT now(),
+    created_at          timestamptz NOT NULL DEFAULT everystep_now(),
     completed_at        timestamptz,
     -- 0003: the execution token of the claim holding it, from
     -- everystep_claim_token; every write about a held run matches it
@@ -42,9 +81,9 @@ CREATE TABLE everystep_workflow (
     -- 0006: the trace context of the code that scheduled it, and how many
     -- executions were traced; NULL when scheduled with tracing off
     trace_context       jsonb,
-    -- 0007: when it becomes claimable, by the database's clock (now() unless
+    -- 0007: when it becomes claimable, by the engine's clock (its now, unless
     -- delayed, or parked by a sleep, a retry's back-off or a wait)
-    due_at              timestamptz NOT NULL DEFAULT now(),
+    due_at              timestamptz NOT NULL DEFAULT everystep_now(),
     -- 0007: a durable cancel request, honoured at the next step boundary
     cancel_requested_at timestamptz,
     cancel_reason       text,
@@ -128,7 +167,7 @@ CREATE TABLE everystep_crash (
 -- then does a scheduling transaction notify (everystep_wake).
 CREATE TABLE everystep_waiting (
     runner varchar(255) PRIMARY KEY,
-    since  timestamptz NOT NULL DEFAULT now()
+    since  timestamptz NOT NULL DEFAULT everystep_now()
 );
 
 -- Concurrency limits, fleet-wide: at most `concurrency` runs of a workflow
@@ -136,7 +175,7 @@ CREATE TABLE everystep_waiting (
 CREATE TABLE everystep_limit (
     name        varchar(300) PRIMARY KEY,               -- the workflow's module.qualname
     concurrency integer NOT NULL CHECK (concurrency >= 1),
-    updated_at  timestamptz NOT NULL DEFAULT now()
+    updated_at  timestamptz NOT NULL DEFAULT everystep_now()
 );
 
 -- One row per unit of a limit. A claim of a limited run takes a free slot in
@@ -156,7 +195,7 @@ CREATE TABLE everystep_slot (
 CREATE TABLE everystep_route (
     runner     varchar(255) PRIMARY KEY,
     patterns   text[],
-    updated_at timestamptz NOT NULL DEFAULT now()
+    updated_at timestamptz NOT NULL DEFAULT everystep_now()
 );
 
 
@@ -170,7 +209,7 @@ CREATE TABLE everystep_message (
     topic           varchar(255) NOT NULL,
     payload         jsonb NOT NULL,
     idempotency_key varchar(255),
-    created_at      timestamptz NOT NULL DEFAULT now(),
+    created_at      timestamptz NOT NULL DEFAULT everystep_now(),
     consumed_by     varchar(300),                       -- the step id of the wait that took it
     consumed_at     timestamptz
 );
@@ -185,7 +224,7 @@ CREATE TABLE everystep_event (
     run_id     uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
     key        varchar(255) NOT NULL,
     value      jsonb NOT NULL,
-    updated_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT everystep_now(),
     PRIMARY KEY (run_id, key)
 );
 
@@ -213,8 +252,8 @@ CREATE TABLE everystep_schedule (
     last_fire_at         timestamptz,                   -- the fire time of the latest run it made
     last_run_id          uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL,
     last_error           text,                          -- why a due time did not fire; cleared when it does
-    created_at           timestamptz NOT NULL DEFAULT now(),
-    updated_at           timestamptz NOT NULL DEFAULT now(),
+    created_at           timestamptz NOT NULL DEFAULT everystep_now(),
+    updated_at           timestamptz NOT NULL DEFAULT everystep_now(),
     retired_at           timestamptz,                   -- retired schedules never fire
     -- 0004: who owns the key (the manifest's `source:`, or the application
     -- API's); only its owner changes or retires it
@@ -234,7 +273,7 @@ CREATE TABLE everystep_schedule_run (
     schedule_key varchar(200) NOT NULL,
     fire_at      timestamptz NOT NULL,
     run_id       uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
-    fired_at     timestamptz NOT NULL DEFAULT now(),   -- database time of the firing
+    fired_at     timestamptz NOT NULL DEFAULT everystep_now(),  -- the engine's time of the firing
     PRIMARY KEY (schedule_key, fire_at)
 );
 -- Pruning a run finds its row here.
@@ -246,7 +285,7 @@ CREATE INDEX everystep_schedule_run_run ON everystep_schedule_run (run_id);
 -- The audit trail of every action taken from the UI or the CLI.
 CREATE TABLE everystep_audit (
     id        bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
-    at        timestamptz NOT NULL DEFAULT now(),
+    at        timestamptz NOT NULL DEFAULT everystep_now(),
     actor     varchar(255) NOT NULL,                 -- who: "operator" (UI token), a Django user, a Unix user@host
     source    varchar(16) NOT NULL,                  -- ui, cli
     action    varchar(64) NOT NULL,                  -- resolve-step, requeue, schedule, prune, ...

@@ -33,7 +33,7 @@ RETURNING w.cancel_requested_at IS NOT NULL;
 -- name: record_attempt
 -- A failed attempt of a step tried again after `wait` seconds: the row is
 -- `retrying` (inserted, or updated from an earlier attempt's `retrying` or
--- an unsafe step's `started`), the attempt, timed by the database's clock,
+-- an unsafe step's `started`), the attempt, timed by the engine's clock,
 -- appended to its attempts; nothing if the row holds an outcome or this
 -- attempt already.
 WITH
@@ -46,8 +46,8 @@ WITH
     ),
     a AS (
         SELECT jsonb_build_object('attempt', %(attempt)s::int, 'error', %(error)s::jsonb,
-                                  'at', extract(epoch FROM now()),
-                                  'retry_at', extract(epoch FROM now()) + %(wait)s::float8) AS attempt
+                                  'at', extract(epoch FROM everystep_now()),
+                                  'retry_at', extract(epoch FROM everystep_now()) + %(wait)s::float8) AS attempt
     )
 INSERT INTO everystep_step AS s (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
                                  started_at, finished_at, attempts)
@@ -108,7 +108,7 @@ RETURNING trace_context::text;
 
 -- name: record_sleep
 -- A durable sleep as a `done` step row whose result is the wake time: `until`,
--- or `seconds` from now by the database's clock.
+-- or `seconds` from now by the engine's clock.
 WITH
     w AS (
         SELECT id, claim_token
@@ -119,17 +119,17 @@ WITH
     ),
     wake AS (
         SELECT extract(epoch FROM coalesce(%(until)s::timestamptz,
-                                           now() + make_interval(secs => %(seconds)s::float8))) AS at
+                                           everystep_now() + make_interval(secs => %(seconds)s::float8))) AS at
     ),
     ins AS (
         INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, claim_token,
                                     started_at, finished_at)
-        SELECT w.id, %(step_id)s, %(name)s, '[]', '{}', 'done', to_jsonb(wake.at), w.claim_token, now(), now()
+        SELECT w.id, %(step_id)s, %(name)s, '[]', '{}', 'done', to_jsonb(wake.at), w.claim_token, everystep_now(), everystep_now()
         FROM w, wake
         ON CONFLICT (workflow_id, step_id) DO NOTHING
         RETURNING 1
     )
-SELECT wake.at, extract(epoch FROM now())
+SELECT wake.at, extract(epoch FROM everystep_now())
 FROM ins, wake;
 
 -- name: park_run
@@ -139,7 +139,7 @@ FROM ins, wake;
 -- changes, and the row says which).
 WITH
     w AS (
-        SELECT id, cancel_requested_at IS NOT NULL AS cancel, to_timestamp(%(due)s::float8) > now() AS later
+        SELECT id, cancel_requested_at IS NOT NULL AS cancel, to_timestamp(%(due)s::float8) > everystep_now() AS later
         FROM everystep_workflow
         WHERE id = %(run)s AND (status = 'running') IS TRUE AND claimed_by = %(runner)s
           AND claim_token = %(token)s::bigint
@@ -158,7 +158,7 @@ FROM w;
 
 -- name: begin_wait
 -- The start of a wait: a `started` step row whose result holds the topic and
--- the deadline (`timeout` seconds from now by the database's clock; NULL:
+-- the deadline (`timeout` seconds from now by the engine's clock; NULL:
 -- none). The wait's row is `done` once it ends, with {"message": payload}
 -- or {"timeout": true}.
 WITH
@@ -171,17 +171,17 @@ WITH
     ),
     r AS (
         SELECT jsonb_build_object('topic', %(topic)s::text,
-                                  'deadline', extract(epoch FROM now()) + %(timeout)s::float8) AS result
+                                  'deadline', extract(epoch FROM everystep_now()) + %(timeout)s::float8) AS result
     ),
     ins AS (
         INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, claim_token,
                                     started_at)
-        SELECT w.id, %(step_id)s, %(name)s, '[]', '{}', 'started', r.result, w.claim_token, now()
+        SELECT w.id, %(step_id)s, %(name)s, '[]', '{}', 'started', r.result, w.claim_token, everystep_now()
         FROM w, r
         ON CONFLICT (workflow_id, step_id) DO NOTHING
         RETURNING result
     )
-SELECT (SELECT result FROM ins), extract(epoch FROM now())
+SELECT (SELECT result FROM ins), extract(epoch FROM everystep_now())
 FROM ins;
 
 -- name: take_message
@@ -214,19 +214,19 @@ WITH
     ),
     taken AS (
         UPDATE everystep_message x
-        SET consumed_by = %(step_id)s, consumed_at = now()
+        SET consumed_by = %(step_id)s, consumed_at = everystep_now()
         FROM m
         WHERE x.id = m.id
         RETURNING m.payload
     ),
     outcome AS (
         SELECT CASE WHEN EXISTS (SELECT FROM taken) THEN jsonb_build_object('message', (SELECT payload FROM taken))
-                    WHEN now() >= to_timestamp(%(deadline)s::float8) THEN '{"timeout": true}'::jsonb
+                    WHEN everystep_now() >= to_timestamp(%(deadline)s::float8) THEN '{"timeout": true}'::jsonb
                END AS result
     ),
     done AS (
         UPDATE everystep_step s
-        SET status = 'done', result = outcome.result, finished_at = now(), claim_token = w.claim_token
+        SET status = 'done', result = outcome.result, finished_at = everystep_now(), claim_token = w.claim_token
         FROM w, outcome
         WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s AND s.status = 'started'
           AND outcome.result IS NOT NULL
@@ -237,7 +237,7 @@ WITH
         SET waiting_on = NULL
         WHERE id = %(run)s AND waiting_on IS NOT NULL AND EXISTS (SELECT FROM done)
     )
-SELECT (SELECT result FROM done), (SELECT wakes FROM seen), extract(epoch FROM now())
+SELECT (SELECT result FROM done), (SELECT wakes FROM seen), extract(epoch FROM everystep_now())
 FROM w;
 
 -- name: start_child
@@ -256,7 +256,7 @@ WITH
         INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, claim_token,
                                     started_at, finished_at)
         SELECT w.id, %(step_id)s, %(name)s, jsonb_build_array(%(child_name)s::text), '{}', 'done',
-               jsonb_build_object('child', %(child)s::text), w.claim_token, now(), now()
+               jsonb_build_object('child', %(child)s::text), w.claim_token, everystep_now(), everystep_now()
         FROM w
         ON CONFLICT (workflow_id, step_id) DO NOTHING
         RETURNING workflow_id, result
@@ -296,14 +296,14 @@ WITH
     outcome AS (
         SELECT CASE WHEN c.status IN ('completed', 'failed', 'stopped', 'cancelled')
                         THEN jsonb_build_object('status', c.status, 'result', c.result, 'error', c.error)
-                    WHEN now() >= to_timestamp(%(deadline)s::float8) THEN '{"timeout": true}'::jsonb
+                    WHEN everystep_now() >= to_timestamp(%(deadline)s::float8) THEN '{"timeout": true}'::jsonb
                END AS result
         FROM (SELECT) AS one
         LEFT JOIN c ON true
     ),
     done AS (
         UPDATE everystep_step s
-        SET status = 'done', result = outcome.result, finished_at = now(), claim_token = w.claim_token
+        SET status = 'done', result = outcome.result, finished_at = everystep_now(), claim_token = w.claim_token
         FROM w, outcome
         WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s AND s.status = 'started'
           AND outcome.result IS NOT NULL
@@ -314,7 +314,7 @@ WITH
         SET waiting_on = NULL
         WHERE id = %(run)s AND waiting_on IS NOT NULL AND EXISTS (SELECT FROM done)
     )
-SELECT (SELECT result FROM done), (SELECT wakes FROM seen), extract(epoch FROM now())
+SELECT (SELECT result FROM done), (SELECT wakes FROM seen), extract(epoch FROM everystep_now())
 FROM w;
 
 -- name: park_waiting
@@ -333,7 +333,7 @@ WITH
     p AS (
         UPDATE everystep_workflow r
         SET status = 'waiting', claimed_by = NULL, waiting_on = %(on)s,
-            due_at = coalesce(to_timestamp(%(due)s::float8), now() + interval '100 years')
+            due_at = coalesce(to_timestamp(%(due)s::float8), everystep_now() + interval '100 years')
         FROM w
         WHERE r.id = w.id AND NOT w.cancel AND r.wakes = %(wakes)s
         RETURNING 1
@@ -355,7 +355,7 @@ WITH
         INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, claim_token,
                                     started_at, finished_at)
         SELECT w.id, %(step_id)s, %(name)s, jsonb_build_array(%(key)s::text), '{}', 'done', 'null',
-               w.claim_token, now(), now()
+               w.claim_token, everystep_now(), everystep_now()
         FROM w
         ON CONFLICT (workflow_id, step_id) DO NOTHING
         RETURNING workflow_id
@@ -365,6 +365,6 @@ WITH
         SELECT workflow_id, %(key)s, %(value)s::jsonb
         FROM ins
         ON CONFLICT (run_id, key) DO UPDATE
-        SET value = EXCLUDED.value, updated_at = now()
+        SET value = EXCLUDED.value, updated_at = everystep_now()
     )
 SELECT EXISTS (SELECT FROM ins);

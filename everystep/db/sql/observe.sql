@@ -13,15 +13,15 @@ SELECT set_config('statement_timeout', %(milliseconds)s, false);
 
 -- name: queue_stats
 -- Counts of the unfinished statuses, and the age of the oldest pending run
--- by the server's clock: a waiting run is pending from its due time on, a
+-- by the engine's clock: a waiting run is pending from its due time on, a
 -- scheduled one since it was created (or requeued).
-SELECT count(*) FILTER (WHERE status IN ('scheduled', 'waiting') AND due_at <= now()),
+SELECT count(*) FILTER (WHERE status IN ('scheduled', 'waiting') AND due_at <= everystep_now()),
        count(*) FILTER (WHERE status = 'running'),
        count(*) FILTER (WHERE status = 'blocked'),
-       coalesce(extract(epoch FROM now() - min(CASE WHEN status = 'waiting' THEN due_at ELSE created_at END)
-                                           FILTER (WHERE status IN ('scheduled', 'waiting') AND due_at <= now())),
+       coalesce(extract(epoch FROM everystep_now() - min(CASE WHEN status = 'waiting' THEN due_at ELSE created_at END)
+                                           FILTER (WHERE status IN ('scheduled', 'waiting') AND due_at <= everystep_now())),
                 0),
-       count(*) FILTER (WHERE status = 'waiting' AND due_at > now())
+       count(*) FILTER (WHERE status = 'waiting' AND due_at > everystep_now())
 FROM everystep_workflow
 WHERE status IN ('scheduled', 'waiting', 'running', 'blocked');
 
@@ -46,7 +46,7 @@ ORDER BY expected.position;
 INSERT INTO everystep_route (runner, patterns)
 VALUES (%(runner)s, %(patterns)s)
 ON CONFLICT (runner) DO UPDATE
-SET patterns = EXCLUDED.patterns, updated_at = now();
+SET patterns = EXCLUDED.patterns, updated_at = everystep_now();
 
 -- name: unserved_runs
 -- Claimable runs, by workflow name, that no live runner claims: none of
@@ -67,7 +67,7 @@ WITH live AS MATERIALIZED (
 )
 SELECT w.name, count(*)
 FROM everystep_workflow w
-WHERE status IN ('scheduled', 'waiting') AND due_at <= now()
+WHERE status IN ('scheduled', 'waiting') AND due_at <= everystep_now()
   AND NOT EXISTS (SELECT 1 FROM live WHERE live.patterns IS NULL OR w.name LIKE ANY(live.patterns))
 GROUP BY w.name
 ORDER BY w.name;

@@ -35,8 +35,8 @@ WHERE id = %(run)s;
 SELECT count(*)
 FROM everystep_workflow
 WHERE status IN ('completed', 'failed', 'stopped', 'cancelled')
-  AND created_at < now() - make_interval(days => %(days)s::int)
-  AND completed_at < now() - make_interval(days => %(days)s::int);
+  AND created_at < everystep_now() - make_interval(days => %(days)s::int)
+  AND completed_at < everystep_now() - make_interval(days => %(days)s::int);
 
 -- name: prune_batch
 -- Up to `limit` of the runs count_prunable counts, with their steps (FK
@@ -45,8 +45,8 @@ DELETE FROM everystep_workflow
 WHERE id IN (SELECT id
              FROM everystep_workflow
              WHERE status IN ('completed', 'failed', 'stopped', 'cancelled')
-               AND created_at < now() - make_interval(days => %(days)s::int)
-               AND completed_at < now() - make_interval(days => %(days)s::int)
+               AND created_at < everystep_now() - make_interval(days => %(days)s::int)
+               AND completed_at < everystep_now() - make_interval(days => %(days)s::int)
              LIMIT %(limit)s
              FOR UPDATE SKIP LOCKED);
 

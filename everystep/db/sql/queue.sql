@@ -4,13 +4,17 @@
 -- requeues. Read by everystep/db/queue.py.
 --
 -- Terms used throughout:
---   claimable  a run with status IN ('scheduled', 'waiting') AND due_at <= now(),
---              taken in (due_at, id) order: the partial index
---              everystep_workflow_ready (due_at, id) makes that a range scan
---              that never reads a run not due yet and stops at the first
---              unlocked entry.
+--   everystep_now()  the engine's clock (0012_testing_clock.sql), as in
+--              every statement of everystep/db/sql/: the server's now() in a
+--              deployment, which the planner inlines (the plans are those of
+--              now()); tests move it.
+--   claimable  a run with status IN ('scheduled', 'waiting') AND
+--              due_at <= everystep_now(), taken in (due_at, id) order: the
+--              partial index everystep_workflow_ready (due_at, id) makes that
+--              a range scan that never reads a run not due yet and stops at
+--              the first unlocked entry.
 --   claimable of one workflow  the same with the due time compared as
---              (w.name, w.due_at) <= (name, now()), which only
+--              (w.name, w.due_at) <= (name, everystep_now()), which only
 --              everystep_workflow_due_by_name (name, due_at, id) can serve.
 --              Given a name, the planner cannot tell how many claimable runs
 --              are that workflow's; walking the ready index for them would
@@ -82,7 +86,7 @@ WITH
           AND EXISTS (SELECT 1
                       FROM everystep_workflow w
                       WHERE status IN ('scheduled', 'waiting') AND w.name = s.name
-                        AND (w.name, w.due_at) <= (s.name, now())
+                        AND (w.name, w.due_at) <= (s.name, everystep_now())
                         AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
                       OFFSET 0)
         LIMIT %(limit)s
@@ -96,7 +100,7 @@ WITH
     unlimited AS (
         SELECT w.id, w.name, w.due_at
         FROM everystep_workflow w
-        WHERE status IN ('scheduled', 'waiting') AND due_at <= now()
+        WHERE status IN ('scheduled', 'waiting') AND due_at <= everystep_now()
           AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
           AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
         ORDER BY due_at, w.id
@@ -110,7 +114,7 @@ WITH
             SELECT w.id, w.name, w.due_at
             FROM everystep_workflow w
             WHERE status IN ('scheduled', 'waiting') AND w.name = room.name
-              AND (w.name, w.due_at) <= (room.name, now())
+              AND (w.name, w.due_at) <= (room.name, everystep_now())
               AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
             ORDER BY due_at, w.id
             LIMIT least(room.n, %(limit)s)
@@ -150,7 +154,7 @@ RETURNING w.id, w.name, w.args,
     to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                   FROM everystep_step s
                   WHERE s.workflow_id = w.id)),
-    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8;
+    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8;
 
 
 -- name: drop_limits
@@ -162,7 +166,7 @@ WHERE name = ANY(%(names)s);
 INSERT INTO everystep_limit (name, concurrency)
 SELECT * FROM unnest(%(names)s::text[], %(counts)s::int[])
 ON CONFLICT (name) DO UPDATE
-SET concurrency = EXCLUDED.concurrency, updated_at = now()
+SET concurrency = EXCLUDED.concurrency, updated_at = everystep_now()
 WHERE everystep_limit.concurrency <> EXCLUDED.concurrency;
 
 -- name: drop_slots_above
@@ -198,7 +202,7 @@ RETURNING w.id, w.name, w.args,
     to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                   FROM everystep_step s
                   WHERE s.workflow_id = w.id)),
-    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8;
+    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8;
 
 -- name: held_claims
 SELECT id, claim_token
@@ -227,7 +231,7 @@ RETURNING workflow_id, crashes;
 
 -- name: fail_poisoned
 UPDATE everystep_workflow
-SET status = 'failed', completed_at = now(), error = %(error)s::jsonb
+SET status = 'failed', completed_at = everystep_now(), error = %(error)s::jsonb
 WHERE id = ANY(%(ids)s) AND status = 'running' AND claimed_by = %(claimer)s
 RETURNING id;
 
@@ -332,7 +336,7 @@ WITH
           AND EXISTS (SELECT 1
                       FROM everystep_workflow w
                       WHERE status IN ('scheduled', 'waiting') AND w.name = s.name
-                        AND (w.name, w.due_at) <= (s.name, now())
+                        AND (w.name, w.due_at) <= (s.name, everystep_now())
                         AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
                       OFFSET 0)
         LIMIT (SELECT count(*) FROM held WHERE held.claim)
@@ -347,7 +351,7 @@ WITH
         SELECT w.id, w.name, w.due_at
         FROM everystep_workflow w
         WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-          AND status IN ('scheduled', 'waiting') AND due_at <= now()
+          AND status IN ('scheduled', 'waiting') AND due_at <= everystep_now()
           AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
           AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
         ORDER BY due_at, w.id
@@ -361,7 +365,7 @@ WITH
             SELECT w.id, w.name, w.due_at
             FROM everystep_workflow w
             WHERE status IN ('scheduled', 'waiting') AND w.name = room.name
-              AND (w.name, w.due_at) <= (room.name, now())
+              AND (w.name, w.due_at) <= (room.name, everystep_now())
               AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
             ORDER BY due_at, w.id
             LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
@@ -402,14 +406,14 @@ WITH
             to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                           FROM everystep_step s
                           WHERE s.workflow_id = w.id)),
-            w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8
+            w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8
     ),
     ended AS (
         UPDATE everystep_workflow w
         SET status = CASE WHEN w.cancel_requested_at IS NULL THEN h.status ELSE 'cancelled' END,
             result = h.result::jsonb,
             error = h.error::jsonb,
-            completed_at = CASE WHEN h.status = 'blocked' AND w.cancel_requested_at IS NULL THEN NULL ELSE now() END
+            completed_at = CASE WHEN h.status = 'blocked' AND w.cancel_requested_at IS NULL THEN NULL ELSE everystep_now() END
         FROM held h
         WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
           AND w.claimed_by = %(runner)s
@@ -429,7 +433,7 @@ WITH
     woke AS (
         UPDATE everystep_workflow p
         SET wakes = p.wakes + 1,
-            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END
+            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN everystep_now() ELSE p.due_at END
         FROM (SELECT parent_id, array_agg('child:' || id) AS waits
               FROM ended
               WHERE parent_id IS NOT NULL
@@ -499,7 +503,7 @@ WITH
         SELECT w.id, w.name, w.due_at
         FROM everystep_workflow w
         WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-          AND status IN ('scheduled', 'waiting') AND due_at <= now()
+          AND status IN ('scheduled', 'waiting') AND due_at <= everystep_now()
           AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
           AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
         ORDER BY due_at, w.id
@@ -519,14 +523,14 @@ WITH
             to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                           FROM everystep_step s
                           WHERE s.workflow_id = w.id)),
-            w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8
+            w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8
     ),
     ended AS (
         UPDATE everystep_workflow w
         SET status = CASE WHEN w.cancel_requested_at IS NULL THEN h.status ELSE 'cancelled' END,
             result = h.result::jsonb,
             error = h.error::jsonb,
-            completed_at = CASE WHEN h.status = 'blocked' AND w.cancel_requested_at IS NULL THEN NULL ELSE now() END
+            completed_at = CASE WHEN h.status = 'blocked' AND w.cancel_requested_at IS NULL THEN NULL ELSE everystep_now() END
         FROM held h
         WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
           AND w.claimed_by = %(runner)s
@@ -546,7 +550,7 @@ WITH
     woke AS (
         UPDATE everystep_workflow p
         SET wakes = p.wakes + 1,
-            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END
+            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN everystep_now() ELSE p.due_at END
         FROM (SELECT parent_id, array_agg('child:' || id) AS waits
               FROM ended
               WHERE parent_id IS NOT NULL
@@ -585,7 +589,7 @@ WHERE EXISTS (SELECT 1
               WHERE EXISTS (SELECT 1
                             FROM everystep_workflow w
                             WHERE status IN ('scheduled', 'waiting') AND w.name = l.name
-                              AND (w.name, w.due_at) <= (l.name, now())
+                              AND (w.name, w.due_at) <= (l.name, everystep_now())
                               AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
                             OFFSET 0));
 
@@ -632,6 +636,6 @@ FROM q;
 -- name: next_due_in
 -- Seconds until the earliest waiting run is due (database time): a min()
 -- on the claim's index, one index probe.
-SELECT extract(epoch FROM min(due_at) - now())
+SELECT extract(epoch FROM min(due_at) - everystep_now())
 FROM everystep_workflow
-WHERE status IN ('scheduled', 'waiting') AND due_at > now();
+WHERE status IN ('scheduled', 'waiting') AND due_at > everystep_now();

@@ -8,8 +8,9 @@
 
 
 -- name: insert_run
--- A run due at once (due_at takes its default, now()). With an idempotency
--- key that exists already, nothing is inserted and no row comes back.
+-- A run due at once (due_at takes its default, everystep_now()). With an
+-- idempotency key that exists already, nothing is inserted and no row comes
+-- back.
 WITH ins AS (
     INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context)
     VALUES (%(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb)
@@ -25,9 +26,9 @@ FROM ins;
 WITH ins AS (
     INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at)
     SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,
-           CASE WHEN due.at > now() THEN 'waiting' ELSE 'scheduled' END, %(trace)s::jsonb,
-           greatest(due.at, now())
-    FROM (SELECT coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(after)s::float8)) AS at) AS due
+           CASE WHEN due.at > everystep_now() THEN 'waiting' ELSE 'scheduled' END, %(trace)s::jsonb,
+           greatest(due.at, everystep_now())
+    FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8)) AS at) AS due
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id
 )
@@ -94,7 +95,7 @@ WITH
     woke AS (
         UPDATE everystep_workflow w
         SET wakes = wakes + 1,
-            due_at = CASE WHEN status = 'waiting' AND waiting_on = %(on)s THEN now() ELSE due_at END
+            due_at = CASE WHEN status = 'waiting' AND waiting_on = %(on)s THEN everystep_now() ELSE due_at END
         WHERE w.id = %(run)s AND EXISTS (SELECT FROM ins)
         RETURNING status = 'waiting' AND waiting_on = %(on)s AS due
     )
@@ -120,8 +121,8 @@ WITH RECURSIVE
     hit AS (
         UPDATE everystep_workflow w
         SET status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,
-            completed_at = CASE WHEN status = 'running' THEN completed_at ELSE now() END,
-            cancel_requested_at = coalesce(cancel_requested_at, now()),
+            completed_at = CASE WHEN status = 'running' THEN completed_at ELSE everystep_now() END,
+            cancel_requested_at = coalesce(cancel_requested_at, everystep_now()),
             cancel_reason = coalesce(%(reason)s, cancel_reason)
         FROM tree
         WHERE w.id = tree.id
@@ -133,7 +134,7 @@ WITH RECURSIVE
     woke AS (
         UPDATE everystep_workflow p
         SET wakes = p.wakes + 1,
-            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id THEN now()
+            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id THEN everystep_now()
                           ELSE p.due_at END
         FROM hit
         WHERE p.id = hit.parent_id AND hit.depth = 0 AND hit.status = 'cancelled'

@@ -15,8 +15,9 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('everystep:scheduler:' || curr
 SELECT pg_advisory_xact_lock(hashtextextended('everystep:scheduler:' || current_schema(), 0));
 
 -- name: database_now
--- The server's time (the transaction's start): the only clock schedules use.
-SELECT now();
+-- The engine's time (everystep_now(): the server's, as of the transaction's
+-- start, in a deployment): the only clock schedules use.
+SELECT everystep_now();
 
 -- name: load_schedules
 -- Every schedule, retired ones included, with its last run's status.
@@ -33,7 +34,7 @@ ORDER BY s.key;
 SELECT s.*, w.status AS last_run_status
 FROM everystep_schedule s
 LEFT JOIN everystep_workflow w ON w.id = s.last_run_id
-WHERE s.retired_at IS NULL AND NOT s.paused AND s.next_fire_at <= now()
+WHERE s.retired_at IS NULL AND NOT s.paused AND s.next_fire_at <= everystep_now()
 ORDER BY s.next_fire_at, s.key
 FOR UPDATE OF s SKIP LOCKED;
 
@@ -59,19 +60,19 @@ INSERT INTO everystep_schedule (key, workflow, args, cron, timezone, catchup, ma
                                 created_at, updated_at)
 VALUES (%(key)s, %(workflow)s, %(args)s::jsonb, %(cron)s, %(timezone)s, %(catchup)s, %(max_catchup)s,
         %(overlap)s, %(max_lateness_seconds)s, %(paused)s, %(auto_pause_after)s, %(source)s, %(next_fire_at)s,
-        now(), now())
+        everystep_now(), everystep_now())
 ON CONFLICT (key) DO UPDATE
 SET workflow = EXCLUDED.workflow, args = EXCLUDED.args, cron = EXCLUDED.cron,
     timezone = EXCLUDED.timezone, catchup = EXCLUDED.catchup, max_catchup = EXCLUDED.max_catchup,
     overlap = EXCLUDED.overlap, max_lateness_seconds = EXCLUDED.max_lateness_seconds,
     paused = EXCLUDED.paused, auto_pause_after = EXCLUDED.auto_pause_after, source = EXCLUDED.source,
-    version = everystep_schedule.version + 1, updated_at = now(), next_fire_at = EXCLUDED.next_fire_at,
+    version = everystep_schedule.version + 1, updated_at = everystep_now(), next_fire_at = EXCLUDED.next_fire_at,
     retired_at = NULL, last_error = NULL, paused_reason = NULL;
 
 -- name: retire_schedule
 -- Only by its owner, unless `source` is NULL (forced).
 UPDATE everystep_schedule
-SET retired_at = now(), updated_at = now(), version = version + 1
+SET retired_at = everystep_now(), updated_at = everystep_now(), version = version + 1
 WHERE key = %(key)s AND retired_at IS NULL AND (%(source)s::text IS NULL OR source = %(source)s)
 RETURNING retired_at;
 
@@ -86,12 +87,12 @@ WHERE key = %(key)s;
 -- resuming sets the next fire time.
 UPDATE everystep_schedule
 SET paused = %(paused)s, paused_reason = %(reason)s, next_fire_at = coalesce(%(next_fire_at)s, next_fire_at),
-    version = version + 1, updated_at = now()
+    version = version + 1, updated_at = everystep_now()
 WHERE key = %(key)s;
 
 -- name: record_schedule_run
 INSERT INTO everystep_schedule_run (schedule_key, fire_at, run_id, fired_at)
-VALUES (%(key)s, %(fire_at)s, %(run)s, now())
+VALUES (%(key)s, %(fire_at)s, %(run)s, everystep_now())
 ON CONFLICT DO NOTHING;
 
 -- name: schedules_failing
@@ -154,7 +155,7 @@ WITH
     ),
     upd AS (
         UPDATE everystep_schedule
-        SET last_run_id = ins.id, last_fire_at = now()
+        SET last_run_id = ins.id, last_fire_at = everystep_now()
         FROM ins
         WHERE key = %(key)s
     )

@@ -119,7 +119,7 @@ SELECT name AS workflow, coalesce(error->>'type', '?') AS error_type, count(*) A
        max(completed_at) AS last_at, (array_agg(id ORDER BY created_at DESC))[1] AS latest_run,
        (array_agg(error->>'message' ORDER BY created_at DESC))[1] AS latest_message
 FROM everystep_workflow
-WHERE status = 'failed' AND created_at >= now() - make_interval(hours => %(hours)s)
+WHERE status = 'failed' AND created_at >= everystep_now() - make_interval(hours => %(hours)s)
 GROUP BY 1, 2
 ORDER BY 3 DESC, 1, 2
 LIMIT 200;
@@ -167,9 +167,9 @@ SELECT id, pg_notify('everystep:' || current_schema(), '')
 FROM ins;
 
 -- name: ui_live_schedule
--- A live schedule with the database's time, its row locked until the
+-- A live schedule with the engine's time, its row locked until the
 -- transaction ends.
-SELECT *, now() AS database_now
+SELECT *, everystep_now() AS database_now
 FROM everystep_schedule
 WHERE key = %(key)s AND retired_at IS NULL
 FOR UPDATE;
@@ -179,5 +179,5 @@ FOR UPDATE;
 -- or resume clears the auto-pause reason.
 UPDATE everystep_schedule
 SET paused = %(paused)s, next_fire_at = coalesce(%(next_fire_at)s, next_fire_at),
-    paused_reason = NULL, version = version + 1, updated_at = now()
+    paused_reason = NULL, version = version + 1, updated_at = everystep_now()
 WHERE key = %(key)s;
