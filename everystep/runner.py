@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from psycopg_pool import ConnectionPool
 
-from everystep import db, metrics, observe, registry, serde, tracing
+from everystep import db, faults, metrics, observe, registry, serde, tracing
 from everystep.context import (
     MAX_STEP_ID,
     Outcome,
@@ -320,6 +320,8 @@ class Replay:
                 self._record(step_id, name, args_json, kwargs_json, StepStatus.STARTED, None, None, rerun_started,
                              started)
                 rerun_started = True
+                if faults.ARMED:
+                    self._fault(faults.BEFORE_EFFECT, step_id, name)
 
             scope_token = current_scope.set(None)  # a step called inside a step is a plain call
             traced = observe.step_started(self, step_id, name)
@@ -336,6 +338,8 @@ class Replay:
                 result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
                 self._record(step_id, name, args_json, kwargs_json, StepStatus.DONE, result, None, rerun_started,
                              started)
+                if faults.ARMED:
+                    self._fault(faults.AFTER_STEP, step_id, name)
                 return value
             error = serde.encode_exception(failure)
             retried = retry is not None and retry.retried(unsafe, failure, len(attempts))
@@ -348,6 +352,8 @@ class Replay:
                 self._deliver_cancel(step_id, name, update=True)  # a cancel request learnt meanwhile
                 continue
             self._record(step_id, name, args_json, kwargs_json, StepStatus.FAILED, None, error, rerun_started, started)
+            if faults.ARMED:
+                self._fault(faults.AFTER_STEP, step_id, name)
             if isinstance(failure, Terminal):
                 raise self.held.stop_with(failure)
             raise failure
@@ -360,6 +366,16 @@ class Replay:
         attempts = None if previous is None else previous.attempts
         self.recorded[step_id] = RecordedStep(step_id, name, status, result, error, attempts)
         self.held.record_step(step_id, name, args, kwargs, status, result, error, update, started)
+
+    def _fault(self, where: str, step_id: str, name: str) -> None:
+        """A test armed a fault here (everystep.faults): the execution dies,
+        writing nothing more; its step's outcome first, if the fault says so."""
+        fault = faults.reached(where, self.run_id, step_id, name)
+        if fault is None:
+            return
+        if fault.durable:
+            self.held.flush()
+        raise self.held.stop_with(faults.crash(self.held.claim.token, self.run_id, step_id, where))
 
     def _boundary(self, step_id: str, name: str, update: bool = False) -> None:
         """Before a new step (or sleep) starts: stop here for a drain or a
