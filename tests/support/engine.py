@@ -11,6 +11,12 @@ def schedule_one(db, fn, *args, **kw):
         return schedule(fn, *args, **kw)
 
 
+def schedule_in(conn, fn, *args, **kw):
+    """Schedule a run in a transaction of `conn` (an everystep_db connection)."""
+    with everystep.transaction(conn):
+        return schedule(fn, *args, **kw)
+
+
 def step_ids(db, run_id):
     return [s["step_id"] for s in db.steps(run_id)]
 

@@ -1,0 +1,54 @@
+"""Fault injection for user code: kill a run's execution at a step, as a
+SIGKILL of its worker would leave it, so that a test proves the workflow is
+safe to replay (everystep.faults does the killing).
+
+Each function arms a fault and returns it (`.fired`: how many executions it
+killed); it stays armed until `.disarm()`, the end of its `with` block, or
+the end of the test (the everystep_db fixture disarms every fault).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+from everystep import faults
+
+
+def _target(step: Callable | str) -> dict:
+    name = getattr(step, "__everystep_step__", None)
+    if name is not None:
+        return {"name": name}
+    if isinstance(step, str):
+        return {"step_id": step}
+    raise TypeError(f"expected an @step function or a step id, not {step!r}")
+
+
+def crash_after_step(step: Callable | str, *, run: uuid.UUID | None = None, durable: bool = False,
+                     times: int = 1) -> faults.Fault:
+    """The execution dies right after the step (an @step function: any call
+    of it; a string: the step with that id) returned or raised, its outcome
+    recorded by the engine but not yet written: the moment between a step's
+    return and the write of its outcome (within 50 ms, or with the next
+    step) that a SIGKILL leaves. The run stays `running`; the next drain
+    claims it again and replays it, so the step runs again — at least once,
+    as steps are: a step that is not idempotent shows it here. (An unsafe
+    step's outcome is written at once: replayed, it is served.)
+
+    `durable=True`: the outcome is committed before the crash; the replay
+    serves it and goes on from the next step. `run`: only in this run.
+    `times`: the first so many executions that reach it."""
+    return faults.Fault(faults.AFTER_STEP, run=run, durable=durable, times=times, **_target(step))
+
+
+def crash_before_effect(unsafe_step: Callable | str, *, run: uuid.UUID | None = None, times: int = 1
+                        ) -> faults.Fault:
+    """The execution dies after the unsafe step's `started` mark is committed
+    and before its function is called: the effect never happens, and nobody
+    can tell. The next drain replays the run, finds the mark without an
+    outcome, and the run ends `blocked` for an operator to resolve
+    (everystep resolve-step), as it would in production."""
+    if callable(unsafe_step) and not getattr(unsafe_step, "unsafe_to_repeat", False):
+        raise ValueError(f"{getattr(unsafe_step, '__everystep_step__', unsafe_step)} is not an "
+                         "@step(unsafe_to_repeat=True): only an unsafe step writes a started mark first")
+    return faults.Fault(faults.BEFORE_EFFECT, run=run, times=times, **_target(unsafe_step))
