@@ -97,10 +97,11 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_the_api_does_not_reach_into_the_runner():
     # The public API records steps through the run context's Recorder protocol;
-    # only the worker and the drains of everystep.testing drive the runner.
+    # only the worker, the drains of everystep.testing and the replay check
+    # (everystep.history, the replay rules without their writes) drive the runner.
     assert "everystep.runner" not in GRAPH["everystep.api"]
     assert {module for module, names in GRAPH.items() if "everystep.runner" in names} <= {
-        "everystep.worker", "everystep.__init__", "everystep", "everystep.testing.draining"}
+        "everystep.worker", "everystep.__init__", "everystep", "everystep.testing.draining", "everystep.history"}
 
 
 def test_workflow_names_are_resolved_in_one_module():

@@ -3,6 +3,8 @@
     everystep migrate
     everystep runs list [--status S] [--workflow NAME] [--parent RUN] [--limit N] [-o text|json]
     everystep runs show RUN [-o text|json]
+    everystep runs export RUN... | --workflow NAME [--status S] [--limit N] [-o FILE]
+    everystep replay-check HISTORY [--imports MODULE ...] [-o text|json]
     everystep resolve-step RUN STEP (--result JSON | --error MSG | --discard)
     everystep requeue RUN...
     everystep cancel RUN... [--reason TEXT]
@@ -26,7 +28,8 @@ A command either does all it was asked or nothing: bad input and refusals are
 found before anything is written, and reported as one line on stderr.
 
 Exit codes: 0 success; 1 the command ran and refused (a run in the wrong
-state, a claimer that is alive) or the database rejected it; 2 bad input
+state, a claimer that is alive; replay-check: a run diverges) or the
+database rejected it; 2 bad input
 (usage, a malformed id or JSON value, an unknown run, step, workflow or
 module); 3 the database is unreachable; 4 `schedules apply --plan-digest`
 found the plan changed since it was reviewed (nothing written); 130
@@ -43,7 +46,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from everystep.cli import actions, admin, processes, runs, schedules
+from everystep.cli import actions, admin, history, processes, runs, schedules
 from everystep.cli.common import EXIT_DATABASE, EXIT_REFUSED, EXIT_USAGE, CliError
 from everystep.logs import first_line
 
@@ -81,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (admin, runs, actions, schedules, processes):
+    for module in (admin, runs, history, actions, schedules, processes):
         module.add_commands(commands, add)
     return parser
 

@@ -1,4 +1,5 @@
-"""`everystep runs list|show` and `everystep schedule`: reading runs, and
+"""`everystep runs list|show|export` and `everystep schedule`: reading runs
+(and writing them out as a history for `everystep replay-check`), and
 scheduling one."""
 
 from __future__ import annotations
@@ -7,12 +8,13 @@ import argparse
 import datetime as dt
 import inspect
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 
-from everystep import api, db, registry, serde
+from everystep import api, db, history, registry, serde
 from everystep.cli.common import (
     Add,
     CliError,
@@ -46,6 +48,14 @@ def add_commands(commands: Any, add: Add) -> None:
     show = add(runs_commands, "show", cmd_runs_show, "show a run and its recorded steps")
     show.add_argument("run", type=run_id_argument, metavar="RUN")
     output_option(show)
+    export = add(runs_commands, "export", cmd_runs_export,
+                 "write runs with their recorded steps as a history, for `everystep replay-check`")
+    export.add_argument("runs", type=run_id_argument, nargs="*", metavar="RUN", help="the runs (or a filter)")
+    export.add_argument("--workflow", metavar="NAME", help="the newest runs of this workflow (module.qualname)")
+    export.add_argument("--status", choices=STATUSES, help="the newest runs in this status")
+    export.add_argument("--limit", type=whole_number_argument(1), default=100, metavar="N",
+                        help="with a filter, at most N runs (default 100)")
+    export.add_argument("-o", "--output", default="-", metavar="FILE", help="the file to write (default: stdout)")
 
     schedule = add(commands, "schedule", cmd_schedule, "schedule a run of a workflow")
     schedule.add_argument("target", metavar="MODULE:FUNC", help="the @workflow, e.g. myapp.workflows:provision_vm")
@@ -136,6 +146,31 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         print()
         print(f"blocked on step {started[0]}: resolve it with `everystep resolve-step {run['id']} {started[0]}` and"
               " --result JSON (it happened), --error MSG (it happened and failed) or --discard (it did not)")
+    return 0
+
+
+def cmd_runs_export(args: argparse.Namespace) -> int:
+    if not args.runs and args.workflow is None and args.status is None:
+        raise CliError("runs export takes run ids, or a filter: --workflow NAME, --status S")
+    with connect(args) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ  # one snapshot of all the runs
+        conn.read_only = True
+        run_ids = list(args.runs)
+        if args.workflow is not None or args.status is not None:
+            name = args.workflow.replace(":", ".") if args.workflow else None
+            listed = db.list_runs(conn, args.status, name, args.limit)
+            run_ids += [run["id"] for run in listed if run["id"] not in run_ids]
+        try:
+            document = history.export(conn, run_ids)
+        except LookupError as exc:
+            raise CliError(str(exc)) from None
+    text = json.dumps(document, ensure_ascii=False, indent=1)
+    if args.output == "-":
+        print(text)
+    else:
+        with open(args.output, "w", encoding="utf-8") as out:
+            out.write(text + "\n")
+        print(f"exported {plural(len(document['runs']), 'run')} to {args.output}", file=sys.stderr)
     return 0
 
 

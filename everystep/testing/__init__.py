@@ -31,12 +31,15 @@ The functions:
 - scheduled_runs, assert_scheduled, assert_not_scheduled, assert_ended,
   step_result, messages_sent (everystep.testing.asserts)
 - crash_after_step, crash_before_effect: fault injection (everystep.testing.crashes)
+- replay(history, imports=()): the replay check of `everystep replay-check`
+  (everystep.history)
 
 Importing it connects to nothing and starts nothing.
 """
 
 from __future__ import annotations
 
+from everystep.history import ReplayReport, replay
 from everystep.testing.asserts import (
     Message,
     Run,
@@ -54,9 +57,9 @@ from everystep.testing.server import Settings
 from everystep.testing.workers import BackgroundWorker
 
 __all__ = [
-    "BackgroundWorker", "DrainTimeout", "Drained", "Message", "Run", "Settings", "advance",
+    "BackgroundWorker", "DrainTimeout", "Drained", "Message", "ReplayReport", "Run", "Settings", "advance",
     "assert_ended", "assert_not_scheduled", "assert_scheduled", "crash_after_step", "crash_before_effect",
-    "drain", "freeze", "messages_sent", "now", "reset_clock", "scheduled_runs", "step_result",
+    "drain", "freeze", "messages_sent", "now", "replay", "reset_clock", "scheduled_runs", "step_result",
 ]
 
 try:
