@@ -159,8 +159,8 @@ __all__ = [
     "reset_claiming_session", "try_lock", "unlock",
     # queue
     "any_limit", "apply_limits", "claim", "count_crashes", "end_runs", "finish_run", "held_claims", "limits",
-    "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer", "requeue_from_dead_claimers", "requeue_held",
-    "routes_of", "running_claimers", "sort_lanes", "stop_waiting", "wait_for_runs",
+    "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer", "requeue_from_dead_claimers",
+    "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting", "wait_for_runs",
     # fenced
     "begin_wait", "cancel_reason", "complete_started_step", "park_run", "park_waiting", "record_attempt",
     "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child", "take_message",
