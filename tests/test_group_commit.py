@@ -210,8 +210,6 @@ def test_a_database_of_the_previous_version_migrates_in_place_with_runs_in_fligh
         conn.execute("ALTER TABLE everystep_workflow DROP COLUMN limited")
         conn.execute("CREATE INDEX everystep_workflow_ready ON everystep_workflow (due_at, id)"
                      " WHERE status IN ('scheduled', 'waiting')")
-        conn.execute("CREATE INDEX everystep_workflow_due_by_name ON everystep_workflow (name, due_at, id)"
-                     " WHERE status IN ('scheduled', 'waiting')")
         conn.execute("DELETE FROM everystep_migration WHERE name = '0011_lanes'")
     with db.connect() as conn:
         assert everystep.db.migrate(conn) == ["0011_lanes"]

@@ -75,6 +75,10 @@ CREATE INDEX everystep_workflow_running ON everystep_workflow (claimed_by) WHERE
 CREATE INDEX everystep_workflow_name_created ON everystep_workflow (name, created_at);
 -- Search by idempotency key alone; only keyed runs are in it.
 CREATE INDEX everystep_workflow_key ON everystep_workflow (idempotency_key) WHERE idempotency_key IS NOT NULL;
+-- Every claimable run by name, in due order: the autoscaler's bounded count
+-- of a fleet's due runs (a loose scan, one probe per workflow name).
+CREATE INDEX everystep_workflow_due_by_name ON everystep_workflow (name, due_at, id)
+    WHERE status IN ('scheduled', 'waiting');
 -- A run's children.
 CREATE INDEX everystep_workflow_parent ON everystep_workflow (parent_id) WHERE parent_id IS NOT NULL;
 -- The two lanes of claimable runs (0011). The unlimited lane in claim order,

@@ -20,10 +20,10 @@ UPDATE everystep_workflow w SET limited = true
 -- The unlimited lane, in claim order.
 CREATE INDEX everystep_workflow_ready_unlimited ON everystep_workflow (due_at, id)
     WHERE status IN ('scheduled', 'waiting') AND NOT limited;
--- The limited lane, per workflow in claim order (it replaces the index of
--- every claimable run by name, so an unlimited run has one entry fewer).
+-- The limited lane, per workflow in claim order. (everystep_workflow_due_by_name,
+-- every claimable run by name, stays: the autoscaler's bounded count of a
+-- fleet's due runs walks it, one probe per workflow name.)
 CREATE INDEX everystep_workflow_ready_limited ON everystep_workflow (name, due_at, id)
     WHERE status IN ('scheduled', 'waiting') AND limited;
 
 DROP INDEX everystep_workflow_ready;
-DROP INDEX everystep_workflow_due_by_name;
