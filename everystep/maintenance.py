@@ -20,7 +20,7 @@ import time
 
 import psycopg
 
-from everystep import liveness, scheduler
+from everystep import liveness, scheduler, store
 from everystep.logs import first_line
 
 log = logging.getLogger("everystep")
@@ -65,7 +65,7 @@ class Maintenance:
                     scheduler.tick(conn)  # logs what it fires
                     outage.over()
                     wait = min(SCHEDULER_TICK, next_sweep - time.monotonic())
-                except psycopg.OperationalError as exc:
+                except store.CONNECTION_ERRORS as exc:  # a server gone, or one that turned read-only (a standby)
                     if conn is not None:
                         conn.close()
                     conn = None
@@ -86,7 +86,7 @@ class Outage:
         self.first_wait = first_wait
         self.wait: float | None = None  # None: the database answers
 
-    def failed(self, exc: psycopg.OperationalError) -> float:
+    def failed(self, exc: psycopg.Error) -> float:
         """Seconds to wait before the next attempt."""
         if self.wait is None:
             log.warning("%s: the database is unreachable (%s); retrying until it answers", self.who, first_line(exc))

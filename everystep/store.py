@@ -1911,3 +1911,23 @@ def fire_schedule_now(conn: psycopg.Connection, key: str, new_id: uuid.UUID) -> 
     if row is None:
         raise ScheduleRefused(f"no live schedule {key!r}")
     return row[0]
+
+
+# ---- failover
+
+class Server(NamedTuple):
+    """Which PostgreSQL server a session talks to. Any change of it (a
+    restart, a failover to a standby, a promotion under an open session)
+    means the advisory locks held on the previous one are gone."""
+    system_identifier: int  # the cluster's (a physical standby shares its primary's)
+    started_at: datetime.datetime  # the postmaster's start: differs between servers, and across restarts
+    timeline: int | None  # the WAL timeline of a primary (a promotion starts a new one); None: in recovery
+
+
+def server(conn: psycopg.Connection) -> Server:
+    """The server this session talks to."""
+    return Server(*conn.execute(
+        "SELECT s.system_identifier, pg_postmaster_start_time(), CASE WHEN pg_is_in_recovery() THEN NULL"
+        " ELSE ('x' || substr(pg_walfile_name(pg_current_wal_insert_lsn()), 1, 8))::bit(32)::int END"
+        " FROM pg_control_system() s"
+    ).fetchone())
