@@ -1940,10 +1940,11 @@ def server(conn: psycopg.Connection) -> Server:
 # table: the due runs are found per workflow name (a loose scan of
 # everystep_workflow_due_by_name, one probe per name that has runs scheduled or
 # waiting, then at most `bound` entries of each), the running ones in the small
-# partial index everystep_workflow_running. The ORDER BYs are those of the
-# indexes: walked in order, a scan stops at its LIMIT (a bitmap scan would read
-# every match first). `patterns`: the fleet's workers.workflows as LIKE
-# patterns (`routes_of`); ARRAY['%'] for all.
+# partial index everystep_workflow_running (no more entries than the run slots
+# of every fleet). The due runs' ORDER BY is their index's: walked in order, the
+# scan stops at its LIMIT (a bitmap scan would read every match first).
+# `patterns`: the fleet's workers.workflows as LIKE patterns (`routes_of`);
+# ARRAY['%'] for all.
 FLEET_LOAD = """\
 WITH RECURSIVE names(name) AS (
     (SELECT name FROM everystep_workflow WHERE status IN ('scheduled', 'waiting') ORDER BY name LIMIT 1)
@@ -1954,7 +1955,7 @@ WITH RECURSIVE names(name) AS (
 )
 SELECT count(*) FROM (
     (SELECT FROM everystep_workflow w WHERE w.status = 'running' AND w.name LIKE ANY (%(patterns)s::text[])
-     ORDER BY w.claimed_by LIMIT %(bound)s)
+     LIMIT %(bound)s)
   UNION ALL
     (SELECT FROM names, LATERAL (SELECT w.due_at FROM everystep_workflow w WHERE w.status IN ('scheduled', 'waiting')
                                   AND w.name = names.name AND w.due_at <= now() ORDER BY w.due_at LIMIT %(bound)s) due
