@@ -205,12 +205,12 @@ class Worker(Successors):
         holds it; then LISTEN and pick up the runs held under this name.
         False if stopped before the lock was taken."""
         lost_at = time.monotonic()
-        taken_at = None  # when the lock was first found held by another session
         delay = 0.1
         waiting_logged = False
         while True:
             try:
                 conn = control_connection(self.direct_url or self.database_url, self.name)
+                taken_at = None  # when this session first found the lock held by another
                 try:
                     while not store.try_lock(conn, self.name):
                         taken_at = taken_at or time.monotonic()
