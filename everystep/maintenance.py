@@ -20,7 +20,7 @@ import time
 
 import psycopg
 
-from everystep import liveness, scheduler
+from everystep import db, liveness, scheduler
 from everystep.logs import first_line
 
 log = logging.getLogger("everystep")
@@ -61,11 +61,12 @@ class Maintenance:
                         conn = psycopg.connect(self.database_url, **liveness.connection_kwargs(self.application_name))
                     if time.monotonic() >= next_sweep:
                         self.sweep.sweep(conn)
+                        db.sort_lanes(conn)  # a run inserted while a limit changed (0011_lanes.sql)
                         next_sweep = time.monotonic() + self.sweep.next_probe_in(self.interval)
                     scheduler.tick(conn)  # logs what it fires
                     outage.over()
                     wait = min(SCHEDULER_TICK, next_sweep - time.monotonic())
-                except psycopg.OperationalError as exc:
+                except db.CONNECTION_ERRORS as exc:  # a server gone, or one that turned read-only (a standby)
                     if conn is not None:
                         conn.close()
                     conn = None
@@ -86,7 +87,7 @@ class Outage:
         self.first_wait = first_wait
         self.wait: float | None = None  # None: the database answers
 
-    def failed(self, exc: psycopg.OperationalError) -> float:
+    def failed(self, exc: psycopg.Error) -> float:
         """Seconds to wait before the next attempt."""
         if self.wait is None:
             log.warning("%s: the database is unreachable (%s); retrying until it answers", self.who, first_line(exc))

@@ -64,6 +64,7 @@ PATCH_STEP = "everystep.patched"
 # one parks the run (`waiting`), its slot given back.
 MOMENT = 1.0
 
+
 @functools.cache
 def _run_metrics(workflow: str, outcome: str) -> tuple:
     return metrics.WORKFLOW_RUNS.labels(workflow, outcome), metrics.WORKFLOW_DURATION.labels(workflow, outcome)
@@ -107,10 +108,10 @@ class Runner:
         thread) runs the workflow body and the steps it calls; the runner's
         writer threads commit its step rows and its end with other runs'
         (this thread waits for each answer); the late-outcome thread writes
-        a step's outcome that waited OUTCOME_DELAY (everystep.execution); each `parallel` branch
-        but the last runs on a thread of its own, writing through a
-        connection borrowed for each write. The HeldRun does every write,
-        whichever the thread; the Replay decides them."""
+        a step's outcome that waited OUTCOME_DELAY (everystep.execution);
+        each `parallel` branch but the last runs on a thread of its own,
+        writing through a connection borrowed for each write. The HeldRun
+        does every write, whichever the thread; the Replay decides them."""
         started = time.perf_counter()
         extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
         with HeldRun(self._lent, run) as held:

@@ -37,6 +37,7 @@ from everystep.schema import MAX_KEY
 log = logging.getLogger("everystep")
 
 PING_INTERVAL = 2.0  # seconds between checks of the control connection when idle
+RECONNECT_CEILING = 5.0  # seconds: the longest wait between two attempts to reconnect
 CLAIM_LANDING_TIMEOUT = 5.0  # seconds a fast stop waits for claims in flight on ending runs
 # Past a waiting run's due time before claiming it (seconds): its claim's now()
 # must not be a hair before the due time.
@@ -145,6 +146,11 @@ class Worker(Successors):
         # while a slot is free: a full worker needs no notification).
         self._waiting = False
         self._extra = {"runner": name}
+        # Whether any workflow has a concurrency limit, as last looked (every
+        # PING_INTERVAL at most): while none has, a claim takes the unlimited
+        # lane only (db.claim's unlimited_only).
+        self._limits_exist = True
+        self._limits_checked_at = -PING_INTERVAL
 
     # ---------------------------------------------------------------- control
 
@@ -209,8 +215,10 @@ class Worker(Successors):
         while True:
             try:
                 conn = control_connection(self.direct_url or self.database_url, self.name)
+                taken_at = None  # when this session first found the lock held by another
                 try:
                     while not db.try_lock(conn, self.name):
+                        taken_at = taken_at or time.monotonic()
                         if not waiting_logged:
                             log.warning("lock of %s is held by another live process; waiting", self.name,
                                         extra=self._extra)
@@ -218,7 +226,7 @@ class Worker(Successors):
                         if self._stopping and not self._executing:
                             conn.close()
                             return False
-                        self._abandon_after_grace(lost_at)
+                        self._abandon_after_grace(taken_at)
                         self._sleep(min(self.poll, 1.0))
                     db.listen(conn)
                     db.publish_route(conn, self.name, self.routes)
@@ -241,9 +249,12 @@ class Worker(Successors):
                             extra=self._extra)
             if self._stopping and not self._executing:
                 return False
-            self._abandon_after_grace(lost_at)
+            if self._stopping:  # a drain does not wait for the database for ever
+                self._abandon_after_grace(lost_at)
             self._sleep(delay)
-            delay = min(delay * 2, 5.0)
+            # At least two attempts per grace: a live worker holds its lock again
+            # well within the grace of a sweep that saw the server change.
+            delay = min(delay * 2, RECONNECT_CEILING, max(self.grace / 2, 0.5))
 
     def concurrency_limits(self) -> dict[str, int | None]:
         """The limit of every workflow this process knows (imported, or in
@@ -252,10 +263,15 @@ class Worker(Successors):
         limits.update(self.limits)
         return limits
 
-    def _abandon_after_grace(self, lost_at: float) -> None:
-        """A worker that cannot get its lock back within the grace stops
-        writing about its runs: whoever recovers them owns them now."""
-        if time.monotonic() - lost_at < self.grace:
+    def _abandon_after_grace(self, since: float) -> None:
+        """A worker whose lock has been held by another session for the grace
+        (the sweep recovering its runs, a second process under its name), or
+        that stops while the database is away, stops writing about its runs:
+        whoever recovers them owns them now. One that merely cannot reach the
+        database (a restart, a failover) keeps them, paused: once it holds its
+        lock again, `_after_relock` abandons those recovered meanwhile and the
+        others go on, however long the database was away."""
+        if time.monotonic() - since < self.grace:
             return
         with self._lock:
             fresh = set(self._executing) - self.fence.abandoned
@@ -391,7 +407,10 @@ class Worker(Successors):
         if not self._waiting:
             db.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
             self._waiting = True
-        runs = db.claim(conn, self.name, free, self.routes)
+        if time.monotonic() >= self._limits_checked_at + PING_INTERVAL:
+            self._limits_exist = db.any_limit(conn)
+            self._limits_checked_at = time.monotonic()
+        runs = db.claim(conn, self.name, free, self.routes, unlimited_only=not self._limits_exist)
         if runs:
             metrics.CLAIMS.labels(self.name).inc(len(runs))
             for run in runs:

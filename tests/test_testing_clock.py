@@ -79,17 +79,23 @@ def test_the_claim_keeps_its_index_conditions_with_the_clock_moved(everystep_db)
                  "SELECT gen_random_uuid(), 'app.done', '[]', 'completed' FROM generate_series(1, 20000)")
     conn.execute("ANALYZE everystep_workflow")
 
-    def conditions() -> list[str]:
-        plan = conn.execute("EXPLAIN (COSTS OFF) " + queries.get("claim"),
-                            {"runner": "w", "limit": 8, "routes": None}).fetchall()
-        lines = [row[0].strip() for row in plan]
-        return [line for i, line in enumerate(lines) if "everystep_workflow_ready" in lines[i - 1]
-                and line.startswith("Index Cond")]
+    def conditions() -> list[tuple[str, str]]:
+        """(index, condition) of the claim's scans of the two lanes' indexes (0011_lanes.sql)."""
+        plan = [row[0].strip() for row in conn.execute("EXPLAIN (COSTS OFF) " + queries.get("claim"),
+                                                       {"runner": "w", "limit": 8, "routes": None})]
+        return [(above.split(" using ")[1].split()[0], line) for above, line in zip(plan, plan[1:])
+                if " using everystep_workflow_ready_" in above and line.startswith("Index Cond")]
 
-    assert conditions() == ["Index Cond: (due_at <= now())"]  # everystep_now() inlined: the plan of now()
+    lanes = {"everystep_workflow_ready_unlimited", "everystep_workflow_ready_limited"}
+    before = conditions()
+    assert ("everystep_workflow_ready_unlimited", "Index Cond: (due_at <= now())") in before
+    assert {index for index, _ in before} == lanes  # everystep_now() inlined: the plan of now()
+    assert all("now())" in condition and "+" not in condition for _, condition in before)
     advance(conn, HOUR, drain=False)
-    [moved] = conditions()
-    assert moved.startswith("Index Cond: (due_at <= (now() + ")
+    after = conditions()
+    assert ("everystep_workflow_ready_unlimited", "Index Cond: (due_at <= (now() + '01:00:00'::interval))") in after
+    assert {index for index, _ in after} == lanes
+    assert all("(now() + '01:00:00'::interval)" in condition for _, condition in after)
 
 
 # ---------------------------------------------------------------- what the clock times

@@ -44,9 +44,18 @@ from everystep.db.fenced import (
     why_not_written,
 )
 from everystep.db.migrations import migrate
-from everystep.db.observe import publish_route, queue_stats, runners_without_lock, set_statement_timeout, unserved_runs
+from everystep.db.observe import (
+    fleet_load,
+    publish_route,
+    queue_stats,
+    runners_without_lock,
+    server,
+    set_statement_timeout,
+    unserved_runs,
+)
 from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunable, prune_batch, resolve_step
 from everystep.db.queue import (
+    any_limit,
     apply_limits,
     claim,
     count_crashes,
@@ -63,6 +72,7 @@ from everystep.db.queue import (
     requeue_held,
     routes_of,
     running_claimers,
+    sort_lanes,
     stop_waiting,
     wait_for_runs,
 )
@@ -81,6 +91,7 @@ from everystep.db.rows import (
     RunFilter,
     Scheduled,
     Sent,
+    Server,
     Sleep,
     StepRow,
     StepState,
@@ -163,15 +174,15 @@ __all__ = [
     # rows
     "Attempt", "BatchEnd", "CancelOutcome", "Claim", "ClaimedRun", "EndWrite", "Ended", "EndedRuns", "EventValue",
     "Executor", "Parking", "QueueStats", "ResolveRefused", "RunFilter", "ScheduleRefused", "Scheduled", "Sent",
-    "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
+    "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
     "Written",
     # session, migrations
     "listen", "migrate", "ping", "prepare_claiming_session", "prepare_control_session", "prepare_session",
     "reset_claiming_session", "try_lock", "unlock",
     # queue
-    "apply_limits", "claim", "count_crashes", "end_runs", "finish_run", "held_claims", "limits", "next_due_in",
-    "reclaim_held", "record_step", "record_steps", "requeue_claimer", "requeue_from_dead_claimers", "requeue_held",
-    "routes_of", "running_claimers", "stop_waiting", "wait_for_runs",
+    "any_limit", "apply_limits", "claim", "count_crashes", "end_runs", "finish_run", "held_claims", "limits",
+    "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer", "requeue_from_dead_claimers",
+    "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting", "wait_for_runs",
     # fenced
     "begin_wait", "cancel_reason", "complete_started_step", "park_run", "park_waiting", "record_attempt",
     "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child", "take_message",
@@ -188,7 +199,8 @@ __all__ = [
     "run_statuses", "runs_of_workflow", "set_clock",
     # ops, observe, ui
     "audit", "audit_records", "count_prunable", "prune_batch", "resolve_step",
-    "publish_route", "queue_stats", "runners_without_lock", "set_statement_timeout", "unserved_runs",
+    "fleet_load", "publish_route", "queue_stats", "runners_without_lock", "server", "set_statement_timeout",
+    "unserved_runs",
     "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",
     "ui_workflow_names",
 ]

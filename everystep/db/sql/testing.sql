@@ -27,18 +27,19 @@ SELECT everystep_set_clock(pg_catalog.now(), false);
 
 -- name: next_due_moment
 -- The earliest moment after now (the engine's) and up to `until` when
--- something is due: a waiting run's due time, a live recurring schedule's
--- next fire time. NULL when nothing is due by then. Each is one probe of
--- its index (everystep_workflow_ready, everystep_schedule_due).
-SELECT nullif(least(coalesce(runs.at, 'infinity'), coalesce(schedules.at, 'infinity')), 'infinity')
-FROM (SELECT min(due_at) AS at
-      FROM everystep_workflow
-      WHERE status IN ('scheduled', 'waiting') AND due_at > everystep_now()
-        AND due_at <= %(until)s::timestamptz) AS runs,
-     (SELECT min(next_fire_at) AS at
-      FROM everystep_schedule
-      WHERE retired_at IS NULL AND NOT paused AND next_fire_at > everystep_now()
-        AND next_fire_at <= %(until)s::timestamptz) AS schedules;
+-- something is due: a waiting run's due time (in either lane of
+-- 0011_lanes.sql), a live recurring schedule's next fire time. NULL when
+-- nothing is due by then (least() ignores the NULLs of what has none).
+SELECT least(
+    (SELECT min(due_at) FROM everystep_workflow
+     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND due_at > everystep_now()
+       AND due_at <= %(until)s::timestamptz),
+    (SELECT min(due_at) FROM everystep_workflow
+     WHERE status IN ('scheduled', 'waiting') AND limited AND due_at > everystep_now()
+       AND due_at <= %(until)s::timestamptz),
+    (SELECT min(next_fire_at) FROM everystep_schedule
+     WHERE retired_at IS NULL AND NOT paused AND next_fire_at > everystep_now()
+       AND next_fire_at <= %(until)s::timestamptz));
 
 -- name: runs_of_workflow
 -- The runs of one workflow, oldest first, with what a test asserts on.
