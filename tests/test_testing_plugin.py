@@ -6,8 +6,11 @@ server_url fixture sets)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SHOP = '''
 import itertools
@@ -172,3 +175,20 @@ def test_the_plugin_enabled_by_name_without_autoloading(pytester, server_url, mo
     result.assert_outcomes(errors=1)  # fixture 'everystep_db' not found
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "everystep.testing")
     result.assert_outcomes(passed=1)
+
+
+def docs_files() -> dict[str, str]:
+    """The files of the complete example of docs/testing.md, by name: each a
+    code block under a `<!-- file: NAME -->` line."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    return {name: code for name, code in re.findall(r"<!-- file: (\S+) -->\n```python\n(.*?)```", text, re.S)}
+
+
+def test_the_example_of_the_docs_passes_in_under_30_lines(pytester, server_url):
+    files = docs_files()
+    assert sorted(files) == ["shop.py", "test_shop.py"]
+    test_lines = [line for line in files["test_shop.py"].splitlines() if line.strip()]
+    assert len(test_lines) < 30
+    pytester.makepyfile(**{name.removesuffix(".py"): code for name, code in files.items()})
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
