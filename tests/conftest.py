@@ -22,9 +22,14 @@ LOCAL_SERVER = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeo
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def find_server() -> str:
+    """The tests' server (the benchmarks' too): everystep.testing's, with this local default."""
+    return server.find_server(LOCAL_SERVER)
+
+
 @pytest.fixture(scope="session")
 def server_url() -> str:
-    url = server.find_server(LOCAL_SERVER)
+    url = find_server()
     os.environ[server.URL_VARIABLE] = url  # child processes find the same server
     return url
 

@@ -27,7 +27,7 @@ from psycopg import conninfo
 import everystep
 import everystep.db
 from tests.benchmarks import harness, workflows
-from tests.conftest import Database, _find_server
+from tests.conftest import Database, find_server
 from tests.support.supervisor_process import children_of, cpu_seconds
 
 QUICK = {"probes": 5, "sleeping": 200, "window": 1.0, "quiet": 0.5}
@@ -36,7 +36,7 @@ QUICK = {"probes": 5, "sleeping": 200, "window": 1.0, "quiet": 0.5}
 @contextlib.contextmanager
 def own_database() -> Iterator[Database]:
     """A database of its own (its pg_stat_database row counts only our clients), migrated."""
-    server_url = _find_server()
+    server_url = find_server()
     name = f"bench_sleep_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")

@@ -28,7 +28,7 @@ from psycopg import conninfo
 
 import everystep
 import everystep.db
-from tests.conftest import Database, _find_server
+from tests.conftest import Database, find_server
 from tests.support.supervisor_process import SupervisorProcess, config
 
 # EVERYSTEP_BENCH_TRACING=1: the supervisor's workers trace every run and step.
@@ -52,7 +52,7 @@ _INSERT_STEP = (
 @contextlib.contextmanager
 def schema() -> Iterator[Database]:
     """A migrated schema of its own on the test server, dropped afterwards."""
-    server_url = _find_server()
+    server_url = find_server()
     os.environ["EVERYSTEP_TEST_DATABASE_URL"] = server_url
     name = f"bench_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(server_url, autocommit=True) as conn:
