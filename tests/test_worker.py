@@ -273,10 +273,7 @@ def test_a_worker_whose_lock_is_held_elsewhere_past_the_grace_abandons_its_runs(
     worker = start_worker(name, grace=1)
     wait_for(lambda: [tag for _, tag, _ in workflows.marks_of(marks)] == ["held"], what="the step started")
     with db.connect() as thief:
-        thief.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
-                      (f"everystep {name} control"[:63],))
-        thief.execute("SELECT pg_advisory_lock(hashtextextended('everystep:' || current_schema() || ':' || %s, 0))",
-                      (name,))
+        take_lock_from(thief, name, (f"everystep {name} control",))
         worker.wait_logged(f"lock of {name} is held by another live process; waiting")
         worker.wait_logged("abandoning 1 runs")
     release.touch()  # the abandoned execution's outcome is not written; the replay's is
