@@ -6,6 +6,7 @@ to its function, and importing what the application names (`imports`,
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -52,6 +53,31 @@ def resolve(name: str) -> Callable:
     if workflow_name(fn) != name:
         raise TypeError(f"{name} is not an @workflow function")
     return fn
+
+
+def is_async(name: str) -> bool:
+    """Whether the workflow of a stored name is an `async def` one (False
+    when the name resolves to nothing: the sync path reports it)."""
+    fn = WORKFLOWS.get(name)
+    if fn is None:
+        try:
+            fn = resolve(name)
+        except Exception:
+            return False
+    return inspect.iscoroutinefunction(fn)
+
+
+def kinds() -> tuple[bool, bool]:
+    """Whether the registered workflows include sync ones, and async ones
+    (nothing registered: sync, the runs of names no import made fail there)."""
+    count = len(WORKFLOWS)
+    if _kinds[0] != count:
+        asynchronous = sum(inspect.iscoroutinefunction(fn) for fn in list(WORKFLOWS.values()))
+        _kinds[:] = [count, asynchronous < count or count == 0, asynchronous > 0]
+    return _kinds[1], _kinds[2]
+
+
+_kinds: list = [-1, True, False]  # (the count of workflows they were found for, sync, async)
 
 
 def import_module(name: str) -> ModuleType:

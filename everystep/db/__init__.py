@@ -47,6 +47,7 @@ from everystep.db.observe import publish_route, queue_stats, runners_without_loc
 from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunable, prune_batch, resolve_step
 from everystep.db.queue import (
     apply_limits,
+    cancel_requests,
     claim,
     count_crashes,
     end_runs,
@@ -89,6 +90,12 @@ from everystep.db.rows import (
     Written,
 )
 from everystep.db.runs import (
+    acancel_run,
+    aget_event,
+    ainsert_run,
+    ainsert_runs,
+    aload_run,
+    asend_message,
     cancel_run,
     children,
     get_event,
@@ -156,14 +163,15 @@ __all__ = [
     "listen", "migrate", "ping", "prepare_claiming_session", "prepare_control_session", "prepare_session",
     "reset_claiming_session", "try_lock", "unlock",
     # queue
-    "apply_limits", "claim", "count_crashes", "end_runs", "finish_run", "held_claims", "limits", "next_due_in",
-    "reclaim_held", "record_step", "record_steps", "requeue_claimer", "requeue_from_dead_claimers", "requeue_held",
-    "routes_of", "running_claimers", "stop_waiting", "wait_for_runs",
+    "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims", "limits",
+    "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer", "requeue_from_dead_claimers",
+    "requeue_held", "routes_of", "running_claimers", "stop_waiting", "wait_for_runs",
     # fenced
     "begin_wait", "cancel_reason", "complete_started_step", "park_run", "park_waiting", "record_attempt",
     "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child", "take_message",
     "why_not_written",
     # runs
+    "acancel_run", "aget_event", "ainsert_run", "ainsert_runs", "aload_run", "asend_message",
     "cancel_run", "children", "get_event", "insert_run", "insert_runs", "list_runs", "load_events",
     "load_messages", "load_run", "load_steps", "send_message",
     # schedules
