@@ -242,10 +242,10 @@ class Runner:
         thread) runs the workflow body and the steps it calls; the runner's
         writer threads commit its step rows and its end with other runs'
         (this thread waits for each answer); the late-outcome thread writes
-        a step's outcome that waited OUTCOME_DELAY (everystep.execution); each `parallel` branch
-        but the last runs on a thread of its own, writing through a
-        connection borrowed for each write. The HeldRun does every write,
-        whichever the thread; the Replay decides them."""
+        a step's outcome that waited OUTCOME_DELAY (everystep.execution);
+        each `parallel` branch but the last runs on a thread of its own,
+        writing through a connection borrowed for each write. The HeldRun
+        does every write, whichever the thread; the Replay decides them."""
         if registry.is_async(run.name):
             return self.loop().call(self.aexecute(run))
         return drive(self._execution(run, None))

@@ -9,6 +9,8 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import psycopg
+
 from everystep import operations, serde
 from everystep.cli.common import EXIT_REFUSED, Add, CliError, actor, connect, json_value_argument, run_id_argument
 
@@ -65,33 +67,35 @@ def cmd_resolve_step(args: argparse.Namespace) -> int:
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    with connect(args) as conn:
-        done, refused = operations.requeue(conn, actor(), args.runs)
-    _refuse(refused, args.runs, "requeued")
-    for each in done:
+    def line(each: operations.RequeuedRun) -> str:
         why = f"its claimer {each.claimer} is dead" if each.claimer is not None else "it had no claimer"
-        print(f"requeued run {each.run} ({why})")
-    return 0
+        return f"requeued run {each.run} ({why})"
+
+    return _on_runs(args, lambda conn: operations.requeue(conn, actor(), args.runs), "requeued", line)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with connect(args) as conn:
-        done, refused = operations.cancel(conn, actor(), args.runs, args.reason)
-    _refuse(refused, args.runs, "cancelled")
-    for each in done:
+    def line(each: operations.CancelledRun) -> str:
         if each.status == "running":
-            print(f"asked run {each.run} to stop: it is running; it ends cancelled at its next step")
-        else:
-            print(f"cancelled run {each.run}")
-    return 0
+            return f"asked run {each.run} to stop: it is running; it ends cancelled at its next step"
+        return f"cancelled run {each.run}"
+
+    return _on_runs(args, lambda conn: operations.cancel(conn, actor(), args.runs, args.reason), "cancelled", line)
 
 
 def cmd_reschedule(args: argparse.Namespace) -> int:
+    return _on_runs(args, lambda conn: operations.reschedule(conn, actor(), args.runs), "scheduled",
+                    lambda each: f"scheduled run {each.run} again: new run {each.new}")
+
+
+def _on_runs(args: argparse.Namespace, action: Callable[[psycopg.Connection], Any], verb: str,
+             line: Callable[[Any], str]) -> int:
+    """Run an all-or-nothing action on the runs named, and print a line per run done."""
     with connect(args) as conn:
-        done, refused = operations.reschedule(conn, actor(), args.runs)
-    _refuse(refused, args.runs, "scheduled")
+        done, refused = action(conn)
+    _refuse(refused, args.runs, verb)
     for each in done:
-        print(f"scheduled run {each.run} again: new run {each.new}")
+        print(line(each))
     return 0
 
 
