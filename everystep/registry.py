@@ -84,11 +84,28 @@ def import_module(name: str) -> ModuleType:
     """Import `name` with the current directory first on sys.path, as
     `python -m` and gunicorn do, so a module next to where the command runs
     is found however the command was started (a console script's sys.path
-    starts with its own bin folder instead)."""
+    starts with its own bin folder instead). With DJANGO_SETTINGS_MODULE
+    set, Django is set up first: a project's tasks and models import only
+    in a set-up Django."""
     here = os.getcwd()
     if sys.path[:1] != [here]:
         sys.path.insert(0, here)
+    _set_up_django()
     return importlib.import_module(name)
+
+
+def _set_up_django() -> None:
+    if not os.environ.get("DJANGO_SETTINGS_MODULE") or "django" in _ready:
+        return
+    import django  # noqa: PLC0415  (a Django project's only)
+    from django.apps import apps  # noqa: PLC0415
+
+    if not apps.ready:
+        django.setup()
+    _ready.add("django")
+
+
+_ready: set[str] = set()
 
 
 def import_path(path: str) -> Any:

@@ -42,7 +42,7 @@ from everystep.db.fenced import (
     take_message,
     why_not_written,
 )
-from everystep.db.migrations import migrate
+from everystep.db.migrations import migrate, missing_migrations
 from everystep.db.observe import publish_route, queue_stats, runners_without_lock, set_statement_timeout, unserved_runs
 from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunable, prune_batch, resolve_step
 from everystep.db.queue import (
@@ -160,7 +160,8 @@ __all__ = [
     "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
     "Written",
     # session, migrations
-    "listen", "migrate", "ping", "prepare_claiming_session", "prepare_control_session", "prepare_session",
+    "listen", "migrate", "missing_migrations", "ping", "prepare_claiming_session", "prepare_control_session",
+    "prepare_session",
     "reset_claiming_session", "try_lock", "unlock",
     # queue
     "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims", "limits",
