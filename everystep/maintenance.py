@@ -20,7 +20,7 @@ import time
 
 import psycopg
 
-from everystep import liveness, scheduler
+from everystep import db, liveness, scheduler
 from everystep.logs import first_line
 
 log = logging.getLogger("everystep")
@@ -61,6 +61,7 @@ class Maintenance:
                         conn = psycopg.connect(self.database_url, **liveness.connection_kwargs(self.application_name))
                     if time.monotonic() >= next_sweep:
                         self.sweep.sweep(conn)
+                        db.sort_lanes(conn)  # a run inserted while a limit changed (0011_lanes.sql)
                         next_sweep = time.monotonic() + self.sweep.next_probe_in(self.interval)
                     scheduler.tick(conn)  # logs what it fires
                     outage.over()

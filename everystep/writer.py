@@ -87,10 +87,11 @@ class GroupWriter:
         return self._submit(db.StepWrite(run, token, row))
 
     def finish_run(self, run: uuid.UUID, token: int, status: str, result: str | None, error: str | None,
-                   last_step: db.StepRow | None, claim: bool) -> db.BatchEnd:
+                   last_step: db.StepRow | None, claim: bool, plain: bool = False) -> db.BatchEnd:
         """End a held run (with its last step's row) in the next batch, and
-        claim a successor for its slot when `claim`."""
-        return self._submit(db.EndWrite(run, token, status, result, error, last_step, claim))
+        claim a successor for its slot when `claim`. `plain`: the run ends
+        plainly (db.ClaimedRun.ends_plainly)."""
+        return self._submit(db.EndWrite(run, token, status, result, error, last_step, claim, plain))
 
     def _submit(self, write: db.StepWrite | db.EndWrite) -> Any:
         waiting = _Write(write)

@@ -13,11 +13,14 @@ from tests.support.processes import ROOT
 
 FIGURES = {
     "limit": {"clients", "driver", "commits_per_s"},
-    "w1": {"runs_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "not_completed"},
-    "w3": {"runs_per_s", "steps_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "not_completed"},
-    "w1_async": {"runs_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "not_completed"},
+    "w1": {"runs_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "db_cpu_us_per_run",
+           "worker_cpu_us_per_run", "not_completed"},
+    "w3": {"runs_per_s", "steps_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "db_cpu_us_per_run",
+           "worker_cpu_us_per_run", "not_completed"},
+    "w1_async": {"runs_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "db_cpu_us_per_run",
+                 "worker_cpu_us_per_run", "not_completed"},
     "w3_async": {"runs_per_s", "steps_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target",
-                 "not_completed"},
+                 "db_cpu_us_per_run", "worker_cpu_us_per_run", "not_completed"},
     "latency": {"runs", "p50_ms", "p95_ms", "p99_ms", "target_p50_ms", "target_p99_ms", "not_completed"},
     "enqueue": {"limit_commits_per_s", "runs_per_s", "ratio", "runs_per_s_notified", "schedule_many_runs_per_s",
                 "target_schedule_many_runs_per_s"},
@@ -38,6 +41,7 @@ FIGURES = {
     "flow": {"messages", "send_to_resume_p50_ms", "send_to_resume_p95_ms", "send_to_resume_p99_ms", "runs",
              "unlimited_runs_per_s", "limited_16_runs_per_s", "limited_16_vs_unlimited", "limited_4_runs_per_s",
              "not_completed", "leftover"},
+    "claim_cost": {"runs_per_s_empty", "runs_per_s_with_features", "ratio", "target"},
 }
 
 

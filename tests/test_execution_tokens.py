@@ -14,6 +14,7 @@ import everystep
 import everystep.db
 from everystep import schedule
 from tests.apps import workflows
+from tests.support.engine import take_lock_from
 from tests.support.processes import WorkerProcess, wait_for
 
 
@@ -98,10 +99,7 @@ def test_a_run_claimed_again_by_a_retried_end_never_executes_twice_in_one_worker
         # ... until its connection and the worker's lock connection are cut. The
         # lock is taken before the worker comes back, and A is put back in the
         # queue, as the sweep of another supervisor would.
-        thief.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name IN (%s, %s)",
-                      (control_backend(name), f"everystep {name}"[:63]))
-        thief.execute("SELECT pg_advisory_lock(hashtextextended('everystep:' || current_schema() || ':' || %s, 0))",
-                      (name,))
+        take_lock_from(thief, name, (control_backend(name), f"everystep {name}"))
         thief.execute("UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL WHERE id = %s",
                       (run_a.id,))
         blocker.rollback()

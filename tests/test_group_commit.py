@@ -13,6 +13,7 @@ import pytest
 import everystep
 import everystep.db
 from everystep import metrics
+from everystep.runner import Runner
 from everystep.writer import GroupWriter
 from tests.apps import workflows
 from tests.apps.workflows import marks_of
@@ -178,28 +179,53 @@ def test_limited_runs_are_not_starved_by_an_unlimited_backlog(db, start_worker, 
     assert last_limited < unlimited_ends[200], "the limited runs waited for the unlimited backlog"
 
 
-def test_a_database_of_the_previous_version_migrates_in_place_with_runs_in_flight(db):
-    """0010 on a database at 0009 with a run in flight and runs waiting: the
-    run in flight ends under its claim, the waiting ones are claimed in
-    order, through the new index."""
+def test_a_database_of_the_previous_version_migrates_in_place_with_runs_in_flight(db, start_worker, marks):
+    """0011 (the two lanes) on a database at 0010 with runs in flight: a run
+    held by a worker of the previous version ends under its claim; queued
+    runs of a limited workflow move to the limited lane and run within their
+    limit; a delayed run, a parent parked on its child and the child all
+    finish under a worker of this version."""
+    from tests.apps import flow_workflows  # noqa: PLC0415
+
+    limited_name = flow_workflows.limited.__everystep_workflow__
     with db.connect() as conn:
-        conn.execute("DROP INDEX everystep_workflow_ready")
-        conn.execute("CREATE INDEX everystep_workflow_due ON everystep_workflow (due_at)"
-                     " WHERE status IN ('scheduled', 'waiting')")
-        conn.execute("DELETE FROM everystep_migration WHERE name = '0010_claim_order'")
-    (in_flight,) = claimed(db, 1, runner="old-worker")
+        everystep.db.apply_limits(conn, {limited_name: 3})
+    limited_runs = db.schedule_many(flow_workflows.limited, [(marks, 0.0)] * 5)
     with db.connect() as conn, everystep.transaction(conn):
-        waiting = everystep.schedule_many(workflows.quick, [("unused",)] * 3)
+        delayed = everystep.schedule(workflows.quick, marks, after=1.0)
+        parent = everystep.schedule(flow_workflows.parent_calls, 20)
+    with db.connect() as conn, everystep.transaction(conn):
+        quick = everystep.schedule(workflows.quick, marks)
+    with db.connect() as conn:  # one run held by the old worker; the parent starts its child and parks
+        (in_flight,) = everystep.db.claim(conn, "old-worker", 1, everystep.db.routes_of([quick.name]))
+        (parent_claim,) = everystep.db.claim(conn, "old-worker", 1, everystep.db.routes_of([parent.name]))
+    engine = Runner(db.pool, "old-worker")
+    try:
+        assert engine.execute(parent_claim).outcome == "sleeping"  # parked on its child
+    finally:
+        engine.close()
+    with db.connect() as conn:  # back to the layout of 0010
+        conn.execute("DROP INDEX everystep_workflow_ready_unlimited")
+        conn.execute("DROP INDEX everystep_workflow_ready_limited")
+        conn.execute("ALTER TABLE everystep_workflow DROP COLUMN limited")
+        conn.execute("CREATE INDEX everystep_workflow_ready ON everystep_workflow (due_at, id)"
+                     " WHERE status IN ('scheduled', 'waiting')")
+        conn.execute("DELETE FROM everystep_migration WHERE name = '0011_lanes'")
     with db.connect() as conn:
-        assert everystep.db.migrate(conn) == ["0010_claim_order"]
+        assert everystep.db.migrate(conn) == ["0011_lanes"]
         assert everystep.db.migrate(conn) == []
-        indexes = {row[0] for row in conn.execute(
-            "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema()"
-            " AND tablename = 'everystep_workflow'")}
-        assert "everystep_workflow_ready" in indexes and "everystep_workflow_due" not in indexes
+        lanes = dict(conn.execute("SELECT limited, count(*) FROM everystep_workflow"
+                                  " WHERE status IN ('scheduled', 'waiting') GROUP BY limited").fetchall())
+        assert lanes == {True: 5, False: 3}  # the limited runs; the delayed run, the parent, its child
         ended = everystep.db.finish_run(conn, in_flight.id, "old-worker", in_flight.token, "completed", "null", None,
-                                 row("1"), claim=True)
+                                 row("1"))
     assert ended.status == "completed"
-    assert [run.id for run in ended.claimed] == [waiting[0].id]
-    with db.connect() as conn:
-        assert [run.id for run in everystep.db.claim(conn, "new-worker", 5)] == [run.id for run in waiting[1:]]
+    start_worker("new-worker", threads=8, imports=("tests.apps.workflows", "tests.apps.flow_workflows"))
+    everyone = [*limited_runs, delayed, parent]
+    wait_for(lambda: all(db.run(r.id)["status"] == "completed" for r in everyone), 60,
+             what="every run in flight completed")
+    assert db.run(parent.id)["result"][1] == 40
+    steps = db.query("SELECT s.started_at, s.finished_at FROM everystep_step s JOIN everystep_workflow w"
+                     " ON w.id = s.workflow_id WHERE w.name = %s", (limited_name,))
+    assert len(steps) == 5
+    assert max(sum(1 for a, b in steps if a <= t < b) for t, _ in steps) <= 3

@@ -188,3 +188,36 @@ def test_the_decorator_refuses_a_bad_limit():
     for bad in (0, -1, 1.5, "2", True):
         with pytest.raises(EverystepError):
             everystep.workflow(concurrency=bad)
+
+
+def lanes(db) -> dict[bool, int]:
+    return dict(db.query("SELECT limited, count(*) FROM everystep_workflow WHERE status IN ('scheduled', 'waiting')"
+                         " GROUP BY limited"))
+
+
+def test_setting_and_removing_a_limit_moves_the_claimable_runs_between_lanes(db):
+    runs = db.schedule_many(unlimited, [("m", i) for i in range(4)])
+    assert lanes(db) == {False: 4}
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {UNLIMITED: 1})
+        assert lanes(db) == {True: 4}
+        assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [runs[0].id]  # within the new limit
+        everystep.db.apply_limits(conn, {UNLIMITED: None})
+        assert lanes(db) == {False: 3}
+        assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [r.id for r in runs[1:]]
+
+
+def test_a_run_in_the_wrong_lane_is_never_claimed_past_its_limit_and_is_sorted(db):
+    """A run inserted in the moment its workflow's limit was set can land in
+    the unlimited lane: the claims of that lane skip it, and the next sort
+    (the maintenance child's, at every sweep) moves it where it belongs."""
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {LIMITED: 1})
+    runs = db.schedule_many(limited, [("m", i) for i in range(3)])
+    db.query("UPDATE everystep_workflow SET limited = false WHERE id = %s RETURNING 1", (runs[1].id,))
+    with db.connect() as conn:
+        assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [runs[0].id]
+        assert everystep.db.claim(conn, "w1", 10, unlimited_only=True) == []  # the stray is skipped
+        assert everystep.db.sort_lanes(conn) == 1
+        assert everystep.db.sort_lanes(conn) == 0
+    assert lanes(db) == {True: 2}

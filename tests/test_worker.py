@@ -13,6 +13,7 @@ import pytest
 import everystep
 from everystep import schedule
 from tests.apps import workflows
+from tests.support.engine import take_lock_from
 from tests.support.processes import WorkerProcess, wait_for
 
 
@@ -208,10 +209,7 @@ def test_runs_recovered_elsewhere_while_the_lock_was_lost_are_abandoned_on_reloc
     with db.connect() as thief:
         # Cut the worker's lock connection and take its lock before it comes back,
         # then requeue its run, as the sweep of another supervisor would.
-        thief.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
-                      (f"everystep {name} control"[:63],))
-        thief.execute("SELECT pg_advisory_lock(hashtextextended('everystep:' || current_schema() || ':' || %s, 0))",
-                      (name,))
+        take_lock_from(thief, name, (f"everystep {name} control",))
         thief.execute("UPDATE everystep_workflow SET status = 'scheduled', claimed_by = NULL WHERE id = %s",
                       (run.id,))
     worker.wait_logged("1 runs in flight were recovered elsewhere while the lock was lost; abandoning them")

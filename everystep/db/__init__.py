@@ -46,6 +46,7 @@ from everystep.db.migrations import migrate, missing_migrations
 from everystep.db.observe import publish_route, queue_stats, runners_without_lock, set_statement_timeout, unserved_runs
 from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunable, prune_batch, resolve_step
 from everystep.db.queue import (
+    any_limit,
     apply_limits,
     cancel_requests,
     claim,
@@ -63,6 +64,7 @@ from everystep.db.queue import (
     requeue_held,
     routes_of,
     running_claimers,
+    sort_lanes,
     stop_waiting,
     wait_for_runs,
 )
@@ -164,9 +166,10 @@ __all__ = [
     "prepare_session",
     "reset_claiming_session", "try_lock", "unlock",
     # queue
-    "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims", "limits",
-    "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer", "requeue_from_dead_claimers",
-    "requeue_held", "routes_of", "running_claimers", "stop_waiting", "wait_for_runs",
+    "any_limit", "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims",
+    "limits", "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer",
+    "requeue_from_dead_claimers", "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting",
+    "wait_for_runs",
     # fenced
     "begin_wait", "cancel_reason", "complete_started_step", "park_run", "park_waiting", "record_attempt",
     "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child", "take_message",

@@ -82,10 +82,13 @@ def claimed_runs(on: Executor, result: pq.abc.PGresult, first_column: int) -> li
     encoding = (on.connection if isinstance(on, psycopg.Cursor) else on).info.encoding
     runs = []
     for row in range(result.ntuples):
-        run_id, name, args, steps, token, cancel, now = (result.get_value(row, first_column + i) for i in range(7))
+        run_id, name, args, steps, token, cancel, now, slot, parent = (
+            result.get_value(row, first_column + i) for i in range(9))
         if run_id is not None:
             runs.append(ClaimedRun(uuid.UUID(run_id.decode()), name.decode(encoding), json.loads(args.decode(encoding)),
-                                   json.loads(steps.decode(encoding)), int(token), cancel == b"t", float(now)))
+                                   json.loads(steps.decode(encoding)), int(token), cancel == b"t", float(now),
+                                   None if slot is None else int(slot),
+                                   None if parent is None else uuid.UUID(parent.decode())))
     return runs
 
 

@@ -62,13 +62,20 @@ def routes_of(patterns: list[str] | tuple[str, ...] | None) -> list[str] | None:
     return like
 
 
-def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] | None = None) -> list[ClaimedRun]:
+def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] | None = None,
+          unlimited_only: bool = False) -> list[ClaimedRun]:
     """Claim up to `limit` scheduled runs, oldest first, with their recorded
     steps: of unlimited workflows, and of limited ones as far as they have
     free slots; only of workflows matching `routes` (LIKE patterns, see
-    `routes_of`; None: all)."""
-    rows = conn.execute(queries.get("claim"), {"runner": runner, "limit": limit, "routes": routes},
-                        prepare=True).fetchall()
+    `routes_of`; None: all). `unlimited_only` (for a claimer of every
+    workflow that knows no limit is set): the head of the unlimited lane, a
+    statement without the slots (queue.sql: claim_unlimited)."""
+    if unlimited_only and routes is None:
+        rows = conn.execute(queries.get("claim_unlimited"), {"runner": runner, "limit": limit},
+                            prepare=True).fetchall()
+    else:
+        rows = conn.execute(queries.get("claim"), {"runner": runner, "limit": limit, "routes": routes},
+                            prepare=True).fetchall()
     runs = [ClaimedRun(*row) for row in rows]
     runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
     return runs
@@ -81,13 +88,29 @@ def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None]) -> Non
     limited = {name: n for name, n in limits.items() if n is not None}
     with conn.transaction():
         conn.execute(queries.get("drop_limits"), {"names": [name for name, n in limits.items() if n is None]})
-        if not limited:
-            return
-        params = {"names": list(limited), "counts": list(limited.values())}
-        conn.execute(queries.get("put_limits"), params)
-        conn.execute(queries.get("drop_slots_above"), params)
-        conn.execute(queries.get("add_slots"), params)
-        conn.execute(queries.get("notify"), {})  # a raised limit may make runs claimable
+        if limited:
+            params = {"names": list(limited), "counts": list(limited.values())}
+            conn.execute(queries.get("put_limits"), params)
+            conn.execute(queries.get("drop_slots_above"), params)
+            conn.execute(queries.get("add_slots"), params)
+            conn.execute(queries.get("notify"), {})  # a raised limit may make runs claimable
+        sort_lanes(conn)
+
+
+def sort_lanes(conn: psycopg.Connection) -> int:
+    """Put every claimable run in the lane of its workflow as the limits now
+    stand (0011_lanes.sql): after the limits change, and at every sweep of
+    the maintenance child, for a run inserted while they changed. Returns how
+    many runs moved (and wakes the claimers when any did)."""
+    moved = conn.execute(queries.get("sort_lanes"), {}).fetchall()
+    if moved:
+        conn.execute(queries.get("notify"), {})
+    return len(moved)
+
+
+def any_limit(conn: psycopg.Connection) -> bool:
+    """Whether any workflow has a concurrency limit."""
+    return conn.execute(queries.get("any_limit"), {}, prepare=True).fetchone()[0]
 
 
 def limits(conn: psycopg.Connection) -> dict[str, int]:
@@ -152,7 +175,7 @@ def count_crashes(
 
 _RECORD_STEPS = libpq.hot("record_steps")
 _END_RUNS = libpq.hot("end_runs")
-_END_UNLIMITED_RUNS = libpq.hot("end_unlimited_runs")
+_END_PLAIN_RUNS = libpq.hot("end_plain_runs")
 
 
 def _step_columns(rows: list[StepRow | None]) -> dict[str, str]:
@@ -175,9 +198,12 @@ def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes
              unlimited_only: bool = False) -> EndedRuns:
     """End runs of `runner`'s executions in one statement, claiming their
     successors. `routes`: the workflows a successor may be of (see `claim`);
-    `unlimited_only`: of workflows without a concurrency limit only (a
-    smaller statement, see queue.sql: end_unlimited_runs)."""
-    result = libpq.run(conn, _END_UNLIMITED_RUNS if unlimited_only else _END_RUNS, {
+    `unlimited_only`: of workflows without a concurrency limit only. A batch
+    of plain ends (EndWrite.plain: no slot to free, no parent to wake) of a
+    claimer of every workflow then takes queue.sql's end_plain_runs, a
+    statement without the limit, route and parent machinery."""
+    plain = unlimited_only and routes is None and all(e.plain for e in ends)
+    result = libpq.run(conn, _END_PLAIN_RUNS if plain else _END_RUNS, {
         "runs": libpq.array_literal([e.run for e in ends]), "tokens": libpq.array_literal([e.token for e in ends]),
         "statuses": libpq.array_literal([e.status for e in ends]),
         "results": libpq.array_literal([e.result for e in ends]),

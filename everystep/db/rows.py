@@ -21,6 +21,13 @@ class ClaimedRun(NamedTuple):
     token: int  # the execution token of this claim
     cancel_requested: bool = False  # a cancel request was on the run when it was claimed
     claimed_at: float = 0.0  # the database's time of the claim (epoch seconds)
+    slot: int | None = None  # the concurrency slot it was claimed into (None: an unlimited workflow)
+    parent: uuid.UUID | None = None  # the run that started it as a child
+
+    @property
+    def ends_plainly(self) -> bool:
+        """Its end frees no concurrency slot and wakes no parent."""
+        return self.slot is None and self.parent is None
 
 
 class Claim(NamedTuple):
@@ -72,6 +79,7 @@ class EndWrite(NamedTuple):
     error: str | None
     last_step: StepRow | None
     claim: bool  # claim a successor for the slot this end frees
+    plain: bool = False  # its run ends plainly (ClaimedRun.ends_plainly): no slot to free, no parent to wake
 
 
 class BatchEnd(NamedTuple):

@@ -56,7 +56,10 @@ CREATE TABLE everystep_workflow (
     -- wait parks only if the count is still the one it saw
     wakes               bigint NOT NULL DEFAULT 0,
     -- 0009: the run that started it (a child workflow)
-    parent_id           uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL
+    parent_id           uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL,
+    -- 0011: its workflow had a concurrency limit when it became claimable:
+    -- the lane it is claimed from
+    limited             boolean NOT NULL DEFAULT false
 );
 
 -- What makes schedule()'s idempotency key safe under concurrency.
@@ -72,15 +75,21 @@ CREATE INDEX everystep_workflow_running ON everystep_workflow (claimed_by) WHERE
 CREATE INDEX everystep_workflow_name_created ON everystep_workflow (name, created_at);
 -- Search by idempotency key alone; only keyed runs are in it.
 CREATE INDEX everystep_workflow_key ON everystep_workflow (idempotency_key) WHERE idempotency_key IS NOT NULL;
--- The claim of a limited workflow's earliest due runs, by name.
+-- Every claimable run by name, in due order: the autoscaler's bounded count
+-- of a fleet's due runs (a loose scan, one probe per workflow name).
 CREATE INDEX everystep_workflow_due_by_name ON everystep_workflow (name, due_at, id)
     WHERE status IN ('scheduled', 'waiting');
 -- A run's children.
 CREATE INDEX everystep_workflow_parent ON everystep_workflow (parent_id) WHERE parent_id IS NOT NULL;
--- The one index every claim walks: the claimable runs in (due_at, id) order,
--- a range scan that never reads a run not due yet and stops at the first
--- unlocked one.
-CREATE INDEX everystep_workflow_ready ON everystep_workflow (due_at, id) WHERE status IN ('scheduled', 'waiting');
+-- The two lanes of claimable runs (0011). The unlimited lane in claim order,
+-- (due_at, id): a claim's range scan never reads a run not due yet nor a run
+-- of a limited workflow, and stops at the first unlocked one.
+CREATE INDEX everystep_workflow_ready_unlimited ON everystep_workflow (due_at, id)
+    WHERE status IN ('scheduled', 'waiting') AND NOT limited;
+-- The limited lane, per workflow in claim order: the claim of a limited
+-- workflow's earliest due runs, as far as it has free slots.
+CREATE INDEX everystep_workflow_ready_limited ON everystep_workflow (name, due_at, id)
+    WHERE status IN ('scheduled', 'waiting') AND limited;
 
 -- Execution tokens: every claim of a run (first claim, catchup, successor
 -- claim, reclaim after a lost answer) takes a new one.

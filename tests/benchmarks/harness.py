@@ -107,6 +107,53 @@ def failures(db: Database) -> int:
     return db.value("SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'")
 
 
+# ---------------------------------------------------------------- CPU per run
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+class CpuMeter:
+    """The CPU the engine takes over a span: the PostgreSQL backends of its
+    sessions (application_name `everystep ...`) and the supervisor's worker
+    processes, read from /proc, so what other tenants of the machine take is
+    not counted. Both sides live for the whole span (pools and control
+    sessions stay open while the supervisor runs)."""
+
+    def __init__(self, db: Database, supervisor_pid: int):
+        self.db, self.supervisor_pid = db, supervisor_pid
+
+    def _sample(self) -> tuple[dict[int, float], dict[int, float]]:
+        backends = [row[0] for row in self.db.query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'everystep %%'")]
+        workers = _children(self.supervisor_pid)
+        return ({pid: _cpu_seconds(pid) for pid in backends}, {pid: _cpu_seconds(pid) for pid in workers})
+
+    def start(self) -> None:
+        self._before = self._sample()
+
+    def stop(self) -> tuple[float, float]:
+        """(database CPU seconds, worker CPU seconds) since `start`."""
+        after = self._sample()
+        return tuple(sum(t - self._before[i].get(pid, 0.0) for pid, t in after[i].items()) for i in (0, 1))
+
+
 # ---------------------------------------------------------------- the fleet
 
 

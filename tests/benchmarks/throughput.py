@@ -21,14 +21,20 @@ def main(benchmark: str, workflow: Callable, steps_per_run: int, runs: int, targ
     parser.add_argument("--ceiling-seconds", type=float, default=5.0)
     args = harness.arguments(parser, quick={"runs": 200, "repeat": 1, "ceiling_seconds": 1.0})
 
-    limits, runs_per_s, ratios, failed = [], [], [], 0
-    with harness.schema() as db, harness.scratch() as folder, harness.supervisor(db, benchmark, folder, **supervisor):
+    limits, runs_per_s, ratios, db_cpu, worker_cpu, failed = [], [], [], [], [], 0
+    with (harness.schema() as db, harness.scratch() as folder,
+          harness.supervisor(db, benchmark, folder, **supervisor) as fleet):
+        meter = harness.CpuMeter(db, fleet.pid)
         for repeat in range(args.repeat):
             limits.append(harness.commit_ceiling(args.ceiling_seconds))
             started = harness.schedule_all(db, workflow, [(repeat * args.runs + i,) for i in range(args.runs)])
+            meter.start()
             harness.wait_drained(db)
+            database_seconds, worker_seconds = meter.stop()
             runs_per_s.append(args.runs / (harness.last_completion(db) - started))
             ratios.append(runs_per_s[-1] * steps_per_run / limits[-1])
+            db_cpu.append(database_seconds * 1e6 / args.runs)
+            worker_cpu.append(worker_seconds * 1e6 / args.runs)
         failed = harness.failures(db)
     rate = harness.median(runs_per_s)
     harness.emit({
@@ -42,6 +48,11 @@ def main(benchmark: str, workflow: Callable, steps_per_run: int, runs: int, targ
         "limit_driver": harness.ceiling_driver(),
         "ratio": round(harness.median(ratios), 3),  # (w1: runs/s, w3: steps/s) / limit commits/s
         "target": target,
+        # CPU per run, in microseconds, of the engine's PostgreSQL backends and
+        # of its worker processes: what the figures above cost, whatever else
+        # the machine was doing.
+        "db_cpu_us_per_run": round(harness.median(db_cpu)),
+        "worker_cpu_us_per_run": round(harness.median(worker_cpu)),
         "runs_per_s_each": [round(r, 1) for r in runs_per_s],
         "limit_each": [round(x, 1) for x in limits],
         "not_completed": failed,

@@ -72,3 +72,15 @@ def one_step_limited(i: int) -> int:
 @workflow(concurrency=4)
 def one_step_limited_4(i: int) -> int:
     return noop(i)
+
+
+@workflow(concurrency=1)
+def one_step_limited_1(i: int) -> int:
+    """A limited workflow the claim_cost benchmark keeps saturated."""
+    return noop(i)
+
+
+@workflow
+def parent_of_limited(i: int) -> int:
+    """Waits on a child queued behind a saturated limit (claim_cost)."""
+    return everystep.call(one_step_limited_1, i)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import psycopg
+
 import everystep
 from everystep import schedule
 
@@ -25,3 +27,26 @@ def most_at_once(db, runs) -> int:
         now += delta
         highest = max(highest, now)
     return highest
+
+
+def take_lock_from(thief, name: str, backends: tuple[str, ...], attempts: int = 20) -> None:
+    """Cut the connections of a worker named `name` (by application_name) and
+    take its runner lock on `thief` before the worker comes back: the lock is
+    asked for while the cut backend still holds it, so the thief is first in
+    line. Should the worker win all the same (it reconnects within
+    milliseconds), cut it again: the wait is bounded by lock_timeout, never a
+    hang."""
+    thief.execute("SET lock_timeout = '2s'")
+    try:
+        for _ in range(attempts):
+            thief.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                          " WHERE application_name = ANY(%s)", ([b[:63] for b in backends],))
+            try:
+                thief.execute("SELECT pg_advisory_lock(hashtextextended('everystep:' || current_schema() || ':'"
+                              " || %s, 0))", (name,))
+                return
+            except psycopg.errors.LockNotAvailable:
+                continue
+        raise AssertionError(f"the worker {name} took its lock back {attempts} times")
+    finally:
+        thief.execute("RESET lock_timeout")

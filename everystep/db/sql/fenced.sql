@@ -262,8 +262,9 @@ WITH
         RETURNING workflow_id, result
     ),
     child AS (
-        INSERT INTO everystep_workflow (id, name, args, status, parent_id)
-        SELECT %(child)s::uuid, %(child_name)s, %(args)s::jsonb, 'scheduled', workflow_id
+        INSERT INTO everystep_workflow (id, name, args, status, parent_id, limited)
+        SELECT %(child)s::uuid, %(child_name)s, %(args)s::jsonb, 'scheduled', workflow_id,
+               EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(child_name)s::varchar)
         FROM ins
         RETURNING id
     )

@@ -5,15 +5,18 @@
 --
 -- Terms used throughout:
 --   claimable  a run with status IN ('scheduled', 'waiting') AND due_at <= now(),
---              taken in (due_at, id) order: the partial index
---              everystep_workflow_ready (due_at, id) makes that a range scan
---              that never reads a run not due yet and stops at the first
---              unlocked entry.
---   claimable of one workflow  the same with the due time compared as
+--              taken in (due_at, id) order, from one of two lanes
+--              (0011_lanes.sql): the runs of unlimited workflows
+--              (`NOT limited`), whose partial index
+--              everystep_workflow_ready_unlimited (due_at, id) makes the claim
+--              a range scan that never reads a run not due yet nor a run of a
+--              limited workflow, and stops at the first unlocked entry;
+--   claimable of one workflow  and the runs of limited workflows
+--              (`limited`), by workflow: the due time compared as
 --              (w.name, w.due_at) <= (name, now()), which only
---              everystep_workflow_due_by_name (name, due_at, id) can serve.
+--              everystep_workflow_ready_limited (name, due_at, id) can serve.
 --              Given a name, the planner cannot tell how many claimable runs
---              are that workflow's; walking the ready index for them would
+--              are that workflow's; walking a (due_at) index for them would
 --              read every claimable run of every other workflow first.
 --   routed     (routes IS NULL OR w.name LIKE ANY(routes)): the workflows a
 --              claimer runs, as LIKE patterns (NULL: all).
@@ -45,112 +48,132 @@ WHERE runner = %(runner)s;
 
 
 -- name: claim
--- Claim up to `limit` claimable runs for `runner`, with the slots of limited
--- workflows they need, and return each with its recorded steps.
---
--- free .. picked choose the runs: `unlimited` the claimable runs of workflows
--- without a limit, `limited` those of limited workflows as far as `free`
--- found free slots for them, `ranked`/`numbered`/`first` pair each limited
--- run with a slot and keep the oldest `limit`, `picked` gives each a new
--- execution token.
+-- Claim up to %(limit)s claimable runs for this runner, oldest due first:
+-- of unlimited workflows from the head of their lane, and of limited ones as
+-- far as they have free slots (taken in the same statement); only of
+-- workflows matching %(routes)s (LIKE patterns; NULL: every workflow).
 --
 -- A slot is free when its last run is not running in it any more. A claim
--- that committed after this statement's snapshot was taken has written its
--- newer token on the slot row: the row lock then re-checks the condition on
--- that version, against the run as the snapshot shows it, whose token is
--- older than the slot's (or NULL): busy. The scalar subquery keeps the check
--- a subplan re-evaluated on that recheck (an anti-join would not be). A
--- claim locks no more free slots than it may claim runs, and only slots of
--- workflows with claimable runs, so concurrent claims do not lock each other
--- out of slots they could use.
---
--- The OFFSET 0 keep the two (NOT) EXISTS tests subplans run per row: turned
--- into joins, they let the planner (which cannot know that everystep_limit
--- is small or empty) read and sort every claimable run instead of walking
--- the ready index to the first unlocked entry.
---
--- The steps come as one JSON array: ARRAY(...) rather than json_agg, no
--- aggregate to set up on every claim, and most claimed runs have no steps.
-WITH
-    free AS (
-        SELECT s.name, s.slot
-        FROM everystep_slot s
-        WHERE ((SELECT count(*)
-                FROM everystep_workflow h
-                WHERE h.id = s.run_id
-                  AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0)
-          AND EXISTS (SELECT 1
-                      FROM everystep_workflow w
-                      WHERE status IN ('scheduled', 'waiting') AND w.name = s.name
-                        AND (w.name, w.due_at) <= (s.name, now())
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-                      OFFSET 0)
-        LIMIT %(limit)s
-        FOR UPDATE OF s SKIP LOCKED
-    ),
-    room AS (
-        SELECT name, count(*) AS n
-        FROM free
-        GROUP BY name
-    ),
-    unlimited AS (
+-- that committed after this statement's snapshot has written its newer token
+-- on the slot row: the row lock then re-checks the condition on that
+-- version, against the run as the snapshot shows it, whose token is older
+-- (or NULL): busy. The scalar subquery keeps the check a subplan that the
+-- recheck evaluates again (an anti-join would not be). The OFFSET 0 keep the
+-- (NOT) EXISTS tests subplans run per row: as joins, the planner (which
+-- cannot know that everystep_limit is small) would read and sort every
+-- claimable run instead of walking the lane's index to its first unlocked
+-- entry.
+WITH free AS (
+    SELECT s.name, s.slot
+    FROM everystep_slot s
+    WHERE (SELECT count(*) FROM everystep_workflow h
+           WHERE h.id = s.run_id
+             AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
+      AND EXISTS (SELECT 1 FROM everystep_workflow w
+                  WHERE w.status IN ('scheduled', 'waiting') AND w.limited
+                    AND w.name = s.name AND (w.name, w.due_at) <= (s.name, now())
+                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                  OFFSET 0)
+    LIMIT %(limit)s
+    FOR UPDATE OF s SKIP LOCKED
+), room AS (
+    SELECT name, count(*) AS n FROM free GROUP BY name
+), unlimited AS (
+    SELECT w.id, w.name, w.due_at
+    FROM everystep_workflow w
+    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.due_at <= now()
+      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+    ORDER BY w.due_at, w.id
+    LIMIT %(limit)s
+    FOR UPDATE OF w SKIP LOCKED
+), limited AS (
+    SELECT w.id, w.name, w.due_at
+    FROM room CROSS JOIN LATERAL (
         SELECT w.id, w.name, w.due_at
         FROM everystep_workflow w
-        WHERE status IN ('scheduled', 'waiting') AND due_at <= now()
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited
+          AND w.name = room.name AND (w.name, w.due_at) <= (room.name, now())
           AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-        ORDER BY due_at, w.id
-        LIMIT %(limit)s
+        ORDER BY w.due_at, w.id
+        LIMIT least(room.n, %(limit)s)
         FOR UPDATE OF w SKIP LOCKED
-    ),
-    limited AS (
-        SELECT w.id, w.name, w.due_at
-        FROM room
-        CROSS JOIN LATERAL (
-            SELECT w.id, w.name, w.due_at
-            FROM everystep_workflow w
-            WHERE status IN ('scheduled', 'waiting') AND w.name = room.name
-              AND (w.name, w.due_at) <= (room.name, now())
-              AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-            ORDER BY due_at, w.id
-            LIMIT least(room.n, %(limit)s)
-            FOR UPDATE OF w SKIP LOCKED
-        ) w
-    ),
-    ranked AS (
-        SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k
-        FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate
-    ),
-    numbered AS (
-        SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k
-        FROM free
-    ),
-    first AS (
-        SELECT r.id, f.name AS slot_name, f.slot
-        FROM ranked r
-        LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
-        ORDER BY r.due_at, r.id
-        LIMIT %(limit)s
-    ),
-    picked AS MATERIALIZED (
-        SELECT id, slot_name, slot, nextval('everystep_claim_token') AS token
-        FROM first
-    ),
-    took AS (
-        UPDATE everystep_slot s
-        SET run_id = p.id, token = p.token
-        FROM picked p
-        WHERE s.name = p.slot_name AND s.slot = p.slot
-    )
+    ) w
+), ranked AS (
+    SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k
+    FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate
+), numbered AS (
+    SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k FROM free
+), first AS (
+    SELECT r.id, f.name AS slot_name, f.slot
+    FROM ranked r LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
+    ORDER BY r.due_at, r.id
+    LIMIT %(limit)s
+), picked AS MATERIALIZED (
+    SELECT id, slot_name, slot, nextval('everystep_claim_token') AS token FROM first
+), took AS (
+    UPDATE everystep_slot s SET run_id = p.id, token = p.token
+    FROM picked p
+    WHERE s.name = p.slot_name AND s.slot = p.slot
+)
 UPDATE everystep_workflow w
 SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = p.slot
 FROM picked p
 WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING w.id, w.name, w.args,
     to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
-                  FROM everystep_step s
-                  WHERE s.workflow_id = w.id)),
-    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8;
+                  FROM everystep_step s WHERE s.workflow_id = w.id)),
+    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8, w.slot, w.parent_id;
+
+
+-- name: claim_unlimited
+-- `claim` for a runner of every workflow while no limited workflow has a
+-- free slot: the head of the unlimited lane, nothing else. The NOT EXISTS
+-- skips a run inserted while its workflow's limit was being set (see
+-- 0011_lanes.sql): it is late at worst, never over its limit.
+WITH picked AS MATERIALIZED (
+    SELECT id, nextval('everystep_claim_token') AS token
+    FROM (SELECT w.id
+          FROM everystep_workflow w
+          WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.due_at <= now()
+            AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          ORDER BY w.due_at, w.id
+          LIMIT %(limit)s
+          FOR UPDATE OF w SKIP LOCKED) AS head
+)
+UPDATE everystep_workflow w
+SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = NULL
+FROM picked p
+WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
+RETURNING w.id, w.name, w.args,
+    to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
+                  FROM everystep_step s WHERE s.workflow_id = w.id)),
+    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8, w.slot, w.parent_id;
+
+
+-- name: sort_lanes
+-- Every claimable run into the lane of its workflow as the limits stand (see
+-- 0011_lanes.sql). A run a claim has locked is waited for (a claim is one
+-- short statement): claimed meanwhile, it is not claimable any more and
+-- stays as it is; else it moves. Locked in id order, so that two sorts at
+-- once wait for each other rather than deadlock.
+WITH wrong AS (
+    SELECT w.id
+    FROM everystep_workflow w
+    WHERE w.status IN ('scheduled', 'waiting')
+      AND w.limited <> EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
+    ORDER BY w.id
+    FOR UPDATE OF w
+)
+UPDATE everystep_workflow w
+SET limited = NOT w.limited
+FROM wrong
+WHERE w.id = wrong.id
+RETURNING w.id;
+
+
+-- name: any_limit
+SELECT EXISTS (SELECT FROM everystep_limit);
 
 
 -- name: drop_limits
@@ -198,7 +221,7 @@ RETURNING w.id, w.name, w.args,
     to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                   FROM everystep_step s
                   WHERE s.workflow_id = w.id)),
-    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8;
+    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8, w.slot, w.parent_id;
 
 -- name: held_claims
 SELECT id, claim_token
@@ -279,324 +302,240 @@ JOIN w ON w.id = i.run;
 
 
 -- name: end_runs
--- Ending several runs of one runner (group commit), each fenced by its own
--- token, each with the row of its last step when it has one (not ended if
--- that row is there already), and claiming one successor per ended run that
--- asks for one: the CTEs free .. took of `claim`, gated and counted by
--- `held` (the runs this statement's snapshot shows held by their
--- executions). For `free`, the slot of a run this statement ends is free
--- too (the snapshot still shows it running). The claim runs first, before
--- the ending UPDATE can wait on a row lock: a snapshot grown stale in such a
+-- End runs of this runner's executions, each fenced by its own token, each
+-- with the row of its last step when it has one (not ended if that row is
+-- there already), and claim one successor per ended run that asks for one,
+-- as `claim` does (gated and counted by `held`: the runs this statement's
+-- snapshot shows held by their executions; the slot of a run this statement
+-- ends is free for its successor, though the snapshot shows it running).
+-- Children that end wake their parents. The claim runs first, before the
+-- ending UPDATE can wait on a row lock: a snapshot grown stale in such a
 -- wait would make the claim lock runs other claimers took meanwhile, and
--- hold those locks to the commit (a failed recheck keeps its lock), stalling
--- their ends in turn.
---
--- A cancel request that reached the row before the end wins over every
--- other end but `blocked`: the run is `cancelled` (what the body returned or
--- raised is kept in result/error). A run blocked on an unsafe step's
--- uncertain effect (one cancelled mid-effect too) waits for an operator;
--- the request is delivered at its next step call once the step is resolved. Children that ended wake their parents; a parent
--- parked on one of them is due.
---
+-- hold those locks to the commit, stalling their ends in turn.
 -- Rows: ('c', NULL, NULL, claimed run...) for the successors; ('h', n) for
 -- the ends that asked for one, in order (the successors are theirs in that
 -- order); ('e', n, status) for the ends written; ('s', n) for the ends whose
--- last step's row exists; ('n') when a limited run that ended freed a slot
--- no successor took, or a parent became due: the claimers are woken.
--- Run through libpq's prepared path (everystep/db/libpq.py).
-WITH
-    i AS (
-        SELECT *
-        FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
-                    %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
-                    %(args)s::text[], %(kwargs)s::text[], %(status)s::text[], %(result)s::text[],
-                    %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[])
-            WITH ORDINALITY AS i(run, token, status, result, error, claim, step_id, step_name, args, kwargs,
-                                 step_status, step_result, step_error, started_at, finished_at, n)
-    ),
-    fenced AS MATERIALIZED (
-        SELECT i.*, w.name AS workflow, w.slot,
-               i.step_id IS NOT NULL AND EXISTS (SELECT 1
-                                                 FROM everystep_step s
-                                                 WHERE s.workflow_id = i.run AND s.step_id = i.step_id)
-                   AS step_exists
-        FROM i
-        JOIN everystep_workflow w ON w.id = i.run
-        WHERE w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE AND w.claimed_by = %(runner)s
-          AND w.claim_token = i.token
-    ),
-    held AS (
-        SELECT *
-        FROM fenced
-        WHERE NOT step_exists
-    ),
-    free AS (
-        SELECT s.name, s.slot
-        FROM everystep_slot s
-        WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-          AND ((SELECT count(*)
-                FROM everystep_workflow h
-                WHERE h.id = s.run_id
-                  AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
-               OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot))
-          AND EXISTS (SELECT 1
-                      FROM everystep_workflow w
-                      WHERE status IN ('scheduled', 'waiting') AND w.name = s.name
-                        AND (w.name, w.due_at) <= (s.name, now())
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-                      OFFSET 0)
-        LIMIT (SELECT count(*) FROM held WHERE held.claim)
-        FOR UPDATE OF s SKIP LOCKED
-    ),
-    room AS (
-        SELECT name, count(*) AS n
-        FROM free
-        GROUP BY name
-    ),
-    unlimited AS (
+-- last step's row exists; ('n', ...) when it woke the claimers (a freed slot
+-- no successor took, or a parent made due).
+WITH i AS (
+    SELECT *
+    FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
+                %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
+                %(args)s::text[], %(kwargs)s::text[], %(status)s::text[], %(result)s::text[],
+                %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[])
+        WITH ORDINALITY AS i(run, token, status, result, error, claim, step_id, step_name, args, kwargs,
+                             step_status, step_result, step_error, started_at, finished_at, n)
+), fenced AS MATERIALIZED (
+    SELECT i.*, w.name AS workflow, w.slot,
+           i.step_id IS NOT NULL AND EXISTS (SELECT 1 FROM everystep_step s
+                                             WHERE s.workflow_id = i.run AND s.step_id = i.step_id) AS step_exists
+    FROM i JOIN everystep_workflow w ON w.id = i.run
+    WHERE w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE AND w.claimed_by = %(runner)s
+      AND w.claim_token = i.token
+), held AS (
+    SELECT * FROM fenced WHERE NOT step_exists
+), free AS (
+    SELECT s.name, s.slot
+    FROM everystep_slot s
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
+      AND ((SELECT count(*) FROM everystep_workflow h
+            WHERE h.id = s.run_id
+              AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
+           OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot))
+      AND EXISTS (SELECT 1 FROM everystep_workflow w
+                  WHERE w.status IN ('scheduled', 'waiting') AND w.limited
+                    AND w.name = s.name AND (w.name, w.due_at) <= (s.name, now())
+                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                  OFFSET 0)
+    LIMIT (SELECT count(*) FROM held WHERE held.claim)
+    FOR UPDATE OF s SKIP LOCKED
+), room AS (
+    SELECT name, count(*) AS n FROM free GROUP BY name
+), unlimited AS (
+    SELECT w.id, w.name, w.due_at
+    FROM everystep_workflow w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
+      AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.due_at <= now()
+      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+    ORDER BY w.due_at, w.id
+    LIMIT (SELECT count(*) FROM held WHERE held.claim)
+    FOR UPDATE OF w SKIP LOCKED
+), limited AS (
+    SELECT w.id, w.name, w.due_at
+    FROM room CROSS JOIN LATERAL (
         SELECT w.id, w.name, w.due_at
         FROM everystep_workflow w
-        WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-          AND status IN ('scheduled', 'waiting') AND due_at <= now()
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited
+          AND w.name = room.name AND (w.name, w.due_at) <= (room.name, now())
           AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-        ORDER BY due_at, w.id
-        LIMIT (SELECT count(*) FROM held WHERE held.claim)
+        ORDER BY w.due_at, w.id
+        LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
         FOR UPDATE OF w SKIP LOCKED
-    ),
-    limited AS (
-        SELECT w.id, w.name, w.due_at
-        FROM room
-        CROSS JOIN LATERAL (
-            SELECT w.id, w.name, w.due_at
-            FROM everystep_workflow w
-            WHERE status IN ('scheduled', 'waiting') AND w.name = room.name
-              AND (w.name, w.due_at) <= (room.name, now())
-              AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-            ORDER BY due_at, w.id
-            LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
-            FOR UPDATE OF w SKIP LOCKED
-        ) w
-    ),
-    ranked AS (
-        SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k
-        FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate
-    ),
-    numbered AS (
-        SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k
-        FROM free
-    ),
-    first AS (
-        SELECT r.id, f.name AS slot_name, f.slot
-        FROM ranked r
-        LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
-        ORDER BY r.due_at, r.id
-        LIMIT (SELECT count(*) FROM held WHERE held.claim)
-    ),
-    picked AS MATERIALIZED (
-        SELECT id, slot_name, slot, nextval('everystep_claim_token') AS token
-        FROM first
-    ),
-    took AS (
-        UPDATE everystep_slot s
-        SET run_id = p.id, token = p.token
-        FROM picked p
-        WHERE s.name = p.slot_name AND s.slot = p.slot
-    ),
-    claimed AS (
-        UPDATE everystep_workflow w
-        SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = p.slot
-        FROM picked p
-        WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
-        RETURNING w.id, w.name, w.args,
-            to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
-                          FROM everystep_step s
-                          WHERE s.workflow_id = w.id)),
-            w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8
-    ),
-    ended AS (
-        UPDATE everystep_workflow w
-        SET status = CASE WHEN w.cancel_requested_at IS NULL OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
-            result = h.result::jsonb,
-            error = h.error::jsonb,
-            completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE now() END
-        FROM held h
-        WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
-          AND w.claimed_by = %(runner)s
-          AND w.claim_token = h.token
-        RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id
-    ),
-    step AS (
-        INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
-                                    started_at, finished_at)
-        SELECT i.run, i.step_id, i.step_name, i.args::jsonb, i.kwargs::jsonb, i.step_status, i.step_result::jsonb,
-               i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)
-        FROM ended
-        JOIN i USING (n)
-        WHERE i.step_id IS NOT NULL
-        ON CONFLICT (workflow_id, step_id) DO NOTHING
-    ),
-    woke AS (
-        UPDATE everystep_workflow p
-        SET wakes = p.wakes + 1,
-            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END
-        FROM (SELECT parent_id, array_agg('child:' || id) AS waits
-              FROM ended
-              WHERE parent_id IS NOT NULL
-              GROUP BY parent_id) e
-        WHERE p.id = e.parent_id
-        RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due
-    )
-SELECT 'c', NULL::bigint, NULL::text, claimed.*
-FROM claimed
+    ) w
+), ranked AS (
+    SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k
+    FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate
+), numbered AS (
+    SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k FROM free
+), first AS (
+    SELECT r.id, f.name AS slot_name, f.slot
+    FROM ranked r LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
+    ORDER BY r.due_at, r.id
+    LIMIT (SELECT count(*) FROM held WHERE held.claim)
+), picked AS MATERIALIZED (
+    SELECT id, slot_name, slot, nextval('everystep_claim_token') AS token FROM first
+), took AS (
+    UPDATE everystep_slot s SET run_id = p.id, token = p.token
+    FROM picked p
+    WHERE s.name = p.slot_name AND s.slot = p.slot
+), claimed AS (
+    UPDATE everystep_workflow w
+    SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = p.slot
+    FROM picked p
+    WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
+    RETURNING w.id, w.name, w.args,
+        to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
+                      FROM everystep_step s WHERE s.workflow_id = w.id)),
+        w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8, w.slot, w.parent_id
+), ended AS (
+    -- A cancel request that reached the row before the end wins over every
+    -- other end but `blocked`: the run is `cancelled` (what the body returned
+    -- or raised is kept in result/error). A run blocked on an unsafe step's
+    -- uncertain effect (one cancelled mid-effect too) waits for an operator;
+    -- the request is delivered at its next step call once that is resolved.
+    UPDATE everystep_workflow w
+    SET status = CASE WHEN w.cancel_requested_at IS NULL OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
+        result = h.result::jsonb, error = h.error::jsonb,
+        completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE now() END
+    FROM held h
+    WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
+      AND w.claimed_by = %(runner)s AND w.claim_token = h.token
+    RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id
+), step AS (
+    INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
+                                started_at, finished_at)
+    SELECT i.run, i.step_id, i.step_name, i.args::jsonb, i.kwargs::jsonb, i.step_status, i.step_result::jsonb,
+           i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)
+    FROM ended JOIN i USING (n)
+    WHERE i.step_id IS NOT NULL
+    ON CONFLICT (workflow_id, step_id) DO NOTHING
+), woke AS (
+    -- Children that ended wake their parents: a parent parked on one of them is due.
+    UPDATE everystep_workflow p
+    SET wakes = p.wakes + 1,
+        due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END
+    FROM (SELECT parent_id, array_agg('child:' || id) AS waits
+          FROM ended WHERE parent_id IS NOT NULL GROUP BY parent_id) e
+    WHERE p.id = e.parent_id
+    RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due
+)
+SELECT 'c', NULL::bigint, NULL::text, claimed.* FROM claimed
 UNION ALL
-SELECT 'h', n, NULL,
-       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
-FROM held
-WHERE claim
+SELECT 'h', n, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
+       NULL::integer, NULL::uuid
+FROM held WHERE claim
 UNION ALL
-SELECT 'e', n, status,
-       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+SELECT 'e', n, status, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
+       NULL::integer, NULL::uuid
 FROM ended
 UNION ALL
-SELECT 's', n, NULL,
-       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
-FROM fenced
-WHERE step_exists
+SELECT 's', n, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
+       NULL::integer, NULL::uuid
+FROM fenced WHERE step_exists
 UNION ALL
-SELECT 'n', NULL, (pg_notify('everystep:' || current_schema(), ''))::text,
-       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+SELECT 'n', NULL, pg_notify('everystep:' || current_schema(), '')::text, NULL::uuid, NULL::varchar, NULL::jsonb,
+       NULL::json, NULL::bigint, NULL::boolean, NULL::float8, NULL::integer, NULL::uuid
 WHERE EXISTS (SELECT FROM ended
               WHERE ended.slot IS NOT NULL
                 AND NOT EXISTS (SELECT FROM picked WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))
    OR EXISTS (SELECT FROM woke WHERE due);
 
 
--- name: end_unlimited_runs
--- end_runs with successors of workflows without a concurrency limit only:
--- no slots (`free` .. `numbered` are gone, `picked` takes the unlimited runs
--- as they come), a plan about half the size, which is what PostgreSQL sets
--- up again at every execution. One row more, ('l'), when a limited workflow
--- has runs to claim: the caller then goes back to end_runs for a while.
--- Run through libpq's prepared path (everystep/db/libpq.py).
-WITH
-    i AS (
-        SELECT *
-        FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
-                    %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
-                    %(args)s::text[], %(kwargs)s::text[], %(status)s::text[], %(result)s::text[],
-                    %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[])
-            WITH ORDINALITY AS i(run, token, status, result, error, claim, step_id, step_name, args, kwargs,
-                                 step_status, step_result, step_error, started_at, finished_at, n)
-    ),
-    fenced AS MATERIALIZED (
-        SELECT i.*, w.name AS workflow, w.slot,
-               i.step_id IS NOT NULL AND EXISTS (SELECT 1
-                                                 FROM everystep_step s
-                                                 WHERE s.workflow_id = i.run AND s.step_id = i.step_id)
-                   AS step_exists
-        FROM i
-        JOIN everystep_workflow w ON w.id = i.run
-        WHERE w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE AND w.claimed_by = %(runner)s
-          AND w.claim_token = i.token
-    ),
-    held AS (
-        SELECT *
-        FROM fenced
-        WHERE NOT step_exists
-    ),
-    unlimited AS (
-        SELECT w.id, w.name, w.due_at
-        FROM everystep_workflow w
-        WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-          AND status IN ('scheduled', 'waiting') AND due_at <= now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-        ORDER BY due_at, w.id
-        LIMIT (SELECT count(*) FROM held WHERE held.claim)
-        FOR UPDATE OF w SKIP LOCKED
-    ),
-    picked AS MATERIALIZED (
-        SELECT id, NULL::varchar AS slot_name, NULL::integer AS slot, nextval('everystep_claim_token') AS token
-        FROM unlimited
-    ),
-    claimed AS (
-        UPDATE everystep_workflow w
-        SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = p.slot
-        FROM picked p
-        WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
-        RETURNING w.id, w.name, w.args,
-            to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
-                          FROM everystep_step s
-                          WHERE s.workflow_id = w.id)),
-            w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8
-    ),
-    ended AS (
-        UPDATE everystep_workflow w
-        SET status = CASE WHEN w.cancel_requested_at IS NULL OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
-            result = h.result::jsonb,
-            error = h.error::jsonb,
-            completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE now() END
-        FROM held h
-        WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
-          AND w.claimed_by = %(runner)s
-          AND w.claim_token = h.token
-        RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id
-    ),
-    step AS (
-        INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
-                                    started_at, finished_at)
-        SELECT i.run, i.step_id, i.step_name, i.args::jsonb, i.kwargs::jsonb, i.step_status, i.step_result::jsonb,
-               i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)
-        FROM ended
-        JOIN i USING (n)
-        WHERE i.step_id IS NOT NULL
-        ON CONFLICT (workflow_id, step_id) DO NOTHING
-    ),
-    woke AS (
-        UPDATE everystep_workflow p
-        SET wakes = p.wakes + 1,
-            due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = ANY(e.waits) THEN now() ELSE p.due_at END
-        FROM (SELECT parent_id, array_agg('child:' || id) AS waits
-              FROM ended
-              WHERE parent_id IS NOT NULL
-              GROUP BY parent_id) e
-        WHERE p.id = e.parent_id
-        RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due
-    )
-SELECT 'c', NULL::bigint, NULL::text, claimed.*
-FROM claimed
+-- name: end_plain_runs
+-- `end_runs` for ends that free no slot and wake no parent (their runs are
+-- of unlimited workflows, and have no parent), of a runner of every
+-- workflow, while no limited workflow has a free slot: successors come from
+-- the head of the unlimited lane. Rows as for `end_runs`, and ('l') when a
+-- limited workflow has a free slot and runs to claim: the caller goes back
+-- to `end_runs` then.
+WITH i AS (
+    SELECT *
+    FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
+                %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
+                %(args)s::text[], %(kwargs)s::text[], %(status)s::text[], %(result)s::text[],
+                %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[])
+        WITH ORDINALITY AS i(run, token, status, result, error, claim, step_id, step_name, args, kwargs,
+                             step_status, step_result, step_error, started_at, finished_at, n)
+), fenced AS MATERIALIZED (
+    SELECT i.*,
+           i.step_id IS NOT NULL AND EXISTS (SELECT 1 FROM everystep_step s
+                                             WHERE s.workflow_id = i.run AND s.step_id = i.step_id) AS step_exists
+    FROM i JOIN everystep_workflow w ON w.id = i.run
+    WHERE w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE AND w.claimed_by = %(runner)s
+      AND w.claim_token = i.token
+), held AS (
+    SELECT * FROM fenced WHERE NOT step_exists
+), picked AS MATERIALIZED (
+    SELECT id, nextval('everystep_claim_token') AS token
+    FROM (SELECT w.id
+          FROM everystep_workflow w
+          WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
+            AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.due_at <= now()
+            AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          ORDER BY w.due_at, w.id
+          LIMIT (SELECT count(*) FROM held WHERE held.claim)
+          FOR UPDATE OF w SKIP LOCKED) AS head
+), claimed AS (
+    UPDATE everystep_workflow w
+    SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = NULL
+    FROM picked p
+    WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
+    RETURNING w.id, w.name, w.args,
+        to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
+                      FROM everystep_step s WHERE s.workflow_id = w.id)),
+        w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM now())::float8, w.slot, w.parent_id
+), ended AS (
+    UPDATE everystep_workflow w
+    SET status = CASE WHEN w.cancel_requested_at IS NULL OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
+        result = h.result::jsonb, error = h.error::jsonb,
+        completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE now() END
+    FROM held h
+    WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
+      AND w.claimed_by = %(runner)s AND w.claim_token = h.token
+    RETURNING h.n, w.status
+), step AS (
+    INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
+                                started_at, finished_at)
+    SELECT i.run, i.step_id, i.step_name, i.args::jsonb, i.kwargs::jsonb, i.step_status, i.step_result::jsonb,
+           i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)
+    FROM ended JOIN i USING (n)
+    WHERE i.step_id IS NOT NULL
+    ON CONFLICT (workflow_id, step_id) DO NOTHING
+)
+SELECT 'c', NULL::bigint, NULL::text, claimed.* FROM claimed
 UNION ALL
-SELECT 'h', n, NULL,
-       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
-FROM held
-WHERE claim
+SELECT 'h', n, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
+       NULL::integer, NULL::uuid
+FROM held WHERE claim
 UNION ALL
-SELECT 'e', n, status,
-       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
+SELECT 'e', n, status, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
+       NULL::integer, NULL::uuid
 FROM ended
 UNION ALL
-SELECT 's', n, NULL,
-       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
-FROM fenced
-WHERE step_exists
+SELECT 's', n, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
+       NULL::integer, NULL::uuid
+FROM fenced WHERE step_exists
 UNION ALL
-SELECT 'n', NULL, (pg_notify('everystep:' || current_schema(), ''))::text,
-       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
-WHERE EXISTS (SELECT FROM ended
-              WHERE ended.slot IS NOT NULL
-                AND NOT EXISTS (SELECT FROM picked WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))
-   OR EXISTS (SELECT FROM woke WHERE due)
-UNION ALL
-SELECT 'l', NULL, NULL,
-       NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8
-WHERE EXISTS (SELECT 1
-              FROM everystep_limit l
-              WHERE EXISTS (SELECT 1
-                            FROM everystep_workflow w
-                            WHERE status IN ('scheduled', 'waiting') AND w.name = l.name
-                              AND (w.name, w.due_at) <= (l.name, now())
-                              AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+SELECT 'l', NULL, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
+       NULL::integer, NULL::uuid
+WHERE EXISTS (SELECT 1 FROM everystep_slot s
+              WHERE (SELECT count(*) FROM everystep_workflow h
+                     WHERE h.id = s.run_id
+                       AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
+                AND EXISTS (SELECT 1 FROM everystep_workflow w
+                            WHERE w.status IN ('scheduled', 'waiting') AND w.limited
+                              AND w.name = s.name AND (w.name, w.due_at) <= (s.name, now())
                             OFFSET 0));
 
 
@@ -641,7 +580,9 @@ FROM q;
 
 -- name: next_due_in
 -- Seconds until the earliest waiting run is due (database time): a min()
--- on the claim's index, one index probe.
-SELECT extract(epoch FROM min(due_at) - now())
-FROM everystep_workflow
-WHERE status IN ('scheduled', 'waiting') AND due_at > now();
+-- on each lane's index, one index probe each.
+SELECT extract(epoch FROM least(
+    (SELECT min(due_at) FROM everystep_workflow
+     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND due_at > now()),
+    (SELECT min(due_at) FROM everystep_workflow
+     WHERE status IN ('scheduled', 'waiting') AND limited AND due_at > now())) - now());

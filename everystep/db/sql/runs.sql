@@ -11,8 +11,9 @@
 -- A run due at once (due_at takes its default, now()). With an idempotency
 -- key that exists already, nothing is inserted and no row comes back.
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context)
-    VALUES (%(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb)
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, limited)
+    VALUES (%(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb,
+            EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar))
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id
 )
@@ -23,10 +24,10 @@ FROM ins;
 -- A run due `at` a time, or `after` seconds from now by the database's
 -- clock: `waiting` until then (`scheduled` if the time has come already).
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at)
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at, limited)
     SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,
            CASE WHEN due.at > now() THEN 'waiting' ELSE 'scheduled' END, %(trace)s::jsonb,
-           greatest(due.at, now())
+           greatest(due.at, now()), EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar)
     FROM (SELECT coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(after)s::float8)) AS at) AS due
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id
@@ -45,8 +46,9 @@ WHERE name = %(name)s AND idempotency_key = %(key)s;
 -- most). The arrays go in binary (no array literal for the server to
 -- parse); only the ids of created runs with a key come back.
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)
-    SELECT id, %(name)b, args::jsonb, key, 'scheduled'
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited)
+    SELECT id, %(name)b::varchar, args::jsonb, key, 'scheduled',
+           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar)
     FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key)
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS keyed
@@ -57,8 +59,9 @@ SELECT ARRAY(SELECT id FROM ins WHERE keyed), everystep_wake();
 -- insert_runs with its parameters in text, for the connections that bind
 -- parameters on the client (Django's cursor), which cannot send binary ones.
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status)
-    SELECT id, %(name)s, args::jsonb, key, 'scheduled'
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited)
+    SELECT id, %(name)s::varchar, args::jsonb, key, 'scheduled',
+           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar)
     FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key)
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS keyed

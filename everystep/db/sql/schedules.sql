@@ -147,8 +147,8 @@ WITH
         FOR UPDATE
     ),
     ins AS (
-        INSERT INTO everystep_workflow (id, name, args, status)
-        SELECT %(id)s, workflow, args, 'scheduled'
+        INSERT INTO everystep_workflow (id, name, args, status, limited)
+        SELECT %(id)s, workflow, args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = s.workflow)
         FROM s
         RETURNING id
     ),

@@ -157,10 +157,10 @@ ORDER BY c.name;
 -- name: ui_reschedule
 -- A new run of the same workflow with the same args (no idempotency key).
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, status)
-    SELECT %(id)s, name, args, 'scheduled'
-    FROM everystep_workflow
-    WHERE id = %(run)s
+    INSERT INTO everystep_workflow (id, name, args, status, limited)
+    SELECT %(id)s, w.name, w.args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
+    FROM everystep_workflow w
+    WHERE w.id = %(run)s
     RETURNING id
 )
 SELECT id, pg_notify('everystep:' || current_schema(), '')
