@@ -402,7 +402,7 @@ WITH i AS (
     -- A cancel request that reached the row before the end wins over every
     -- other end but `blocked`: the run is `cancelled` (what the body returned
     -- or raised is kept in result/error). A run blocked on an unsafe step's
-    -- uncertain effect (one cancelled mid-effect too) waits for an operator;
+    -- uncertain effect (one cancelled mid-effect too) waits for an operator:
     -- the request is delivered at its next step call once that is resolved.
     UPDATE everystep_workflow w
     SET status = CASE WHEN w.cancel_requested_at IS NULL OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
