@@ -393,7 +393,7 @@ class Replay:
     def _end(self, raised: BaseException | None, value: Any) -> Rules:
         # A halt wins over whatever the body did with it.
         exc = self.held.halt or raised
-        last = self.held.ending()
+        last = yield _Io(self.held.ending)  # (waits for a late outcome being written)
         if isinstance(exc, LostClaim):
             raise exc
         if isinstance(exc, Parked):
