@@ -17,6 +17,7 @@ import pytest
 
 import everystep
 from tests.support.processes import ROOT, WorkerProcess, wait_for
+from tests.support.supervisor_process import config
 
 
 def test_the_backend_in_a_django_project(db):
@@ -59,11 +60,14 @@ def _project(db) -> dict:
     return {"DJANGO_SETTINGS_MODULE": "tests.apps.django_tasks_settings", "EVERYSTEP_TEST_DJANGO_URL": db.url}
 
 
-@pytest.mark.parametrize("command", ["everystep", "manage.py"])
-def test_a_worker_runs_a_django_projects_tasks(db, tmp_path, command, monkeypatch):
+@pytest.mark.parametrize("command", ["supervisor", "everystep", "manage.py"])
+def test_a_worker_runs_a_django_projects_tasks(db, tmp_path, command, monkeypatch, supervisors):
     for name, value in _project(db).items():
         monkeypatch.setenv(name, value)
-    if command == "everystep":  # as the supervisor's workers: Django set up before the imports
+    if command == "supervisor":  # Django set up before its imports:, so in each worker
+        worker = supervisors(config(db.url, "dj", imports=["tests.apps.django_tasks"]))
+        worker.wait_logged("holding the lock of", count=2)
+    elif command == "everystep":  # as the supervisor's workers
         worker = WorkerProcess(db.url, "dj-1", tmp_path / "logs", imports=("tests.apps.django_tasks",))
     else:  # the database from Django's settings
         log = open(tmp_path / "manage.log", "w")
