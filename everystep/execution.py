@@ -57,6 +57,11 @@ class Fence:
         """Before every write about the run: block while the claim is
         uncertain, raise `LostClaim` once it is gone."""
 
+    def clear(self, run: db.ClaimedRun) -> bool:
+        """Whether `check` and `before_write` would return (or raise) at once,
+        without waiting: an async run's loop then calls them itself."""
+        return True
+
     def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
         """After a write failed on a connection error: wait before the retry,
         or raise to give up."""
@@ -176,6 +181,14 @@ class HeldRun:
             self.lent.fence.check(self.claim)
         except (Drain, LostClaim) as exc:
             raise self.stop_with(exc) from None
+
+    def nothing_to_write(self) -> bool:
+        """Whether a step boundary needs no I/O now: no outcome waits to be
+        written, and the fence has no reason to make the check wait."""
+        with self._pending_lock:
+            if self._pending:
+                return False
+        return self.lent.fence.clear(self.claim)
 
     def boundary(self) -> None:
         """Before a new step starts: the fence's check, then the outcomes
@@ -420,28 +433,29 @@ class HeldRun:
 
     # -------------------------------------------------------------- the end
 
-    def ending(self) -> list[Pending]:
+    def _ending(self) -> list[Pending]:
         """The execution is about to end: the outcomes waiting to be written,
         taken for the end's statement (the late-outcome thread leaves them)."""
         with self._writing, self._pending_lock:
             pending, self._pending = self._pending, []
         return pending
 
-    def requeue(self, last: list[Pending]) -> None:
-        """Put the run back in the queue (the worker drains): `last` first."""
-        for step in last:
+    def requeue(self) -> None:
+        """Put the run back in the queue (the worker drains): the outcomes
+        waiting to be written first."""
+        for step in self._ending():
             self._write_step(step, update=False)  # recorded before the requeue
         self._fenced(lambda cur, run, runner, token: db.requeue_held(cur, runner, [db.Claim(run, token)]),
                      (), None, RunStatus.SCHEDULED, "requeueing the run")
         metrics.REQUEUED.labels(self.runner).inc()
 
-    def end(self, status: str, result: str | None, error: str | None, pending: list[Pending]) -> str:
+    def end(self, status: str, result: str | None, error: str | None) -> str:
         """The last step's row, the run's end and the claim of the next run for
         this slot: one statement, one commit (outcomes waiting before the last
         one are written first). The successor, if any, is left in
         `self.successor`. Returns the run's end as written (`cancelled` when a
         cancel request reached the row first)."""
-        *before, last = pending or [None]
+        *before, last = self._ending() or [None]
         for step in before:
             self._write_step(step, update=False)
         row = None if last is None else last.row

@@ -287,7 +287,7 @@ class Runner:
                 log.exception("engine error on run; marking it failed", extra=extra)
                 observe.run_ending(replay, RunStatus.FAILED, exc)
                 try:
-                    yield _Io(held.end, (RunStatus.FAILED, None, serde.dumps(serde.encode_exception(exc)), []))
+                    yield _Io(held.end, (RunStatus.FAILED, None, serde.dumps(serde.encode_exception(exc))))
                     outcome = RunStatus.FAILED
                 except LostClaim:
                     outcome = "abandoned"
@@ -393,13 +393,12 @@ class Replay:
     def _end(self, raised: BaseException | None, value: Any) -> Rules:
         # A halt wins over whatever the body did with it.
         exc = self.held.halt or raised
-        last = yield _Io(self.held.ending)  # (waits for a late outcome being written)
         if isinstance(exc, LostClaim):
             raise exc
         if isinstance(exc, Parked):
             return "sleeping"  # parked by the statement that recorded it
         if isinstance(exc, Drain):
-            yield _Io(self.held.requeue, (last,))
+            yield _Io(self.held.requeue)
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
             raise exc  # KeyboardInterrupt, SystemExit: not ours to record
@@ -434,7 +433,7 @@ class Replay:
                     exc_info=exc,
                 )
         observe.run_ending(self, status, exc)
-        return (yield _Io(self.held.end, (status, result, error, last)))
+        return (yield _Io(self.held.end, (status, result, error)))
 
     def outcomes(self) -> Mapping[str, Outcome]:
         if not self.asynchronous:
@@ -634,7 +633,10 @@ class Replay:
         cancel request), and deliver a known cancel request. `update`: the
         step has a row already (`retrying`, or `started` by a step no longer
         unsafe)."""
-        yield _Io(self.held.boundary)  # the previous step's outcome is written before this step starts
+        if self.asynchronous and self.held.nothing_to_write():
+            self.held.check()  # at once: no outcome waits, and the fence has no reason to wait
+        else:
+            yield _Io(self.held.boundary)  # the previous step's outcome is written before this step starts
         yield from self._deliver_cancel(step_id, name, update)
 
     def _deliver_cancel(self, step_id: str, name: str, update: bool) -> Rules:

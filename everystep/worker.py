@@ -84,6 +84,9 @@ class WorkerFence(Fence):
         if run.token in self.abandoned:
             raise LostClaim(f"run {run.id} was abandoned: the worker lost its lock, or the run was taken away")
 
+    def clear(self, run: db.ClaimedRun) -> bool:
+        return self.held.is_set() or run.token in self.abandoned
+
     def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
         # Retried until it goes through or the execution is abandoned; meanwhile
         # the control loop notices an outage and `before_write` waits for it.
