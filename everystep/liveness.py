@@ -9,6 +9,15 @@ grace only covers a live worker re-taking its lock after a database restart).
 Its runs are then requeued while the sweep holds its lock, so the claimer
 cannot come back half-way. No heartbeats, no clock comparisons: a slow, paused
 or swapping worker keeps its lock and is never mistaken for dead.
+
+Locks live in the server's memory: a restarted server, or a standby promoted
+by a failover, holds none of them, and every live worker looks dead until it
+has reconnected. So the sweep looks at which server it talks to at every
+sweep (`db.server`); when that changed, what it saw on the previous one is
+forgotten and the grace starts again, on the new server: no claimer is taken
+for dead before `grace` seconds after the sweep first saw it, long enough for
+the live workers to take their locks again (they retry at least twice per
+grace). On a server in recovery (a standby) it judges nobody.
 """
 
 from __future__ import annotations
@@ -71,10 +80,17 @@ class DeadClaimerSweep:
     def __init__(self, grace: float, max_crashes: int):
         self.grace = grace
         self.max_crashes = max_crashes
-        self.suspects: dict[str, float] = {}  # claimer -> when its lock was first seen free
+        # claimer -> when its lock was first seen free, on the server of now
+        self.suspects: dict[str, float] = {}
+        self.server: db.Server | None = None  # the server the last sweep talked to
 
     def sweep(self, conn: psycopg.Connection) -> list[uuid.UUID]:
         """One probe of every claimer; returns the runs requeued."""
+        server = db.server(conn)
+        if server != self.server:
+            self._server_changed(server)
+        if server.timeline is None:
+            return []  # a standby: it holds no worker's lock, and nothing can be requeued there
         claimers = db.running_claimers(conn)
         self.suspects = {name: seen for name, seen in self.suspects.items() if name in claimers}
         recovered: list[uuid.UUID] = []
@@ -92,6 +108,19 @@ class DeadClaimerSweep:
                 db.unlock(conn, claimer)
         return recovered
 
+    def _server_changed(self, server: db.Server) -> None:
+        """Locks seen free on another server say nothing about this one: start
+        every suspicion again, here (so nobody is taken for dead before `grace`
+        seconds from now)."""
+        previous, self.server = self.server, server
+        self.suspects.clear()
+        if previous is None:
+            return
+        log.warning(
+            "the database server changed (%s); no claimer is taken for dead for %.0f s, until the live workers "
+            "have taken their locks again", _change(previous, server), self.grace,
+        )
+
     def next_probe_in(self, interval: float) -> float:
         """Seconds until the next sweep should run: the interval, or sooner
         when a suspect's grace runs out before it."""
@@ -108,6 +137,18 @@ class DeadClaimerSweep:
             log.warning("claimer %s is dead: requeued %d runs", claimer, len(requeued), extra={"runner": claimer})
             metrics.RECOVERED.inc(len(requeued))
         return requeued
+
+
+def _change(previous: db.Server, server: db.Server) -> str:
+    def timeline(of: db.Server) -> str:
+        return "in recovery" if of.timeline is None else f"timeline {of.timeline}"
+
+    if previous.system_identifier != server.system_identifier:
+        return f"system identifier {previous.system_identifier} -> {server.system_identifier}"
+    if previous.started_at != server.started_at:
+        return (f"{timeline(previous)}, started {previous.started_at:%H:%M:%S.%f} -> {timeline(server)}, "
+                f"started {server.started_at:%H:%M:%S.%f}")
+    return f"{timeline(previous)} -> {timeline(server)}"
 
 
 @contextlib.contextmanager

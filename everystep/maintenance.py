@@ -66,7 +66,7 @@ class Maintenance:
                     scheduler.tick(conn)  # logs what it fires
                     outage.over()
                     wait = min(SCHEDULER_TICK, next_sweep - time.monotonic())
-                except psycopg.OperationalError as exc:
+                except db.CONNECTION_ERRORS as exc:  # a server gone, or one that turned read-only (a standby)
                     if conn is not None:
                         conn.close()
                     conn = None
@@ -87,7 +87,7 @@ class Outage:
         self.first_wait = first_wait
         self.wait: float | None = None  # None: the database answers
 
-    def failed(self, exc: psycopg.OperationalError) -> float:
+    def failed(self, exc: psycopg.Error) -> float:
         """Seconds to wait before the next attempt."""
         if self.wait is None:
             log.warning("%s: the database is unreachable (%s); retrying until it answers", self.who, first_line(exc))

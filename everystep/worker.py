@@ -45,6 +45,7 @@ from everystep.schema import MAX_KEY
 log = logging.getLogger("everystep")
 
 PING_INTERVAL = 2.0  # seconds between checks of the control connection when idle
+RECONNECT_CEILING = 5.0  # seconds: the longest wait between two attempts to reconnect
 CLAIM_LANDING_TIMEOUT = 5.0  # seconds a fast stop waits for claims in flight on ending runs
 # Past a waiting run's due time before claiming it (seconds): its claim's now()
 # must not be a hair before the due time.
@@ -234,8 +235,10 @@ class Worker(Successors):
         while True:
             try:
                 conn = control_connection(self.direct_url or self.database_url, self.name)
+                taken_at = None  # when this session first found the lock held by another
                 try:
                     while not db.try_lock(conn, self.name):
+                        taken_at = taken_at or time.monotonic()
                         if not waiting_logged:
                             log.warning("lock of %s is held by another live process; waiting", self.name,
                                         extra=self._extra)
@@ -243,7 +246,7 @@ class Worker(Successors):
                         if self._stopping and not self._executing:
                             conn.close()
                             return False
-                        self._abandon_after_grace(lost_at)
+                        self._abandon_after_grace(taken_at)
                         self._sleep(min(self.poll, 1.0))
                     db.listen(conn)
                     db.publish_route(conn, self.name, self.routes)
@@ -266,9 +269,12 @@ class Worker(Successors):
                             extra=self._extra)
             if self._stopping and not self._executing:
                 return False
-            self._abandon_after_grace(lost_at)
+            if self._stopping:  # a drain does not wait for the database for ever
+                self._abandon_after_grace(lost_at)
             self._sleep(delay)
-            delay = min(delay * 2, 5.0)
+            # At least two attempts per grace: a live worker holds its lock again
+            # well within the grace of a sweep that saw the server change.
+            delay = min(delay * 2, RECONNECT_CEILING, max(self.grace / 2, 0.5))
 
     def concurrency_limits(self) -> dict[str, int | None]:
         """The limit of every workflow this process knows (imported, or in
@@ -277,10 +283,15 @@ class Worker(Successors):
         limits.update(self.limits)
         return limits
 
-    def _abandon_after_grace(self, lost_at: float) -> None:
-        """A worker that cannot get its lock back within the grace stops
-        writing about its runs: whoever recovers them owns them now."""
-        if time.monotonic() - lost_at < self.grace:
+    def _abandon_after_grace(self, since: float) -> None:
+        """A worker whose lock has been held by another session for the grace
+        (the sweep recovering its runs, a second process under its name), or
+        that stops while the database is away, stops writing about its runs:
+        whoever recovers them owns them now. One that merely cannot reach the
+        database (a restart, a failover) keeps them, paused: once it holds its
+        lock again, `_after_relock` abandons those recovered meanwhile and the
+        others go on, however long the database was away."""
+        if time.monotonic() - since < self.grace:
             return
         with self._lock:
             fresh = set(self._executing) - self.fence.abandoned

@@ -246,10 +246,37 @@ def test_restarting_postgres_under_a_running_worker(private_server, tmp_path, ma
     assert "lost the control connection" in log
 
 
-def test_a_worker_cut_off_past_the_grace_abandons_then_recovers_its_runs(private_server, tmp_path, marks):
+def test_a_worker_cut_off_past_the_grace_keeps_its_runs_and_carries_on(private_server, tmp_path, marks):
+    """While the database is away nobody can recover the worker's runs (their
+    claims are on the database, and so is its lock): however long that lasts,
+    the worker keeps them, paused, and goes on with them once it is back.
+    No step runs twice."""
     def cut_off(worker):
         private_server.stop()
-        worker.wait_logged("abandoning 4 runs", timeout=30)
+        time.sleep(3)  # three times the grace
         private_server.start()
 
-    busy_worker_through(private_server, tmp_path, marks, 4, 1, cut_off)
+    log = busy_worker_through(private_server, tmp_path, marks, 4, 1, cut_off)
+    assert "abandoning" not in log
+    executions = collections.Counter((run, tag) for run, tag, _ in workflows.marks_of(marks))
+    assert set(executions.values()) == {1}
+
+
+def test_a_worker_whose_lock_is_held_elsewhere_past_the_grace_abandons_its_runs(db, start_worker, marks, tmp_path):
+    """Another session holds the worker's lock (a sweep recovering its runs, a
+    second process under its name): past the grace, whoever holds it owns the
+    runs, and the worker never writes about them again. Once it has its lock
+    back, what is still its own is replayed."""
+    release = tmp_path / "release"
+    (run,) = db.schedule_many(workflows.held_once, [(marks, str(release))])
+    name = f"w-taken-{db.schema}"
+    worker = start_worker(name, grace=1)
+    wait_for(lambda: [tag for _, tag, _ in workflows.marks_of(marks)] == ["held"], what="the step started")
+    with db.connect() as thief:
+        take_lock_from(thief, name, (f"everystep {name} control",))
+        worker.wait_logged(f"lock of {name} is held by another live process; waiting")
+        worker.wait_logged("abandoning 1 runs")
+    release.touch()  # the abandoned execution's outcome is not written; the replay's is
+    wait_for(lambda: db.run(run.id)["status"] == "completed", what="the run completed")
+    assert [tag for _, tag, _ in workflows.marks_of(marks)] == ["held", "held:end", "held", "held:end"]
+    assert worker.alive()

@@ -43,7 +43,15 @@ from everystep.db.fenced import (
     why_not_written,
 )
 from everystep.db.migrations import migrate, missing_migrations
-from everystep.db.observe import publish_route, queue_stats, runners_without_lock, set_statement_timeout, unserved_runs
+from everystep.db.observe import (
+    fleet_load,
+    publish_route,
+    queue_stats,
+    runners_without_lock,
+    server,
+    set_statement_timeout,
+    unserved_runs,
+)
 from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunable, prune_batch, resolve_step
 from everystep.db.queue import (
     any_limit,
@@ -83,6 +91,7 @@ from everystep.db.rows import (
     RunFilter,
     Scheduled,
     Sent,
+    Server,
     Sleep,
     StepRow,
     StepState,
@@ -159,7 +168,7 @@ __all__ = [
     # rows
     "Attempt", "BatchEnd", "CancelOutcome", "Claim", "ClaimedRun", "EndWrite", "Ended", "EndedRuns", "EventValue",
     "Executor", "Parking", "QueueStats", "ResolveRefused", "RunFilter", "ScheduleRefused", "Scheduled", "Sent",
-    "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
+    "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
     "Written",
     # session, migrations
     "listen", "migrate", "missing_migrations", "ping", "prepare_claiming_session", "prepare_control_session",
@@ -184,7 +193,8 @@ __all__ = [
     "schedules_failing", "set_schedule_error", "set_schedule_paused", "try_lock_scheduler",
     # ops, observe, ui
     "audit", "audit_records", "count_prunable", "prune_batch", "resolve_step",
-    "publish_route", "queue_stats", "runners_without_lock", "set_statement_timeout", "unserved_runs",
+    "fleet_load", "publish_route", "queue_stats", "runners_without_lock", "server", "set_statement_timeout",
+    "unserved_runs",
     "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",
     "ui_workflow_names",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import psycopg
 
 from everystep.db import queries
-from everystep.db.rows import QueueStats
+from everystep.db.rows import QueueStats, Server
 
 
 def set_statement_timeout(conn: psycopg.Connection, milliseconds: int) -> None:
@@ -36,3 +36,16 @@ def unserved_runs(conn: psycopg.Connection) -> dict[str, int]:
     """Scheduled runs, by workflow name, that no live worker (one whose lock
     is held in this database) claims: none of their routes matches."""
     return dict(conn.execute(queries.get("unserved_runs"), {}).fetchall())
+
+
+def server(conn: psycopg.Connection) -> Server:
+    """The server this session talks to (see Server)."""
+    return Server(*conn.execute(queries.get("server"), {}).fetchone())
+
+
+def fleet_load(conn: psycopg.Connection, patterns: list[str] | None, bound: int) -> int:
+    """The runs of a fleet running or due now, at most `bound` (observe.sql:
+    fleet_load, which the autoscaling manifests carry with the fleet's
+    patterns and bound written in). `patterns`: LIKE patterns (`routes_of`),
+    None for every workflow."""
+    return conn.execute(queries.get("fleet_load"), {"patterns": patterns or ["%"], "bound": bound}).fetchone()[0]

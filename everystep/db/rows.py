@@ -181,3 +181,12 @@ def dicts(cur: psycopg.Cursor) -> list[dict]:
     """A result's rows as dicts keyed by column name."""
     names = [c.name for c in cur.description]
     return [dict(zip(names, row)) for row in cur]
+
+
+class Server(NamedTuple):
+    """Which PostgreSQL server a session talks to. Any change of it (a
+    restart, a failover to a standby, a promotion under an open session)
+    means the advisory locks held on the previous one are gone."""
+    system_identifier: int  # the cluster's (a physical standby shares its primary's)
+    started_at: datetime.datetime  # the postmaster's start: differs between servers, and across restarts
+    timeline: int | None  # the WAL timeline of a primary (a promotion starts a new one); None: in recovery

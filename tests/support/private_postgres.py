@@ -50,5 +50,17 @@ class PrivatePostgres:
     def start(self) -> None:
         self._pg_ctl("-o", '-h ""', "-o", f"-k {self.socket_dir}", "-l", str(self.server.log), "start")
 
+    def become_standby(self) -> None:
+        """Restart the server as a standby (in recovery, read-only; it has
+        no primary to follow: it stays in recovery until promoted)."""
+        self.stop()
+        (self.server.pgdata / "standby.signal").touch()
+        self.start()
+
+    def promote(self) -> None:
+        """End its recovery, as a failover promotes a standby: same
+        postmaster, same sessions, a new timeline."""
+        self._pg_ctl("promote")
+
     def close(self) -> None:
         self.server.cleanup()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,20 @@ def wait_for(predicate: Callable[[], object], timeout: float = 20.0, interval: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}")
         time.sleep(interval)
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct loopback ports that nobody listens on now."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def console_script(name: str) -> str:

@@ -71,3 +71,45 @@ WHERE status IN ('scheduled', 'waiting') AND due_at <= now()
   AND NOT EXISTS (SELECT 1 FROM live WHERE live.patterns IS NULL OR w.name LIKE ANY(live.patterns))
 GROUP BY w.name
 ORDER BY w.name;
+
+
+-- name: server
+-- Which PostgreSQL server this session talks to: the cluster's system
+-- identifier (a physical standby shares its primary's), the postmaster's
+-- start (differs between servers, and across restarts), and the WAL
+-- timeline of a primary (a promotion starts a new one; NULL in recovery).
+SELECT s.system_identifier, pg_postmaster_start_time(),
+       CASE WHEN pg_is_in_recovery() THEN NULL
+            ELSE ('x' || substr(pg_walfile_name(pg_current_wal_insert_lsn()), 1, 8))::bit(32)::int END
+FROM pg_control_system() s;
+
+
+-- name: fleet_load
+-- The load of a fleet, for an autoscaler (KEDA's postgresql trigger runs this
+-- text with its two parameters written in): the fleet's runs `running`, and
+-- its runs due now, counted up to `bound` in all (maxReplicaCount x the run
+-- slots of a pod: a larger count adds no pod). Bounded whatever the size of
+-- the table: the due runs are found per workflow name (a loose scan of
+-- everystep_workflow_due_by_name, one probe per name that has runs scheduled
+-- or waiting, then at most `bound` entries of each), the running ones in the
+-- small partial index everystep_workflow_running (no more entries than the
+-- run slots of every fleet). The due runs' ORDER BY is their index's: walked
+-- in order, the scan stops at its LIMIT (a bitmap scan would read every
+-- match first). `patterns`: the fleet's workers.workflows as LIKE patterns
+-- (`routes_of`); ARRAY['%'] for all.
+WITH RECURSIVE names(name) AS (
+    (SELECT name FROM everystep_workflow WHERE status IN ('scheduled', 'waiting') ORDER BY name LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.name FROM everystep_workflow w WHERE w.status IN ('scheduled', 'waiting') AND w.name > names.name
+            ORDER BY w.name LIMIT 1)
+    FROM names WHERE names.name IS NOT NULL
+)
+SELECT count(*) FROM (
+    (SELECT FROM everystep_workflow w WHERE w.status = 'running' AND w.name LIKE ANY (%(patterns)s::text[])
+     LIMIT %(bound)s)
+  UNION ALL
+    (SELECT FROM names, LATERAL (SELECT w.due_at FROM everystep_workflow w WHERE w.status IN ('scheduled', 'waiting')
+                                  AND w.name = names.name AND w.due_at <= now() ORDER BY w.due_at LIMIT %(bound)s) due
+     WHERE names.name LIKE ANY (%(patterns)s::text[]))
+  LIMIT %(bound)s
+) fleet_load;
