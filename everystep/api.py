@@ -3,24 +3,32 @@
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import datetime
 import functools
+import inspect
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextvars import ContextVar
-from typing import Any, TypeVar, overload
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, NamedTuple, TypeVar, overload
 
 import psycopg
 
-from everystep import db, registry, serde, tracing
+from everystep import aio, db, registry, serde, tracing
+from everystep.connections import (  # noqa: F401  (atransaction, transaction, use: the API's, from there)
+    async_connection,
+    atransaction,
+    bound_connection,
+    transaction,
+    transaction_connection,
+    use,
+)
 from everystep.context import SEGMENT, current_scope, run_branches
-from everystep.errors import EverystepError, StepFailure
+from everystep.errors import EverystepError, RunFailed, StepFailure
 from everystep.ids import uuid7, uuid7_many
 from everystep.retries import Backoff, RetryPolicy
-from everystep.schema import MAX_KEY, MAX_NAME, StepStatus
+from everystep.schema import MAX_KEY, MAX_NAME, RunStatus, StepStatus
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,7 +70,13 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     `backoff` between them (a Backoff, or a number: its initial wait in
     seconds; default Backoff(): 1 s doubling up to 300 s, 20% jitter).
     `retry_on`: the exception types retried (default: every Exception; an
-    unsafe_to_repeat step is retried only on the types listed here)."""
+    unsafe_to_repeat step is retried only on the types listed here).
+
+    The function may be an `async def`. In an async workflow every step call
+    returns an awaitable (`await charge(...)`), whatever the step's kind; a
+    sync step's function runs on a thread then. In a sync workflow every step
+    call returns the step's value (an async step's function runs on an
+    event loop of its own). Outside a workflow a step is the plain function."""
     retry = _retry_policy(retries, backoff, retry_on)
     if fn is None:
         return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat, retries=retries, backoff=backoff,
@@ -78,6 +92,8 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
             return fn(*args, **kwargs)
         return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry)
 
+    if inspect.iscoroutinefunction(fn) and hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+
+        inspect.markcoroutinefunction(call)
     call.__everystep_step__ = name  # type: ignore[attr-defined]
     call.unsafe_to_repeat = unsafe_to_repeat  # type: ignore[attr-defined]
     call.retry = retry  # type: ignore[attr-defined]
@@ -113,11 +129,26 @@ def parallel(*branches: Callable[[], Any] | list[Callable[[], Any]], everystep_i
     """Run zero-argument callables concurrently and return their results in
     branch order. A list of callables is a sequence branch: run in order,
     returning a tuple. All branches run to completion; one failure is raised
-    as is, several as an ExceptionGroup."""
+    as is, several as an ExceptionGroup. (An async workflow uses `gather`.)"""
     scope = current_scope.get()
     if scope is None:
         return run_branches(branches, None)
     return scope.run.replay.fork(scope, branches, everystep_id)
+
+
+def gather(*aws: Awaitable, everystep_id: str | None = None) -> Awaitable[list]:
+    """In an async workflow: await the awaitables concurrently and return
+    their results as a list in order, like asyncio.gather, but as
+    `parallel` does: every one runs to its end; one failure is raised as
+    is, several as an ExceptionGroup; a Terminal (or EffectUncertain, or a
+    drain) wins. It is a fork with an id of its own: a step call passed to
+    it has its id already (taken at the call), any other awaitable i
+    records its steps in the branch `<fork>.<i>`. Outside a workflow, the
+    same without ids."""
+    scope = current_scope.get()
+    if scope is None:
+        return aio.gather(aws, None)
+    return scope.run.replay.gather(scope, aws, everystep_id)
 
 
 def patched(patch: str) -> bool:
@@ -140,7 +171,8 @@ def patched(patch: str) -> bool:
 # ---------------------------------------------------------------- scheduling
 
 class ScheduledRun:
-    """What `schedule()` returns: the run's id and whether this call created it."""
+    """What `schedule()` returns: the run's id and whether this call created
+    it; `result()` (or `await aresult()`) waits for the run's end from outside."""
 
     __slots__ = ("id", "name", "created")
 
@@ -149,118 +181,196 @@ class ScheduledRun:
         self.name = name
         self.created = created
 
+    def result(self, timeout: float | datetime.timedelta | None = None, conn: psycopg.Connection | None = None) -> Any:
+        """Wait until the run ends and return its result, or raise RunFailed
+        (it failed, stopped or was cancelled), or TimeoutError after
+        `timeout` seconds (None: for ever). A run `blocked` has not ended: an
+        operator may resolve it. Reads with `conn` (or the bound connection),
+        each look its own statement: call it once the scheduling transaction
+        has committed."""
+        looks = _Looks("result()", timeout)
+        conn = _reading(conn, "result()")
+        while True:
+            ended = _ended(self.id, db.load_run(conn, self.id))
+            if ended is not None:
+                return ended.value()
+            time.sleep(looks.pause_or_time_out(self.id))
+
+    async def aresult(self, timeout: float | datetime.timedelta | None = None, conn: Any = None) -> Any:
+        """`result()` for asyncio, with an AsyncConnection (or a SQLAlchemy
+        AsyncSession), or the one bound."""
+        looks = _Looks("aresult()", timeout)
+        aconn = await async_connection(conn, "aresult()", write=False)
+        while True:
+            ended = _ended(self.id, await db.aload_run(aconn, self.id))
+            if ended is not None:
+                return ended.value()
+            await asyncio.sleep(looks.pause_or_time_out(self.id))
+
     def __repr__(self) -> str:
         return f"<ScheduledRun {self.id} {self.name}{'' if self.created else ' (existing)'}>"
 
 
-_bound: ContextVar[psycopg.Connection | None] = ContextVar("everystep_connection", default=None)
+class _End(NamedTuple):
+    run_id: uuid.UUID
+    row: dict
+
+    def value(self) -> Any:
+        if self.row["status"] == RunStatus.COMPLETED:
+            return serde.from_json(self.row["result"])
+        error = self.row["error"]
+        raise RunFailed(self.run_id, self.row["status"], None if error is None else serde.decode_exception(error))
 
 
-@contextlib.contextmanager
-def use(conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
-    """Bind `conn` as the connection `schedule()` writes into, in this context."""
-    token = _bound.set(conn)
-    try:
-        yield conn
-    finally:
-        _bound.reset(token)
+def _ended(run_id: uuid.UUID, row: dict | None) -> _End | None:
+    """The run's end, None while it has none."""
+    if row is None:
+        raise EverystepError(f"no run {run_id}")
+    return _End(run_id, row) if row["status"] in db.TERMINAL else None
 
 
-@contextlib.contextmanager
-def transaction(conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
-    """Open a transaction on `conn` and bind it for `schedule()`: the runs are
-    scheduled when the block commits, and vanish if it rolls back."""
-    with conn.transaction(), use(conn):
-        yield conn
+class _Looks:
+    """The pauses between the looks of a wait from outside (20 ms doubling
+    up to 500 ms), until its timeout."""
+
+    def __init__(self, what: str, timeout: float | datetime.timedelta | None):
+        self.limit = None if timeout is None else time.monotonic() + _seconds(what, timeout)
+        self.next = 0.02
+
+    def pause(self) -> float | None:
+        """The pause before the next look; None once the timeout passed."""
+        left = None if self.limit is None else self.limit - time.monotonic()
+        if left is not None and left <= 0:
+            return None
+        pause, self.next = self.next, min(self.next * 2, 0.5)
+        return pause if left is None else min(pause, left)
+
+    def pause_or_time_out(self, run_id: uuid.UUID) -> float:
+        pause = self.pause()
+        if pause is None:
+            raise TimeoutError(f"run {run_id} did not end within the timeout")
+        return pause
+
+
+def _reading(conn: Any, caller: str) -> Any:
+    """The connection a read from outside uses: `conn`, else the bound one."""
+    conn = conn or bound_connection()
+    if conn is None:
+        raise EverystepError(f"{caller} needs a connection: pass conn=<psycopg connection> or bind one "
+                             "with `everystep.use(conn)`")
+    return transaction_connection(conn, caller, write=False)
 
 
 def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
-             conn: psycopg.Connection | None = None, at: datetime.datetime | None = None,
+             conn: Any = None, at: datetime.datetime | None = None,
              after: float | datetime.timedelta | None = None) -> ScheduledRun:
-    """Insert a run of `workflow_fn(*args)` into the caller's transaction.
-    Nothing runs now; workers claim the run once the transaction commits,
-    and not before `at` (an aware datetime) or `after` seconds (or a
-    timedelta) from now, by the database's clock."""
+    """Insert a run of `workflow_fn(*args)` into the caller's transaction
+    (`conn`: a psycopg connection or a SQLAlchemy Session or Connection;
+    else the bound one, else Django's). Nothing runs now; workers claim the
+    run once the transaction commits, and not before `at` (an aware
+    datetime) or `after` seconds (or a timedelta) from now, by the
+    database's clock."""
+    name, args_json, at, after = _run_args("schedule()", workflow_fn, args, idempotency_key, at, after)
+    conn = transaction_connection(conn, "schedule()")
+    with tracing.scheduling(name) as span:
+        scheduled = db.insert_run(conn, uuid7(), name, args_json, idempotency_key, span.context, at, after)
+        span.scheduled(*scheduled)
+    return ScheduledRun(scheduled.id, name, scheduled.created)
+
+
+async def aschedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
+                    conn: Any = None, at: datetime.datetime | None = None,
+                    after: float | datetime.timedelta | None = None) -> ScheduledRun:
+    """`schedule()` for asyncio: the run is inserted in the transaction of
+    `conn`, a psycopg AsyncConnection or a SQLAlchemy AsyncSession or
+    AsyncConnection (else the one bound by `everystep.atransaction`)."""
+    name, args_json, at, after = _run_args("aschedule()", workflow_fn, args, idempotency_key, at, after)
+    aconn = await async_connection(conn, "aschedule()")
+    with tracing.scheduling(name) as span:
+        scheduled = await db.ainsert_run(aconn, uuid7(), name, args_json, idempotency_key, span.context, at, after)
+        span.scheduled(*scheduled)
+    return ScheduledRun(scheduled.id, name, scheduled.created)
+
+
+def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: str | None, at: Any,
+              after: Any) -> tuple[str, str, datetime.datetime | None, float | None]:
+    """schedule()'s checks, before anything is inserted: the workflow's name,
+    the arguments as JSON, the due time."""
     name = registry.workflow_name(workflow_fn)
     if name is None:
-        raise TypeError(f"schedule() takes an @workflow function, not {workflow_fn!r}")
+        raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
     _check_key(idempotency_key)
     if at is not None and after is not None:
-        raise EverystepError("schedule() takes at= or after=, not both")
-    at = None if at is None else _aware("schedule(at=...)", at)
-    after = None if after is None else _seconds("schedule(after=...)", after)
-    args_json = serde.dumps(list(args))  # refuse unserializable args before any insert
-    conn = transaction_connection(conn, "schedule()")
-    run_id, created = tracing.traced_schedule(
-        name, lambda trace_context: db.insert_run(conn, uuid7(), name, args_json, idempotency_key,
-                                                       trace_context, at, after))
-    return ScheduledRun(run_id, name, created)
+        raise EverystepError(f"{caller} takes at= or after=, not both")
+    at = None if at is None else _aware(f"{caller.removesuffix('()')}(at=...)", at)
+    after = None if after is None else _seconds(f"{caller.removesuffix('()')}(after=...)", after)
+    return name, serde.dumps(list(args)), at, after  # unserializable args refused before any insert
 
 
 def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
                   idempotency_keys: Sequence[str | None] | None = None,
-                  conn: psycopg.Connection | None = None) -> list[ScheduledRun]:
+                  conn: Any = None) -> list[ScheduledRun]:
     """Insert one run of `workflow_fn(*args)` per element of `args_list` (a
     tuple or list of positional arguments each) into the caller's
     transaction, in one statement: for bulk. The same checks as `schedule()`,
     all made before anything is inserted; `idempotency_keys`, when given, has
     one key (or None) per run. Returns the runs in input order."""
+    name, args_jsons, keys = _many_args("schedule_many()", workflow_fn, args_list, idempotency_keys)
+    conn = transaction_connection(conn, "schedule_many()")
+    if not args_jsons:
+        return []
+    ids = uuid7_many(len(args_jsons))
+    return [ScheduledRun(run_id, name, created)
+            for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys)]
+
+
+async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
+                         idempotency_keys: Sequence[str | None] | None = None,
+                         conn: Any = None) -> list[ScheduledRun]:
+    """`schedule_many()` for asyncio (`conn` as for `aschedule()`)."""
+    name, args_jsons, keys = _many_args("aschedule_many()", workflow_fn, args_list, idempotency_keys)
+    aconn = await async_connection(conn, "aschedule_many()")
+    if not args_jsons:
+        return []
+    ids = uuid7_many(len(args_jsons))
+    return [ScheduledRun(run_id, name, created)
+            for run_id, created in await db.ainsert_runs(aconn, name, ids, args_jsons, keys)]
+
+
+def _many_args(caller: str, workflow_fn: Callable, args_list: Any,
+               idempotency_keys: Any) -> tuple[str, list[str], list[str | None]]:
+    """schedule_many()'s checks: the workflow's name, each run's arguments as JSON, its key."""
     name = registry.workflow_name(workflow_fn)
     if name is None:
-        raise TypeError(f"schedule_many() takes an @workflow function, not {workflow_fn!r}")
+        raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
     if isinstance(args_list, (str, bytes)) or not isinstance(args_list, Iterable):
-        raise EverystepError("schedule_many() takes a list of argument tuples, one per run")
+        raise EverystepError(f"{caller} takes a list of argument tuples, one per run")
     args_list = list(args_list)
     args_jsons = []
     for position, args in enumerate(args_list):
         if not isinstance(args, (tuple, list)):
             raise EverystepError(
-                f"schedule_many(): run {position} has arguments {args!r:.60}; each must be a tuple or list "
+                f"{caller}: run {position} has arguments {args!r:.60}; each must be a tuple or list "
                 "of positional arguments, e.g. [(1,), (2,)]"
             )
         args_jsons.append(serde.dumps(list(args)))
     if idempotency_keys is None:
-        keys: list[str | None] = [None] * len(args_list)
-    else:
-        if isinstance(idempotency_keys, (str, bytes)):
-            raise EverystepError("idempotency_keys must be a list with one key (or None) per run")
-        keys = list(idempotency_keys)
-        if len(keys) != len(args_list):
-            raise EverystepError(
-                f"idempotency_keys has {len(keys)} keys for {len(args_list)} runs; give one key (or None) per run"
-            )
-        for key in keys:
-            _check_key(key)
-    conn = transaction_connection(conn, "schedule_many()")
-    if not args_list:
-        return []
-    ids = uuid7_many(len(args_list))
-    return [ScheduledRun(run_id, name, created)
-            for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys)]
+        return name, args_jsons, [None] * len(args_list)
+    if isinstance(idempotency_keys, (str, bytes)):
+        raise EverystepError("idempotency_keys must be a list with one key (or None) per run")
+    keys = list(idempotency_keys)
+    if len(keys) != len(args_list):
+        raise EverystepError(
+            f"idempotency_keys has {len(keys)} keys for {len(args_list)} runs; give one key (or None) per run"
+        )
+    for key in keys:
+        _check_key(key)
+    return name, args_jsons, keys
 
 
 def _check_key(idempotency_key: str | None) -> None:
     if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > MAX_KEY):
         raise EverystepError(f"idempotency_key must be a string of at most {MAX_KEY} characters")
-
-
-def transaction_connection(conn: psycopg.Connection | None, caller: str, write: bool = True) -> Any:
-    """The connection `caller` works in: `conn`, else the one bound by
-    everystep.transaction/use, else Django's. One that writes needs an open
-    transaction, so what it writes commits or rolls back with the caller's work."""
-    conn = conn or _bound.get() or _django_connection()
-    if conn is None:
-        raise EverystepError(
-            f"{caller} found no transaction: pass conn=<psycopg connection>, bind one with "
-            "`with everystep.transaction(conn):` or `everystep.use(conn)`, or configure Django"
-        )
-    if write and isinstance(conn, psycopg.Connection):
-        if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-            raise EverystepError(
-                f"{caller} needs an open transaction: this connection is in autocommit mode outside "
-                "a transaction block; use `with everystep.transaction(conn):` or `with conn.transaction():`"
-            )
-    return conn
 
 
 def _aware(what: str, when: Any) -> datetime.datetime:
@@ -281,27 +391,28 @@ def _seconds(what: str, delay: Any) -> float:
 
 # ---------------------------------------------------------------- time and control
 
-def sleep(seconds: float | datetime.timedelta) -> None:
+def sleep(seconds: float | datetime.timedelta) -> Any:
     """Inside a workflow body: a durable sleep, recorded like a step. Until
     the time comes the run is `waiting` and holds no worker slot (a wait of
-    a moment is waited on the thread); a replay after the time returns at
-    once. Outside a workflow: time.sleep."""
+    a moment is waited where the run is); a replay after the time returns at
+    once. In an async workflow: `await everystep.sleep(...)`. Outside a
+    workflow: time.sleep."""
     seconds = _seconds("sleep()", seconds)
     scope = current_scope.get()
     if scope is None:
         time.sleep(seconds)
-        return
-    scope.run.replay.sleep(scope, seconds, None)
+        return None
+    return scope.run.replay.sleep(scope, seconds, None)
 
 
-def sleep_until(when: datetime.datetime) -> None:
+def sleep_until(when: datetime.datetime) -> Any:
     """Like `sleep`, until an aware datetime (by the database's clock)."""
     when = _aware("sleep_until()", when)
     scope = current_scope.get()
     if scope is None:
         time.sleep(max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds()))
-        return
-    scope.run.replay.sleep(scope, None, when)
+        return None
+    return scope.run.replay.sleep(scope, None, when)
 
 
 # ---------------------------------------------------------------- messages and events
@@ -327,7 +438,7 @@ def _in_body(what: str) -> Any:
 
 
 def send(run_id: uuid.UUID | str, topic: str, payload: Any = None, idempotency_key: str | None = None,
-         conn: psycopg.Connection | None = None) -> bool:
+         conn: Any = None) -> bool:
     """Send a message to a run, in the caller's transaction (like
     `schedule()`): the run sees it only if the transaction commits. Its
     `everystep.wait_for(topic)` returns it; one sent before the wait is
@@ -335,17 +446,32 @@ def send(run_id: uuid.UUID | str, topic: str, payload: Any = None, idempotency_k
     per run. Returns True if this call stored the message, False if the key
     had sent it already. An unknown or finished run, or a payload that
     cannot be stored, is an EverystepError with nothing written."""
-    run_id = _run_id("send()", run_id)
-    topic = _name("send()", "topic", topic)
-    if idempotency_key is not None:
-        _name("send()", "idempotency_key", idempotency_key)
-    payload_json = serde.dumps(payload)  # refuse what cannot be stored before any write
+    run_id, topic, payload_json = _message_args("send()", run_id, topic, payload, idempotency_key)
     conn = transaction_connection(conn, "send()")
-    sent = db.send_message(conn, run_id, topic, payload_json, idempotency_key)
+    return _sent("send()", run_id, db.send_message(conn, run_id, topic, payload_json, idempotency_key))
+
+
+async def asend(run_id: uuid.UUID | str, topic: str, payload: Any = None, idempotency_key: str | None = None,
+                conn: Any = None) -> bool:
+    """`send()` for asyncio (`conn` as for `aschedule()`)."""
+    run_id, topic, payload_json = _message_args("asend()", run_id, topic, payload, idempotency_key)
+    aconn = await async_connection(conn, "asend()")
+    return _sent("asend()", run_id, await db.asend_message(aconn, run_id, topic, payload_json, idempotency_key))
+
+
+def _message_args(caller: str, run_id: Any, topic: Any, payload: Any, idempotency_key: Any) -> tuple:
+    run_id = _run_id(caller, run_id)
+    topic = _name(caller, "topic", topic)
+    if idempotency_key is not None:
+        _name(caller, "idempotency_key", idempotency_key)
+    return run_id, topic, serde.dumps(payload)  # refuse what cannot be stored before any write
+
+
+def _sent(caller: str, run_id: uuid.UUID, sent: db.Sent) -> bool:
     if sent.status is None:
-        raise EverystepError(f"send(): no run {run_id}")
+        raise EverystepError(f"{caller}: no run {run_id}")
     if sent.status in db.TERMINAL:
-        raise EverystepError(f"send(): run {run_id} is {sent.status}; it takes no more messages")
+        raise EverystepError(f"{caller}: run {run_id} is {sent.status}; it takes no more messages")
     return sent.created
 
 
@@ -364,44 +490,63 @@ def wait_for(topic: str, timeout: float | datetime.timedelta | None = None) -> A
     return scope.run.replay.wait_for(scope, topic, timeout)
 
 
-def set_event(key: str, value: Any) -> None:
+def set_event(key: str, value: Any) -> Any:
     """In a workflow body: publish `value` under `key` for the outside to read
     with `everystep.get_event` (the last value set wins). Recorded like a
-    step: a replay does not write it again."""
+    step: a replay does not write it again. In an async workflow: `await
+    everystep.set_event(...)`."""
     key = _name("set_event()", "key", key)
     value_json = serde.dumps(value)
     scope = _in_body("set_event()")
-    scope.run.replay.set_event(scope, key, value_json)
+    return scope.run.replay.set_event(scope, key, value_json)
 
 
 def get_event(run_id: uuid.UUID | str, key: str, timeout: float | datetime.timedelta | None = None,
-              conn: psycopg.Connection | None = None) -> Any:
+              conn: Any = None) -> Any:
     """The value a run published under `key` (`everystep.set_event`),
     waiting up to `timeout` seconds for it (None: until it is set or the run
     ends); None if it is not set by then. Reads with `conn` (or the bound
     connection), outside any transaction it is in being a problem: each look
     is its own statement. An unknown run is an EverystepError."""
-    run_id = _run_id("get_event()", run_id)
-    key = _name("get_event()", "key", key)
-    limit = None if timeout is None else time.monotonic() + _seconds("get_event()", timeout)
-    conn = conn or _bound.get()
-    if conn is None:
-        raise EverystepError("get_event() needs a connection: pass conn=<psycopg connection> or bind one "
-                             "with `everystep.use(conn)`")
-    pause = 0.02
+    run_id, key = _run_id("get_event()", run_id), _name("get_event()", "key", key)
+    looks = _Looks("get_event()", timeout)
+    conn = _reading(conn, "get_event()")
     while True:
-        status, found, value = db.get_event(conn, run_id, key)
-        if status is None:
-            raise EverystepError(f"get_event(): no run {run_id}")
-        if found:
-            return serde.from_json(value)
-        if status in db.TERMINAL:
-            return None  # it can never be set now
-        left = None if limit is None else limit - time.monotonic()
-        if left is not None and left <= 0:
-            return None
-        time.sleep(pause if left is None else min(pause, left))
-        pause = min(pause * 2, 0.5)
+        found = _event("get_event()", run_id, db.get_event(conn, run_id, key))
+        pause = None if found is not None else looks.pause()
+        if pause is None:
+            return None if found is None else found.value
+        time.sleep(pause)
+
+
+async def aget_event(run_id: uuid.UUID | str, key: str, timeout: float | datetime.timedelta | None = None,
+                     conn: Any = None) -> Any:
+    """`get_event()` for asyncio (`conn`: an AsyncConnection, a SQLAlchemy
+    AsyncSession or AsyncConnection, or the one bound)."""
+    run_id, key = _run_id("aget_event()", run_id), _name("aget_event()", "key", key)
+    looks = _Looks("aget_event()", timeout)
+    aconn = await async_connection(conn, "aget_event()", write=False)
+    while True:
+        found = _event("aget_event()", run_id, await db.aget_event(aconn, run_id, key))
+        pause = None if found is not None else looks.pause()
+        if pause is None:
+            return None if found is None else found.value
+        await asyncio.sleep(pause)
+
+
+class _Found(NamedTuple):
+    value: Any
+
+
+def _event(caller: str, run_id: uuid.UUID, event: db.EventValue) -> _Found | None:
+    """What a look at an event found: its value (None once it can never be set); None: look again."""
+    if event.status is None:
+        raise EverystepError(f"{caller}: no run {run_id}")
+    if event.found:
+        return _Found(serde.from_json(event.value))
+    if event.status in db.TERMINAL:
+        return _Found(None)  # it can never be set now
+    return None
 
 
 # ---------------------------------------------------------------- child workflows
@@ -420,7 +565,8 @@ class ChildHandle:
         result, or raise ChildFailed (it failed — `.error` is its error — was
         stopped, or was cancelled), or TimeoutError after `timeout` seconds.
         Recorded like a step; meanwhile the parent is parked without a slot
-        and the child's end wakes it."""
+        and the child's end wakes it. In an async workflow: `await
+        handle.result()`."""
         if timeout is not None:
             timeout = _seconds("result()", timeout)
         scope = _in_body("result()")
@@ -430,65 +576,69 @@ class ChildHandle:
         return f"<ChildHandle {self.id} {self.name}>"
 
 
-def start(child_workflow: Callable, *args: Any) -> ChildHandle:
+def start(child_workflow: Callable, *args: Any) -> Any:
     """In a workflow body: schedule a child run of `child_workflow(*args)`,
-    once (recorded like a step: a replay returns the same handle). Cancelling
-    the parent cancels its unfinished children."""
-    name = registry.workflow_name(child_workflow)
-    if name is None:
-        raise TypeError(f"start() takes an @workflow function, not {child_workflow!r}")
-    args_json = serde.dumps(list(args))
+    once (recorded like a step: a replay returns the same handle), and
+    return its ChildHandle (in an async workflow: `await everystep.start(...)`).
+    Cancelling the parent cancels its unfinished children."""
+    name, args_json = _child("start()", child_workflow, args)
     scope = _in_body("start()")
-    return ChildHandle(scope.run.replay.start_child(scope, name, args_json), name)
+    started = scope.run.replay.start_child(scope, name, args_json)
+    if scope.run.replay.asynchronous:
+        return _handle(started, name)
+    return ChildHandle(started, name)
+
+
+@aio.own_scope
+async def _handle(started: Awaitable[uuid.UUID], name: str) -> ChildHandle:
+    return ChildHandle(await started, name)
 
 
 def call(child_workflow: Callable, *args: Any) -> Any:
-    """`start(child_workflow, *args).result()`: run a child workflow and wait for its result."""
-    return start(child_workflow, *args).result()
+    """`start(child_workflow, *args).result()`: run a child workflow and wait
+    for its result (in an async workflow: `await everystep.call(...)`)."""
+    name, args_json = _child("call()", child_workflow, args)
+    scope = _in_body("call()")
+    return scope.run.replay.call_child(scope, name, args_json)
 
 
-def cancel(run_id: uuid.UUID | str, reason: str | None = None, conn: psycopg.Connection | None = None) -> str:
+def _child(what: str, child_workflow: Callable, args: tuple) -> tuple[str, str]:
+    name = registry.workflow_name(child_workflow)
+    if name is None:
+        raise TypeError(f"{what} takes an @workflow function, not {child_workflow!r}")
+    return name, serde.dumps(list(args))
+
+
+def cancel(run_id: uuid.UUID | str, reason: str | None = None, conn: Any = None) -> str:
     """Cancel a run, in the caller's transaction (like `schedule()`). A
     scheduled, waiting or blocked run is `cancelled` at once; a running one
-    is asked to stop: its body gets `Cancelled` at its next step call and the
-    run ends `cancelled`. Returns the run's status after the call: `cancelled`,
+    is asked to stop: its body gets `Cancelled` at its next step call (a
+    running async step is cancelled at its next await) and the run ends
+    `cancelled`. Returns the run's status after the call: `cancelled`,
     `running` (the request is recorded), or the end it had already reached
     (nothing changed). Raises EverystepError for an unknown run."""
-    if reason is not None and not isinstance(reason, str):
-        raise EverystepError(f"cancel() takes a reason string, not {reason!r}")
-    try:
-        run_id = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
-    except ValueError:
-        raise EverystepError(f"cancel() takes a run id, not {run_id!r}") from None
+    run_id = _cancel_args("cancel()", run_id, reason)
     conn = transaction_connection(conn, "cancel()")
-    outcome = db.cancel_run(conn, run_id, reason)
+    return _cancelled(run_id, db.cancel_run(conn, run_id, reason))
+
+
+async def acancel(run_id: uuid.UUID | str, reason: str | None = None, conn: Any = None) -> str:
+    """`cancel()` for asyncio (`conn` as for `aschedule()`)."""
+    run_id = _cancel_args("acancel()", run_id, reason)
+    aconn = await async_connection(conn, "acancel()")
+    return _cancelled(run_id, await db.acancel_run(aconn, run_id, reason))
+
+
+def _cancel_args(caller: str, run_id: Any, reason: Any) -> uuid.UUID:
+    if reason is not None and not isinstance(reason, str):
+        raise EverystepError(f"{caller} takes a reason string, not {reason!r}")
+    return _run_id(caller, run_id)
+
+
+def _cancelled(run_id: uuid.UUID, outcome: db.CancelOutcome) -> str:
     if outcome.status is None:
         raise EverystepError(f"no run {run_id}")
     return outcome.status
-
-
-def _django_connection() -> Any:
-    """Django's connection, when Django is installed and configured."""
-    try:
-        from django.conf import settings  # noqa: PLC0415  (optional integration)
-        from django.db import connection  # noqa: PLC0415
-    except ImportError:
-        return None
-    if not settings.configured:
-        return None
-    return _DjangoCursorConnection(connection)
-
-
-class _DjangoCursorConnection:
-    """Adapts Django's connection to the `execute(...).fetchone()` calls of everystep.db."""
-
-    def __init__(self, connection: Any):
-        self.connection = connection
-
-    def execute(self, query: str, params: Any = None) -> Any:
-        cursor = self.connection.cursor()
-        cursor.execute(query, params)
-        return cursor
 
 
 # ---------------------------------------------------------------- operators

@@ -66,7 +66,8 @@ class DatabaseConfig:
 @dataclass(frozen=True)
 class WorkersConfig:
     processes: int = 2
-    threads: int = 8
+    threads: int = 8  # slots for runs of sync workflows: a thread each
+    async_slots: int = 100  # slots for runs of async workflows, on one event loop
     poll: float = 1.0
     drain: float = 30.0  # 0: wait for ever
     workflows: tuple[str, ...] | None = None  # name patterns of the workflows these workers run; None: all
@@ -159,7 +160,8 @@ def worker_options(config: Config | None) -> dict[str, Any]:
     workers = config.workers if config is not None else WorkersConfig()
     recovery = config.recovery if config is not None else RecoveryConfig()
     workflows = config.workflows if config is not None else {}
-    return {"threads": workers.threads, "poll": workers.poll, "drain": workers.drain, "grace": recovery.grace,
+    return {"threads": workers.threads, "async_slots": workers.async_slots, "poll": workers.poll,
+            "drain": workers.drain, "grace": recovery.grace,
             "max_crashes": recovery.max_crashes, "workflows": workers.workflows,
             "limits": {name: settings.concurrency for name, settings in workflows.items()}}
 
@@ -213,6 +215,7 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         workers=WorkersConfig(
             processes=workers.integer("processes", minimum=1),
             threads=workers.integer("threads", minimum=1),
+            async_slots=workers.integer("async_slots", minimum=1),
             poll=workers.number("poll", above=0),
             drain=workers.number("drain", at_least=0),
             workflows=_workflow_patterns(workers),

@@ -60,6 +60,17 @@ class Recorder(Protocol):
 
     def child_result(self, scope: Scope, child: uuid.UUID, timeout: float | None) -> Any: ...
 
+    def gather(self, scope: Scope, aws: tuple, everystep_id: str | None) -> Any: ...
+
+    def call_child(self, scope: Scope, child_name: str, args_json: str) -> Any: ...
+
+    def diverged(self, message: str) -> BaseException: ...
+
+    def started_task(self, task: Any) -> None: ...
+
+    @property
+    def asynchronous(self) -> bool: ...
+
 
 class RunContext:
     """What `everystep.current()` returns inside a running workflow."""
@@ -163,6 +174,13 @@ def run_branches(branches: tuple, scopes: list[Scope] | None) -> tuple:
     for thread in threads:
         thread.join()
 
+    return joined(results, errors, "parallel branches")
+
+
+def joined(results: list, errors: list[BaseException | None], what: str) -> tuple:
+    """The results of concurrent branches that all ran to their end, in
+    order; or the one failure as is, several as an ExceptionGroup, a halt of
+    the run (or a BaseException) first."""
     failures = [exc for exc in errors if exc is not None]
     for exc in failures:
         if isinstance(exc, HALTS) or not isinstance(exc, Exception):
@@ -170,5 +188,5 @@ def run_branches(branches: tuple, scopes: list[Scope] | None) -> tuple:
     if len(failures) == 1:
         raise failures[0]
     if failures:
-        raise ExceptionGroup(f"{len(failures)} of {len(branches)} parallel branches failed", failures)
+        raise ExceptionGroup(f"{len(failures)} of {len(errors)} {what} failed", failures)
     return tuple(results)

@@ -63,16 +63,26 @@ class Cancelled(Exception):
         return self.reason or "cancelled"
 
 
-class ChildFailed(EverystepError):
-    """A child run (everystep.start / call) ended without a result: it failed
-    (`error` is its error, rebuilt), was stopped, or was cancelled."""
+class RunFailed(EverystepError):
+    """A run waited for (ScheduledRun.result / aresult) ended without a
+    result: it failed (`error` is its error, rebuilt), was stopped, or was
+    cancelled."""
+
+    what = "run"
 
     def __init__(self, run_id: Any, status: str, error: BaseException | None):
         why = f": {type(error).__name__}: {error}" if error is not None else ""
-        super().__init__(f"child run {run_id} {status}{why}")
+        super().__init__(f"{self.what} {run_id} {status}{why}")
         self.run_id = run_id
         self.status = status
         self.error = error
+
+
+class ChildFailed(RunFailed):
+    """A child run (everystep.start / call) ended without a result: it failed
+    (`error` is its error, rebuilt), was stopped, or was cancelled."""
+
+    what = "child run"
 
 
 class Parked(BaseException):

@@ -9,9 +9,9 @@ the fence allows. A write that matched nothing is explained
 (db.why_not_written): this execution's own earlier attempt wrote it (its
 answer was lost), the claim is lost, or another execution wrote the row.
 
-A step's outcome, on the run's own thread, waits for the next step or the
-end of the run to be written with it, but never longer than OUTCOME_DELAY:
-the late-outcome thread writes it then.
+A step's outcome, on the run's own thread (or any step's of an async run),
+waits for the next step or the end of the run to be written with it, but
+never longer than OUTCOME_DELAY: the late-outcome thread writes it then.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ class Fence:
     def before_write(self, run: db.ClaimedRun) -> None:
         """Before every write about the run: block while the claim is
         uncertain, raise `LostClaim` once it is gone."""
+
+    def clear(self, run: db.ClaimedRun) -> bool:
+        """Whether `check` and `before_write` would return (or raise) at once,
+        without waiting: an async run's loop then calls them itself."""
+        return True
 
     def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
         """After a write failed on a connection error: wait before the retry,
@@ -112,11 +117,14 @@ class HeldRun:
 
     The thread that created it (the run's own) keeps one pooled connection,
     and one cursor on it, for the whole execution; parallel branches borrow
-    a connection from the pool for each write. Use it as a context manager:
-    inside, its late outcomes are written; at the end its connection goes
-    back to the pool."""
+    a connection from the pool for each write. An async run (`asynchronous`)
+    has no thread of its own: its writes are made on the runner's I/O
+    threads, each with a connection borrowed for it, so a run waiting for
+    its own I/O holds no connection. Use it as a context manager: inside,
+    its late outcomes are written; at the end its connection goes back to
+    the pool."""
 
-    def __init__(self, lent: Lent, run: db.ClaimedRun):
+    def __init__(self, lent: Lent, run: db.ClaimedRun, asynchronous: bool = False):
         self.lent = lent
         self.claim = run
         self.runner = lent.runner
@@ -128,14 +136,17 @@ class HeldRun:
         self.successor: db.ClaimedRun | None = None
         self.claim_successor: bool | None = None  # asked once, at the end
         self.look_again = False
-        self._owner = threading.get_ident()
+        self.asynchronous = asynchronous
+        self._owner = None if asynchronous else threading.get_ident()
         self._conn: psycopg.Connection | None = None
         self._cursor: psycopg.Cursor | None = None
-        # The outcome of the owner thread's last step, not written yet: it is
-        # written before the next step starts, or with the run's end. Guarded
-        # by _pending_lock, which is held while it is written.
-        self._pending: Pending | None = None
+        # The outcomes of the last steps, not written yet, oldest first: they
+        # are written before the next step starts, or with the run's end. The
+        # list is guarded by _pending_lock (held for a moment only: an async
+        # run's loop adds to it); _writing is held while they are written.
+        self._pending: list[Pending] = []
         self._pending_lock = threading.Lock()
+        self._writing = threading.Lock()
         self._late_failure_logged = False
 
     def __enter__(self) -> HeldRun:
@@ -148,8 +159,14 @@ class HeldRun:
 
     def on_own_thread(self) -> bool:
         """Whether this is the run's own thread (not a parallel branch's, nor
-        the late-outcome thread)."""
+        the late-outcome thread). An async run has none."""
         return threading.get_ident() == self._owner
+
+    def defers(self, status: str, update: bool) -> bool:
+        """Whether a step row written now waits for the next write (see
+        record_step): an outcome, not a `started` mark nor an update, of a
+        step of the run's own thread, or of any step of an async run."""
+        return status != StepStatus.STARTED and not update and (self.asynchronous or self.on_own_thread())
 
     def stop_with(self, exc: BaseException) -> BaseException:
         """Set the execution's halt (the first one wins) and return it to raise."""
@@ -164,6 +181,20 @@ class HeldRun:
             self.lent.fence.check(self.claim)
         except (Drain, LostClaim) as exc:
             raise self.stop_with(exc) from None
+
+    def nothing_to_write(self) -> bool:
+        """Whether a step boundary needs no I/O now: no outcome waits to be
+        written, and the fence has no reason to make the check wait."""
+        with self._pending_lock:
+            if self._pending:
+                return False
+        return self.lent.fence.clear(self.claim)
+
+    def boundary(self) -> None:
+        """Before a new step starts: the fence's check, then the outcomes
+        waiting to be written."""
+        self.check()
+        self.flush()
 
     # -------------------------------------------------------------- the connection
 
@@ -272,32 +303,40 @@ class HeldRun:
                             None if status != StepStatus.DONE else serde.dump_data(result),
                             None if error is None else serde.dump_data(error),
                             started[1], None if status == StepStatus.STARTED else time.time())
-        if status != StepStatus.STARTED and not update and self.on_own_thread():
+        if self.defers(status, update):
             with self._pending_lock:
-                self._pending = Pending(row, started[0], time.perf_counter())
+                self._pending.append(Pending(row, started[0], time.perf_counter()))
         else:
             self._write_step(Pending(row, started[0], 0.0), update)
 
     def flush(self) -> None:
-        """Write the outcome waiting to be written, if any (or wait for the
-        late-outcome thread to finish writing it)."""
-        with self._pending_lock:
-            if self._pending is not None:
-                self._write_step(self._pending, update=False)
-                self._pending = None
+        """Write the outcomes waiting to be written, if any (or wait for the
+        late-outcome thread to finish writing them)."""
+        with self._writing:
+            self._write_pending(None)
+
+    def _write_pending(self, due: float | None) -> None:
+        """With `_writing` held: write the waiting outcomes, oldest first
+        (with `due`, those that have waited since before it)."""
+        while True:
+            with self._pending_lock:
+                if not self._pending or (due is not None and self._pending[0].since > due):
+                    return
+                first = self._pending[0]
+            self._write_step(first, update=False)
+            with self._pending_lock:
+                self._pending.remove(first)
 
     def write_late(self, due: float) -> None:
-        """From the late-outcome thread: write the waiting outcome if it has
-        waited since before `due`, unless the run's thread is at it."""
-        pending = self._pending
-        if pending is None or pending.since > due or self.halt is not None:
-            return
-        if not self._pending_lock.acquire(blocking=False):
-            return  # the run's own thread is writing it now
+        """From the late-outcome thread: write the waiting outcomes that have
+        waited since before `due`, unless the run is writing them now."""
+        with self._pending_lock:
+            if not self._pending or self._pending[0].since > due or self.halt is not None:
+                return
+        if not self._writing.acquire(blocking=False):
+            return  # the run is writing them now
         try:
-            if self._pending is pending:
-                self._write_step(pending, update=False)
-                self._pending = None
+            self._write_pending(due)
         except LostClaim:
             pass  # the run is halted; its own thread reports it
         except Exception as exc:
@@ -306,7 +345,7 @@ class HeldRun:
                 log.warning("could not write a step outcome yet (%s); retrying", exc,
                             extra={"run": str(self.claim.id)})
         finally:
-            self._pending_lock.release()
+            self._writing.release()
 
     def _write_step(self, step: Pending, update: bool) -> None:
         row = step.row
@@ -394,26 +433,31 @@ class HeldRun:
 
     # -------------------------------------------------------------- the end
 
-    def ending(self) -> Pending | None:
-        """The execution is about to end: the outcome waiting to be written,
-        taken for the end's statement (the late-outcome thread leaves it)."""
-        with self._pending_lock:
-            pending, self._pending = self._pending, None
+    def _ending(self) -> list[Pending]:
+        """The execution is about to end: the outcomes waiting to be written,
+        taken for the end's statement (the late-outcome thread leaves them)."""
+        with self._writing, self._pending_lock:
+            pending, self._pending = self._pending, []
         return pending
 
-    def requeue(self, last: Pending | None) -> None:
-        """Put the run back in the queue (the worker drains): `last` first."""
-        if last is not None:
-            self._write_step(last, update=False)  # recorded before the requeue
+    def requeue(self) -> None:
+        """Put the run back in the queue (the worker drains): the outcomes
+        waiting to be written first."""
+        for step in self._ending():
+            self._write_step(step, update=False)  # recorded before the requeue
         self._fenced(lambda cur, run, runner, token: db.requeue_held(cur, runner, [db.Claim(run, token)]),
                      (), None, RunStatus.SCHEDULED, "requeueing the run")
         metrics.REQUEUED.labels(self.runner).inc()
 
-    def end(self, status: str, result: str | None, error: str | None, last: Pending | None) -> str:
+    def end(self, status: str, result: str | None, error: str | None) -> str:
         """The last step's row, the run's end and the claim of the next run for
-        this slot: one statement, one commit. The successor, if any, is left in
+        this slot: one statement, one commit (outcomes waiting before the last
+        one are written first). The successor, if any, is left in
         `self.successor`. Returns the run's end as written (`cancelled` when a
         cancel request reached the row first)."""
+        *before, last = self._ending() or [None]
+        for step in before:
+            self._write_step(step, update=False)
         row = None if last is None else last.row
         if self.claim_successor is None:
             self.claim_successor = self.lent.successors.reserve(self.claim)

@@ -55,6 +55,21 @@ CLAIMS_LOST = Counter(
     "everystep_claims_lost", "Runs a worker abandoned because a fenced write matched nothing.", ["runner"]
 )
 
+ASYNC_SLOTS = Gauge(
+    "everystep_worker_async_slots", "Async run slots of a worker (workers.async_slots).", ["runner"],
+    multiprocess_mode="livesum"
+)
+LOOP_LAG = Histogram(
+    "everystep_loop_lag_seconds",
+    "How late the event loop of a worker's async runs ran its heartbeat (every 50 ms): what a blocking call in "
+    "async code costs every async run of the process.",
+    ["runner"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+LOOP_BLOCKED = Counter(
+    "everystep_loop_blocked", "Times the event loop of a worker's async runs was held up for 0.5 s or more "
+    "(each is logged, naming the run and step).", ["runner"]
+)
+
 # Time and control.
 CANCELLATIONS = Counter(
     "everystep_cancellations", "Cancel requests delivered to a running run's body as Cancelled.", ["workflow"]

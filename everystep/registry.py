@@ -6,6 +6,7 @@ to its function, and importing what the application names (`imports`,
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -54,15 +55,57 @@ def resolve(name: str) -> Callable:
     return fn
 
 
+def is_async(name: str) -> bool:
+    """Whether the workflow of a stored name is an `async def` one (False
+    when the name resolves to nothing: the sync path reports it)."""
+    fn = WORKFLOWS.get(name)
+    if fn is None:
+        try:
+            fn = resolve(name)
+        except Exception:
+            return False
+    return inspect.iscoroutinefunction(fn)
+
+
+def kinds() -> tuple[bool, bool]:
+    """Whether the registered workflows include sync ones, and async ones
+    (nothing registered: sync, the runs of names no import made fail there)."""
+    count = len(WORKFLOWS)
+    if _kinds[0] != count:
+        asynchronous = sum(inspect.iscoroutinefunction(fn) for fn in list(WORKFLOWS.values()))
+        _kinds[:] = [count, asynchronous < count or count == 0, asynchronous > 0]
+    return _kinds[1], _kinds[2]
+
+
+_kinds: list = [-1, True, False]  # (the count of workflows they were found for, sync, async)
+
+
 def import_module(name: str) -> ModuleType:
     """Import `name` with the current directory first on sys.path, as
     `python -m` and gunicorn do, so a module next to where the command runs
     is found however the command was started (a console script's sys.path
-    starts with its own bin folder instead)."""
+    starts with its own bin folder instead). With DJANGO_SETTINGS_MODULE
+    set, Django is set up first: a project's tasks and models import only
+    in a set-up Django."""
     here = os.getcwd()
     if sys.path[:1] != [here]:
         sys.path.insert(0, here)
+    _set_up_django()
     return importlib.import_module(name)
+
+
+def _set_up_django() -> None:
+    if not os.environ.get("DJANGO_SETTINGS_MODULE") or "django" in _ready:
+        return
+    import django  # noqa: PLC0415  (a Django project's only)
+    from django.apps import apps  # noqa: PLC0415
+
+    if not apps.ready:
+        django.setup()
+    _ready.add("django")
+
+
+_ready: set[str] = set()
 
 
 def import_path(path: str) -> Any:

@@ -9,20 +9,32 @@ run, or OUTCOME_DELAY (everystep.execution) after the step returned, whichever c
 `Runner.execute` is one run's life, claim to end. `Replay` holds the replay
 rules and does no I/O: every read and write about the run goes through the
 execution's `HeldRun` (everystep.execution), fenced by the claim.
+
+The rules are generators that yield what they need done — a call of the
+HeldRun (`_Io`), a pause (`_Pause`), the step's function (`_Invoke`), the
+workflow body (`_Body`) — and get its result back. `drive` does it on the
+calling thread, for a sync run; `adrive` on the runner's event loop, for an
+async run (everystep.aio): the HeldRun's calls on the loop's I/O threads,
+async functions awaited on the loop, sync steps on its step threads. So a
+sync and an async run follow the same rules, to the line.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
+import inspect
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any, NamedTuple
 
 from psycopg_pool import ConnectionPool
 
-from everystep import db, faults, metrics, observe, registry, serde, tracing
+from everystep import aio, db, faults, metrics, observe, registry, serde, tracing
 from everystep.context import (
     MAX_STEP_ID,
     Outcome,
@@ -44,6 +56,7 @@ from everystep.errors import (
     WorkflowCodeError,
 )
 from everystep.execution import Fence, HeldRun, Lent, Successors
+from everystep.plans import DONE, Stepper
 from everystep.retries import RetryPolicy
 from everystep.schema import RunStatus, StepStatus
 from everystep.writer import GroupWriter
@@ -63,6 +76,111 @@ PATCH_STEP = "everystep.patched"
 # A wait no longer than this (seconds) is waited on the run's thread; a longer
 # one parks the run (`waiting`), its slot given back.
 MOMENT = 1.0
+# The event loop's threads beside it, by default: the engine's writes about
+# async runs, and the sync steps async workflows call.
+IO_THREADS = 8
+STEP_THREADS = 8
+
+Rules = Generator[Any, Any, Any]
+
+
+# ---------------------------------------------------------------- what the rules need done
+
+class _Io(NamedTuple):
+    """A call of the HeldRun's (it does I/O): its result is sent back."""
+    call: Callable
+    args: tuple = ()
+
+    def run(self) -> Any:
+        return self.call(*self.args)
+
+    async def arun(self, loop: aio.Loop) -> Any:
+        return await loop.io_call(self.call, *self.args)
+
+
+class _Pause(NamedTuple):
+    """Wait a moment (seconds) where the run is, its slot kept."""
+    replay: Replay
+    seconds: float
+
+    def run(self) -> None:
+        time.sleep(self.seconds)
+
+    async def arun(self, loop: aio.Loop) -> None:
+        await self.replay.paused(self.seconds)
+
+
+class _Invoke(NamedTuple):
+    """Run a step's function (outside any scope: a step called inside a step is a plain call)."""
+    replay: Replay
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    step_id: str
+    name: str
+
+    def run(self) -> Any:
+        token = current_scope.set(None)
+        try:
+            if inspect.iscoroutinefunction(self.fn):  # an async step of a sync workflow
+                return asyncio.run(self.fn(*self.args, **self.kwargs))
+            return self.fn(*self.args, **self.kwargs)
+        finally:
+            current_scope.reset(token)
+
+    async def arun(self, loop: aio.Loop) -> Any:
+        return await self.replay.invoke(self, loop)
+
+
+class _Body(NamedTuple):
+    """Call the workflow function: its value is sent back, or what it raised thrown."""
+    replay: Replay
+    fn: Callable
+    args: list
+
+    def run(self) -> Any:
+        scope_token = current_scope.set(Scope(self.replay.context))
+        run_token = current_run.set(self.replay.context)
+        try:
+            return self.fn(*self.args)
+        finally:
+            current_scope.reset(scope_token)
+            current_run.reset(run_token)
+
+    async def arun(self, loop: aio.Loop) -> Any:
+        context = contextvars.copy_context()
+        context.run(current_scope.set, Scope(self.replay.context))
+        context.run(current_run.set, self.replay.context)
+        body = asyncio.Task(self.fn(*self.args), context=context)
+        loop.labels.put(body, f"run {self.replay.run_id} ({self.replay.workflow_name}), in its body")
+        return await body
+
+
+class Preempted(BaseException):
+    """Internal: the async step's task was cancelled because its run was (everystep.cancel)."""
+
+
+def drive(rules: Rules) -> Any:
+    """Do what `rules` need done on this thread, to their end: their value."""
+    stepper = Stepper(rules)
+    while (effect := stepper.next()) is not DONE:
+        try:
+            stepper.sent = effect.run()
+        except BaseException as exc:  # noqa: BLE001  (thrown into the rules)
+            stepper.thrown = exc
+    return stepper.value
+
+
+@aio.own_scope
+async def adrive(rules: Rules, loop: aio.Loop) -> Any:
+    """Do what `rules` need done on the event loop, to their end: their value."""
+    stepper = Stepper(rules)
+    while (effect := stepper.next()) is not DONE:
+        try:
+            stepper.sent = await effect.arun(loop)
+        except BaseException as exc:  # noqa: BLE001  (thrown into the rules)
+            stepper.thrown = exc
+    return stepper.value
 
 
 @functools.cache
@@ -83,7 +201,8 @@ class Runner:
     """Executes claimed runs under one runner name, writing through a pool."""
 
     def __init__(self, pool: ConnectionPool, name: str, fence: Fence | None = None,
-                 successors: Successors | None = None):
+                 successors: Successors | None = None, io_threads: int = IO_THREADS,
+                 step_threads: int = STEP_THREADS):
         self.pool = pool
         self.name = name
         self.fence = fence or Fence()
@@ -94,15 +213,30 @@ class Runner:
         self.step_writer = GroupWriter(pool, name, lambda: None)
         self.end_writer = GroupWriter(pool, name, lambda: self.successors.routes)
         self._lent = Lent(pool, name, self.fence, self.successors, self.step_writer, self.end_writer)
+        self._io_threads, self._step_threads = io_threads, step_threads
+        self._loop: aio.Loop | None = None
+        self._loop_lock = threading.Lock()
+        # The async executions in flight, by token: to reach them from other threads (cancel).
+        self.live: dict[int, Replay] = {}
+
+    def loop(self) -> aio.Loop:
+        """The event loop of this runner's async runs (started at the first)."""
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = aio.Loop(self.name, self._io_threads, self._step_threads)
+            return self._loop
 
     def close(self) -> None:
-        """Stop the writers (once no execution writes any more)."""
+        """Stop the writers (once no execution writes any more), and the loop."""
+        if self._loop is not None:
+            self._loop.close()
         self.step_writer.close()
         self.end_writer.close()
 
     def execute(self, run: db.ClaimedRun) -> Execution:
         """Replay one held run to an end and say what happened: how it ended,
-        and the run its end claimed for this slot, if any.
+        and the run its end claimed for this slot, if any. An async workflow's
+        run is executed on the runner's event loop (this thread waits).
 
         The run's life crosses these threads: this one (the worker's slot
         thread) runs the workflow body and the steps it calls; the runner's
@@ -112,17 +246,37 @@ class Runner:
         each `parallel` branch but the last runs on a thread of its own,
         writing through a connection borrowed for each write. The HeldRun
         does every write, whichever the thread; the Replay decides them."""
+        if registry.is_async(run.name):
+            return self.loop().call(self.aexecute(run))
+        return drive(self._execution(run, None))
+
+    async def aexecute(self, run: db.ClaimedRun) -> Execution:
+        """`execute` of an async workflow's run, on the runner's event loop
+        (where the worker's async slots call it)."""
+        loop = self.loop()
+        return await adrive(self._execution(run, loop), loop)
+
+    def preempt(self, token: int) -> None:
+        """The async execution `token` is cancelled (its run was): its running
+        async steps are cancelled at their next await (from any thread)."""
+        replay = self.live.get(token)
+        if replay is not None and self._loop is not None:
+            self._loop.soon(replay.preempt)
+
+    def _execution(self, run: db.ClaimedRun, loop: aio.Loop | None) -> Rules:
         started = time.perf_counter()
         extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
-        with HeldRun(self._lent, run) as held:
-            replay = Replay(held, run)
+        with HeldRun(self._lent, run, asynchronous=loop is not None) as held:
+            replay = Replay(held, run, loop)
+            if loop is not None:
+                self.live[run.token] = replay
             try:
                 # With tracing on, the execution is counted under the claim
                 # (a fenced write like any other) and the span continues the
                 # trace stored with the run.
-                traced = held.start_traced() if tracing.enabled() else None
+                traced = (yield _Io(held.start_traced)) if tracing.enabled() else None
                 replay.trace = observe.run_started(replay, traced)
-                outcome = replay.run()
+                outcome = yield from replay.run()
             except LostClaim as exc:
                 log.warning("claim lost, run abandoned: %s", exc, extra=extra)
                 metrics.CLAIMS_LOST.labels(self.name).inc()
@@ -133,7 +287,7 @@ class Runner:
                 log.exception("engine error on run; marking it failed", extra=extra)
                 observe.run_ending(replay, RunStatus.FAILED, exc)
                 try:
-                    held.end(RunStatus.FAILED, None, serde.dumps(serde.encode_exception(exc)), None)
+                    yield _Io(held.end, (RunStatus.FAILED, None, serde.dumps(serde.encode_exception(exc))))
                     outcome = RunStatus.FAILED
                 except LostClaim:
                     outcome = "abandoned"
@@ -141,6 +295,9 @@ class Runner:
                     log.exception("could not mark the run failed; it stays claimed", extra=extra)
                     held.look_again = True  # still held here, executed by nobody: replay it
                     outcome = "abandoned"
+            finally:
+                self.live.pop(run.token, None)
+                replay.stop_tasks()
         observe.run_ended(replay, outcome)
         runs, duration = _run_metrics(run.name, outcome)
         runs.inc()
@@ -168,10 +325,17 @@ def recorded_steps(raw: list) -> dict[str, RecordedStep]:
 class Replay:
     """The replay rules of one execution of one run: serves recorded steps,
     checks that the workflow still calls what was recorded, and decides what
-    to record; its HeldRun writes it."""
+    to record; its HeldRun writes it. `loop`: the event loop an async run
+    executes on (None: a sync run, on its thread).
 
-    def __init__(self, held: HeldRun, run: db.ClaimedRun):
+    Each call of the API takes its step id when it is called; what it then
+    does is a generator of rules (see the module), driven on the run's
+    thread or, for an async run, on the loop by the coroutine the call
+    returns."""
+
+    def __init__(self, held: HeldRun, run: db.ClaimedRun, loop: aio.Loop | None = None):
         self.held = held
+        self.loop = loop
         self.run_id: uuid.UUID = run.id
         self.workflow_name: str = run.name
         self.runner_name: str = held.runner
@@ -183,36 +347,58 @@ class Replay:
         self.cancel_delivered: Cancelled | None = None
         self.context = RunContext(run.id, run.name, held.runner, self)
         self.trace: Any = None  # the tracing and error-report hooks' state (everystep.observe)
+        # An async run's: the tasks its body started, its async steps' tasks
+        # running now, the rules being driven now, and whether it was preempted.
+        self._tasks: list[asyncio.Task] = []
+        self._steps_running: set[asyncio.Task] = set()
+        self._driving = 0
+        self._preempted: asyncio.Event | None = None
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.loop is not None
+
+    def _perform(self, rules: Rules) -> Any:
+        """A sync run: drive `rules` now, on this thread. An async run: the
+        coroutine that drives them on the loop."""
+        if self.loop is None:
+            return drive(rules)
+        return self._adrive(rules)
+
+    @aio.own_scope
+    async def _adrive(self, rules: Rules) -> Any:
+        self._driving += 1
+        try:
+            return await adrive(rules, self.loop)
+        finally:
+            self._driving -= 1
 
     # -------------------------------------------------------------- the run
 
-    def run(self) -> str:
+    def run(self) -> Rules:
         try:
             fn = registry.resolve(self.workflow_name)
         except TypeError as exc:
             raise EverystepError(str(exc)) from None
         args = serde.from_json(self.args)
-        scope_token = current_scope.set(Scope(self.context))
-        run_token = current_run.set(self.context)
+        if inspect.iscoroutinefunction(fn) != self.asynchronous:
+            raise EverystepError(f"{self.workflow_name} is {'not ' if self.asynchronous else ''}an async workflow "
+                                 "in this process's code")
         try:
-            value = fn(*args)
+            value = yield _Body(self, fn, args)
         except BaseException as exc:  # noqa: BLE001  (decided below)
-            return self._end(exc, None)
-        finally:
-            current_scope.reset(scope_token)
-            current_run.reset(run_token)
-        return self._end(None, value)
+            return (yield from self._end(exc, None))
+        return (yield from self._end(None, value))
 
-    def _end(self, raised: BaseException | None, value: Any) -> str:
+    def _end(self, raised: BaseException | None, value: Any) -> Rules:
         # A halt wins over whatever the body did with it.
         exc = self.held.halt or raised
-        last = self.held.ending()
         if isinstance(exc, LostClaim):
             raise exc
         if isinstance(exc, Parked):
             return "sleeping"  # parked by the statement that recorded it
         if isinstance(exc, Drain):
-            self.held.requeue(last)
+            yield _Io(self.held.requeue)
             return "requeued"
         if exc is not None and not isinstance(exc, Exception):
             raise exc  # KeyboardInterrupt, SystemExit: not ours to record
@@ -247,10 +433,11 @@ class Replay:
                     exc_info=exc,
                 )
         observe.run_ending(self, status, exc)
-        return self.held.end(status, result, error, last)
+        return (yield _Io(self.held.end, (status, result, error)))
 
     def outcomes(self) -> Mapping[str, Outcome]:
-        self.held.flush()
+        if not self.asynchronous:
+            self.held.flush()  # (an async run's loop does no I/O: the outcomes as this execution knows them)
         return {
             step_id: Outcome(
                 step.name, step.status, serde.from_json(step.result) if step.status == StepStatus.DONE else None,
@@ -274,6 +461,10 @@ class Replay:
             "the workflow code changed in a way that breaks replay"
         ))
 
+    def diverged(self, message: str) -> BaseException:
+        """The run's halt when the body does what a replay cannot repeat."""
+        return self.held.stop_with(WorkflowCodeError(message))
+
     def _failure(self, recorded: RecordedStep) -> BaseException:
         """A recorded failure, to raise again; a recorded `Cancelled` is the
         cancel request delivered (by an earlier execution)."""
@@ -282,11 +473,71 @@ class Replay:
             self.cancel_delivered = exc
         return exc
 
+    # -------------------------------------------------------------- an async run's tasks
+
+    def started_task(self, task: asyncio.Task) -> None:
+        """(The loop's task factory:) the body started `task`; it is cancelled
+        if it still runs when the execution ends."""
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(task)
+
+    def stop_tasks(self) -> None:
+        """At the end of the execution: cancel the tasks the body started and left running."""
+        for task in [*self._tasks, *self._steps_running]:
+            if not task.done():
+                task.cancel()
+
+    def preempt(self) -> None:
+        """(On the loop.) The run is cancelled: its async steps running now
+        are cancelled at their next await, and its waits end now; the body
+        gets `Cancelled` where the rules say (see _step)."""
+        self.held.cancel_requested = True
+        if self._preempted is None:
+            self._preempted = asyncio.Event()
+        self._preempted.set()
+        for task in list(self._steps_running):
+            task.cancel("everystep: the run was cancelled")
+
+    async def paused(self, seconds: float) -> None:
+        """An async run's pause: until `seconds` pass or the run is preempted."""
+        if self._preempted is None:
+            self._preempted = asyncio.Event()
+        if self._preempted.is_set():
+            return
+        try:
+            async with asyncio.timeout(seconds):
+                await self._preempted.wait()
+        except TimeoutError:
+            pass
+
+    async def invoke(self, call: _Invoke, loop: aio.Loop) -> Any:
+        """An async run's step function: awaited in a task of its own (so that
+        a cancel can reach it), or a sync one on a step thread."""
+        context = contextvars.copy_context()
+        context.run(current_scope.set, None)
+        if not inspect.iscoroutinefunction(call.fn):
+            return await loop.step_call(context, call.fn, call.args, call.kwargs)
+        task = asyncio.Task(call.fn(*call.args, **call.kwargs), context=context)
+        loop.labels.put(task, f"run {self.run_id} ({self.workflow_name}), step {call.step_id} ({call.name})")
+        self._steps_running.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling() or not task.cancelled() or self._preempted is None:
+                raise  # the execution itself is cancelled (the worker stops), or the step cancelled itself
+            raise Preempted() from None
+        finally:
+            self._steps_running.discard(task)
+
     # -------------------------------------------------------------- steps
 
     def step(self, scope: Scope, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
              everystep_id: str | None, retry: RetryPolicy | None = None) -> Any:
         step_id = self._next_id(scope, everystep_id)
+        return self._perform(self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry))
+
+    def _step(self, scope: Scope, step_id: str, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
+              retry: RetryPolicy | None) -> Rules:
         recorded = self.recorded.get(step_id)
         rerun_started = False
         attempts: list = []
@@ -310,104 +561,120 @@ class Replay:
             # `started` of a step no longer unsafe (run it again), or `retrying`: the row is updated in place.
             rerun_started = True
 
-        self._boundary(step_id, name, rerun_started)
+        yield from self._boundary(step_id, name, rerun_started)
         if attempts:  # retrying: the back-off recorded with the last failed attempt comes first
-            self._wait(scope, attempts[-1]["retry_at"], self.claimed_at)
+            yield from self._wait(scope, attempts[-1]["retry_at"], self.claimed_at)
         args_json = serde.dumps(list(args))
         kwargs_json = serde.dumps(kwargs)
         while True:
             started = (time.perf_counter(), time.time())
             if unsafe:
-                self._record(step_id, name, args_json, kwargs_json, StepStatus.STARTED, None, None, rerun_started,
-                             started)
+                yield from self._record(step_id, name, args_json, kwargs_json, StepStatus.STARTED, None, None,
+                                        rerun_started, started)
                 rerun_started = True
                 if faults.ARMED:
-                    self._fault(faults.BEFORE_EFFECT, step_id, name)
+                    yield from self._fault(faults.BEFORE_EFFECT, step_id, name)
 
-            scope_token = current_scope.set(None)  # a step called inside a step is a plain call
             traced = observe.step_started(self, step_id, name)
             failure: Exception | None = None
             try:
-                value = fn(*args, **kwargs)
+                value = yield _Invoke(self, fn, args, kwargs, step_id, name)
+            except Preempted:
+                # An async step cancelled at an await because its run was: an
+                # unsafe one may have done its effect or not; a safe one failed
+                # with the `Cancelled` the body gets.
+                observe.step_ended(self, traced, name, StepStatus.FAILED, Cancelled())
+                if unsafe:
+                    raise self.held.stop_with(EffectUncertain(
+                        f"step {step_id!r} ({name}) is unsafe to repeat and was cancelled before it returned; "
+                        "resolve it with `everystep resolve-step`")) from None
+                yield from self._cancel(step_id, name, rerun_started)
             except Exception as exc:  # noqa: BLE001  (recorded, then re-raised or retried)
                 failure = exc
                 observe.step_ended(self, traced, name, StepStatus.FAILED, exc)
-            finally:
-                current_scope.reset(scope_token)
             if failure is None:
                 observe.step_ended(self, traced, name, StepStatus.DONE)
                 result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
-                self._record(step_id, name, args_json, kwargs_json, StepStatus.DONE, result, None, rerun_started,
-                             started)
+                yield from self._record(step_id, name, args_json, kwargs_json, StepStatus.DONE, result, None,
+                                        rerun_started, started)
                 if faults.ARMED:
-                    self._fault(faults.AFTER_STEP, step_id, name)
+                    yield from self._fault(faults.AFTER_STEP, step_id, name)
                 return value
             error = serde.encode_exception(failure)
             retried = retry is not None and retry.retried(unsafe, failure, len(attempts))
             if retried and not isinstance(failure, Terminal):
-                attempt = self._record_attempt(step_id, name, args_json, kwargs_json, error, len(attempts) + 1,
-                                               retry.backoff.wait(len(attempts) + 1), started)
+                attempt = yield from self._record_attempt(step_id, name, args_json, kwargs_json, error,
+                                                          len(attempts) + 1, retry.backoff.wait(len(attempts) + 1),
+                                                          started)
                 attempts.append(attempt)
                 rerun_started = True
-                self._wait(scope, attempt["retry_at"], attempt["at"])
-                self._deliver_cancel(step_id, name, update=True)  # a cancel request learnt meanwhile
+                yield from self._wait(scope, attempt["retry_at"], attempt["at"])
+                yield from self._deliver_cancel(step_id, name, update=True)  # a cancel request learnt meanwhile
                 continue
-            self._record(step_id, name, args_json, kwargs_json, StepStatus.FAILED, None, error, rerun_started, started)
+            yield from self._record(step_id, name, args_json, kwargs_json, StepStatus.FAILED, None, error,
+                                    rerun_started, started)
             if faults.ARMED:
-                self._fault(faults.AFTER_STEP, step_id, name)
+                yield from self._fault(faults.AFTER_STEP, step_id, name)
             if isinstance(failure, Terminal):
                 raise self.held.stop_with(failure)
             raise failure
 
     def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,
-                result: Any, error: dict | None, update: bool, started: tuple[float, float]) -> None:
+                result: Any, error: dict | None, update: bool, started: tuple[float, float]) -> Rules:
         """Record a step's outcome (or an unsafe step's `started` mark): as
-        this execution knows it now, and in its row (see HeldRun.record_step)."""
+        this execution knows it now, and in its row (see HeldRun.record_step;
+        an outcome that waits for the next write needs no I/O now)."""
         previous = self.recorded.get(step_id)
         attempts = None if previous is None else previous.attempts
         self.recorded[step_id] = RecordedStep(step_id, name, status, result, error, attempts)
-        self.held.record_step(step_id, name, args, kwargs, status, result, error, update, started)
+        row = (step_id, name, args, kwargs, status, result, error, update, started)
+        if self.held.defers(status, update):
+            self.held.record_step(*row)
+        else:
+            yield _Io(self.held.record_step, row)
 
-    def _fault(self, where: str, step_id: str, name: str) -> None:
+    def _fault(self, where: str, step_id: str, name: str) -> Rules:
         """A test armed a fault here (everystep.faults): the execution dies,
         writing nothing more; its step's outcome first, if the fault says so."""
         fault = faults.reached(where, self.run_id, step_id, name)
         if fault is None:
             return
         if fault.durable:
-            self.held.flush()
+            yield _Io(self.held.flush)
         raise self.held.stop_with(faults.crash(self.held.claim.token, self.run_id, step_id, where))
 
-    def _boundary(self, step_id: str, name: str, update: bool = False) -> None:
+    def _boundary(self, step_id: str, name: str, update: bool = False) -> Rules:
         """Before a new step (or sleep) starts: stop here for a drain or a
         lost claim, write the previous step's outcome (its answer tells of a
         cancel request), and deliver a known cancel request. `update`: the
         step has a row already (`retrying`, or `started` by a step no longer
         unsafe)."""
-        self.held.check()
-        self.held.flush()  # the previous step's outcome is written before this step starts
-        self._deliver_cancel(step_id, name, update)
+        if self.asynchronous and self.held.nothing_to_write():
+            self.held.check()  # at once: no outcome waits, and the fence has no reason to wait
+        else:
+            yield _Io(self.held.boundary)  # the previous step's outcome is written before this step starts
+        yield from self._deliver_cancel(step_id, name, update)
 
-    def _deliver_cancel(self, step_id: str, name: str, update: bool) -> None:
+    def _deliver_cancel(self, step_id: str, name: str, update: bool) -> Rules:
         """Raise a known cancel request as `Cancelled` (once), recorded as
         this step's failure so that a replay raises it at the same call."""
         if self.held.cancel_requested and self.cancel_delivered is None:
-            self._cancel(step_id, name, update)
+            yield from self._cancel(step_id, name, update)
 
-    def _cancel(self, step_id: str, name: str, update: bool) -> None:
+    def _cancel(self, step_id: str, name: str, update: bool) -> Rules:
         """Raise `Cancelled` at this call, recorded as its failure."""
-        cancelled = Cancelled(self.held.cancel_reason())
+        cancelled = Cancelled((yield _Io(self.held.cancel_reason)))
         self.cancel_delivered = cancelled
-        self._record(step_id, name, "[]", "{}", StepStatus.FAILED, None, serde.encode_exception(cancelled), update,
-                     (time.perf_counter(), time.time()))
+        yield from self._record(step_id, name, "[]", "{}", StepStatus.FAILED, None, serde.encode_exception(cancelled),
+                                update, (time.perf_counter(), time.time()))
         metrics.CANCELLATIONS.labels(self.workflow_name).inc()
         raise cancelled
 
     def _record_attempt(self, step_id: str, name: str, args: str, kwargs: str, error: dict, attempt: int,
-                        wait: float, started: tuple[float, float]) -> dict:
+                        wait: float, started: tuple[float, float]) -> Rules:
         """Record a failed attempt that will be retried after `wait` seconds;
         returns the attempt as recorded (its times by the database's clock)."""
-        done = self.held.record_attempt(step_id, name, args, kwargs, error, attempt, wait, started)
+        done = yield _Io(self.held.record_attempt, (step_id, name, args, kwargs, error, attempt, wait, started))
         metrics.STEP_RETRIES.labels(self.workflow_name, name).inc()
         previous = self.recorded.get(step_id) or RecordedStep(step_id, name, StepStatus.RETRYING, None, None, None)
         self.recorded[step_id] = previous._replace(status=StepStatus.RETRYING,
@@ -416,36 +683,46 @@ class Replay:
 
     # -------------------------------------------------------------- time
 
-    def sleep(self, scope: Scope, seconds: float | None, until: Any) -> None:
+    def sleep(self, scope: Scope, seconds: float | None, until: Any) -> Any:
         """A durable sleep: a recorded step whose result is the wake time."""
-        step_id = self._next_id(scope, None)
+        return self._perform(self._sleep(scope, self._next_id(scope, None), seconds, until))
+
+    def _sleep(self, scope: Scope, step_id: str, seconds: float | None, until: Any) -> Rules:
         recorded = self.recorded.get(step_id)
         if recorded is not None:
             if recorded.name != SLEEP:
                 raise self._code_changed(step_id, recorded, "sleeps")
             if recorded.status == StepStatus.FAILED:
                 raise self._failure(recorded)
-            self._wait(scope, float(recorded.result), self.claimed_at)
+            yield from self._wait(scope, float(recorded.result), self.claimed_at)
             return
-        self._boundary(step_id, SLEEP)
-        done = self.held.record_sleep(step_id, SLEEP, seconds, until)
+        yield from self._boundary(step_id, SLEEP)
+        done = yield _Io(self.held.record_sleep, (step_id, SLEEP, seconds, until))
         self.recorded[step_id] = RecordedStep(step_id, SLEEP, StepStatus.DONE, done.wake_at, None, None)
-        self._wait(scope, done.wake_at, done.now)
+        yield from self._wait(scope, done.wake_at, done.now)
 
-    def _wait(self, scope: Scope, wake_at: float, now: float) -> None:
+    def _parks(self, scope: Scope) -> bool:
+        """Whether a wait here may park the run: only the body's own (not a
+        parallel branch's), and in an async run only while nothing else of
+        it is under way (the rules being driven are this wait's alone)."""
+        if scope.prefix != "":
+            return False
+        return self._driving == 1 if self.asynchronous else self.held.on_own_thread()
+
+    def _wait(self, scope: Scope, wake_at: float, now: float) -> Rules:
         """Wait until `wake_at` (database time; `now` is the database's time
-        as last seen): a moment on this thread; longer, the run is parked
+        as last seen): a moment where the run is; longer, the run is parked
         `waiting` (this execution ends with Parked) unless a cancel request
         is on it (then it returns, and the next step call gets `Cancelled`).
-        Parallel branches always wait on their thread."""
+        Parallel branches always wait where they are."""
         remaining = wake_at - now
         if remaining <= 0:
             return
-        if remaining > MOMENT and scope.prefix == "" and self.held.on_own_thread():
-            self.held.flush()
-            self.held.park(wake_at)
+        if remaining > MOMENT and self._parks(scope):
+            yield _Io(self.held.flush)
+            yield _Io(self.held.park, (wake_at,))
             return  # the time came meanwhile, or a cancel request is on the run
-        time.sleep(remaining)
+        yield _Pause(self, remaining)
 
     # -------------------------------------------------------------- messages and events
 
@@ -456,73 +733,81 @@ class Replay:
         with the message (consumed by this wait in the same statement) or the
         timeout. While nothing comes the run is parked `waiting`, its slot
         given back; a send on the topic makes it due at once."""
-        result = self._recorded_wait(scope, WAIT, "waits for a message", topic, f"message:{topic}", timeout,
-                                     self.held.take_message, topic)
+        return self._perform(self._wait_for(scope, self._next_id(scope, None), topic, timeout))
+
+    def _wait_for(self, scope: Scope, step_id: str, topic: str, timeout: float | None) -> Rules:
+        result = yield from self._recorded_wait(scope, step_id, WAIT, "waits for a message", topic,
+                                                f"message:{topic}", timeout, self.held.take_message, topic)
         return serde.from_json(result["message"]) if "message" in result else None
 
-    def _recorded_wait(self, scope: Scope, name: str, doing: str, topic: str, waiting_on: str,
-                       timeout: float | None, take: Callable, what: Any) -> dict:
+    def _recorded_wait(self, scope: Scope, step_id: str, name: str, doing: str, topic: str, waiting_on: str,
+                       timeout: float | None, take: Callable, what: Any) -> Rules:
         """A wait recorded like a step (`name`: WAIT or RESULT): its `started`
         row with `topic` and the deadline, then, once something came or the
         deadline passed, its result (parked meanwhile, see _wait_until_done)."""
-        step_id = self._next_id(scope, None)
         recorded = self.recorded.get(step_id)
         if recorded is not None and recorded.name != name:
             raise self._code_changed(step_id, recorded, doing)
         if recorded is None:
-            self._boundary(step_id, name)
-            begun = self.held.begin_wait(step_id, name, topic, timeout)
+            yield from self._boundary(step_id, name)
+            begun = yield _Io(self.held.begin_wait, (step_id, name, topic, timeout))
             recorded = self.recorded[step_id] = RecordedStep(step_id, name, StepStatus.STARTED, begun, None, None)
         if recorded.status == StepStatus.FAILED:
             raise self._failure(recorded)
         if recorded.status == StepStatus.STARTED:
-            result = self._wait_until_done(scope, step_id, take, what, waiting_on, recorded.result.get("deadline"))
+            result = yield from self._wait_until_done(scope, step_id, name, take, what, waiting_on,
+                                                      recorded.result.get("deadline"))
             recorded = self.recorded[step_id] = recorded._replace(status=StepStatus.DONE, result=result)
         return recorded.result
 
-    def _wait_until_done(self, scope: Scope, step_id: str, take: Callable, what: Any, waiting_on: str,
-                         deadline: float | None) -> dict:
+    def _wait_until_done(self, scope: Scope, step_id: str, name: str, take: Callable, what: Any,
+                         waiting_on: str, deadline: float | None) -> Rules:
         """Until the started wait `step_id` ends (`take`: HeldRun.take_message
         or take_child, about `what`): its recorded result. Parks the run on
         `waiting_on` while nothing came."""
-        parks = scope.prefix == "" and self.held.on_own_thread()
         pause = 0.02
         while True:
-            took = take(step_id, what, deadline)
+            took = yield _Io(take, (step_id, what, deadline))
             if took.result is not None:
                 return took.result
             remaining = None if deadline is None else deadline - took.now
-            if parks and (remaining is None or remaining > MOMENT):
-                if self.held.park_waiting(deadline, waiting_on, took.wakes):
-                    self._cancel(step_id, WAIT, update=True)  # a wait's `Cancelled`, recorded as its failure
+            if self._parks(scope) and (remaining is None or remaining > MOMENT):
+                if (yield _Io(self.held.park_waiting, (deadline, waiting_on, took.wakes))):
+                    yield from self._cancel(step_id, name, update=True)  # a wait's `Cancelled`, recorded as its failure
                 continue  # a message came, or the child ended, meanwhile
-            # A parallel branch, or a moment to go: wait on this thread.
-            time.sleep(pause if remaining is None else max(0.0, min(pause, remaining)))
+            if self.held.cancel_requested and self.cancel_delivered is None:
+                yield from self._cancel(step_id, name, update=True)
+            # A parallel branch, or a moment to go: wait where the run is.
+            yield _Pause(self, pause if remaining is None else max(0.0, min(pause, remaining)))
             pause = min(pause * 2, 0.5)
 
-    def set_event(self, scope: Scope, key: str, value_json: str) -> None:
+    def set_event(self, scope: Scope, key: str, value_json: str) -> Any:
         """Publish `key` = value for the outside (`everystep.get_event`),
         recorded like a step: a replay does not write it again."""
-        step_id = self._next_id(scope, None)
+        return self._perform(self._set_event(self._next_id(scope, None), key, value_json))
+
+    def _set_event(self, step_id: str, key: str, value_json: str) -> Rules:
         recorded = self.recorded.get(step_id)
         if recorded is not None:
             if recorded.name != EVENT:
                 raise self._code_changed(step_id, recorded, "sets an event")
             return
-        self._boundary(step_id, EVENT)
-        self.held.set_event(step_id, EVENT, key, value_json)
+        yield from self._boundary(step_id, EVENT)
+        yield _Io(self.held.set_event, (step_id, EVENT, key, value_json))
         self.recorded[step_id] = RecordedStep(step_id, EVENT, StepStatus.DONE, None, None, None)
 
     # -------------------------------------------------------------- child workflows
 
-    def start_child(self, scope: Scope, child_name: str, args_json: str) -> uuid.UUID:
+    def start_child(self, scope: Scope, child_name: str, args_json: str) -> Any:
         """Schedule a child run once, recorded like a step: a replay returns
-        the same child."""
-        step_id = self._next_id(scope, None)
+        the same child (its id)."""
+        return self._perform(self._start_child(self._next_id(scope, None), child_name, args_json))
+
+    def _start_child(self, step_id: str, child_name: str, args_json: str) -> Rules:
         recorded = self.recorded.get(step_id)
         if recorded is None:
-            self._boundary(step_id, START)
-            result = self.held.start_child(step_id, START, child_name, args_json)
+            yield from self._boundary(step_id, START)
+            result = yield _Io(self.held.start_child, (step_id, START, child_name, args_json))
             recorded = self.recorded[step_id] = RecordedStep(step_id, START, StepStatus.DONE, result, None, None)
         elif recorded.name != START:
             raise self._code_changed(step_id, recorded, "starts a child")
@@ -534,13 +819,27 @@ class Replay:
         """Wait (parked) until the child run ends: its result, or ChildFailed
         for a child that failed, stopped or was cancelled; TimeoutError after
         `timeout` seconds. Recorded like a step."""
-        end = self._recorded_wait(scope, RESULT, "waits for a child", f"child:{child}", f"child:{child}", timeout,
-                                  self.held.take_child, child)
+        return self._perform(self._child_result(scope, self._next_id(scope, None), child, timeout))
+
+    def _child_result(self, scope: Scope, step_id: str, child: uuid.UUID, timeout: float | None) -> Rules:
+        end = yield from self._recorded_wait(scope, step_id, RESULT, "waits for a child", f"child:{child}",
+                                             f"child:{child}", timeout, self.held.take_child, child)
         if end.get("timeout"):
             raise TimeoutError(f"child run {child} did not end within the timeout")
         if end["status"] == RunStatus.COMPLETED:
             return serde.from_json(end["result"])
         raise ChildFailed(child, end["status"], None if end["error"] is None else serde.decode_exception(end["error"]))
+
+    def call_child(self, scope: Scope, child_name: str, args_json: str) -> Any:
+        """start_child then child_result, their two ids taken now."""
+        start_id = self._next_id(scope, None)
+        result_id = self._next_id(scope, None)
+
+        def rules() -> Rules:
+            child = yield from self._start_child(start_id, child_name, args_json)
+            return (yield from self._child_result(scope, result_id, child, None))
+
+        return self._perform(rules())
 
     # -------------------------------------------------------------- patches
 
@@ -551,7 +850,8 @@ class Replay:
         first time under the new code), False when it does (it went the old
         way). The decision is recorded like a step, under its own id
         (`<scope>patch:<name>`; the name is checked by the caller), so the positional ids of the steps around it
-        do not move, and every later replay decides the same."""
+        do not move, and every later replay decides the same. Its row waits
+        for the next write (no I/O here: an async body calls it without await)."""
         step_id = f"{scope.prefix}patch:{patch}"
         if len(step_id) > MAX_STEP_ID:
             raise EverystepError(f"patch id {step_id[:60]}... is {len(step_id)} characters; at most {MAX_STEP_ID}")
@@ -570,19 +870,39 @@ class Replay:
             and step.name != PATCH_STEP
             for other, step in list(self.recorded.items())
         )
-        self.held.check()
-        self.held.flush()
+        if not self.asynchronous:
+            self.held.check()
         now = (time.perf_counter(), time.time())
-        self._record(step_id, PATCH_STEP, "[]", "{}", StepStatus.DONE, not went_further, None, False, now)
+        drive(self._record(step_id, PATCH_STEP, "[]", "{}", StepStatus.DONE, not went_further, None, False, now))
         return not went_further
 
     # -------------------------------------------------------------- parallel
 
     def fork(self, scope: Scope, branches: tuple, everystep_id: str | None) -> tuple:
+        if self.asynchronous:
+            raise EverystepError("parallel() runs its branches on threads, which an async workflow has none of: "
+                                 "use `await everystep.gather(...)`")
         fork_id = self._next_id(scope, everystep_id)
         self.held.flush()  # the branches' steps come after it
         scopes = [scope.branch(fork_id, i) for i in range(len(branches))]
         results = run_branches(branches, scopes)
+        if self.held.halt is not None:
+            raise self.held.halt
+        return results
+
+    def gather(self, scope: Scope, aws: tuple, everystep_id: str | None) -> Any:
+        """everystep.gather in an async body: a fork, awaitable i its branch i."""
+        if not self.asynchronous:
+            for aw in aws:
+                if inspect.iscoroutine(aw):
+                    aw.close()
+            raise EverystepError("gather() is for async workflows; a sync workflow runs branches with parallel()")
+        fork_id = self._next_id(scope, everystep_id)
+        return self._gather(scope, fork_id, aws)
+
+    @aio.own_scope
+    async def _gather(self, scope: Scope, fork_id: str, aws: tuple) -> list:
+        results = await aio.gather(aws, lambda i: scope.branch(fork_id, i))
         if self.held.halt is not None:
             raise self.held.halt
         return results

@@ -18,12 +18,13 @@ Spans:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 from everystep.schema import RunStatus
@@ -73,12 +74,31 @@ def current_ids() -> tuple[str, str] | None:
 
 # ---------------------------------------------------------------- schedule()
 
-def traced_schedule(workflow: str, insert: Callable[[str | None], tuple]) -> tuple:
-    """Call `insert(trace_context)` (the run's insert, which stores the
-    context) inside a `schedule` span when tracing is on; `insert(None)` otherwise."""
+class Scheduling:
+    """What `scheduling` gives the insert of a run: `context`, the trace
+    context to store with it (JSON; None with tracing off)."""
+
+    __slots__ = ("context", "span")
+
+    def __init__(self, context: str | None, span: Any):
+        self.context = context
+        self.span = span
+
+    def scheduled(self, run_id: uuid.UUID, created: bool) -> None:
+        """The run is inserted (or existed: `created` False)."""
+        if self.span is not None:
+            self.span.set_attribute("everystep.run_id", str(run_id))
+            self.span.set_attribute("everystep.created", created)
+
+
+@contextlib.contextmanager
+def scheduling(workflow: str) -> Iterator[Scheduling]:
+    """Around the insert of a run (`schedule()`, `aschedule()`): a `schedule`
+    span when tracing is on, whose context the run stores; nothing otherwise."""
     trace = _trace_api()
     if trace is None:
-        return insert(None)
+        yield Scheduling(None, None)
+        return
     from opentelemetry import propagate  # noqa: PLC0415  (loaded already: the API is)
 
     attributes = {"everystep.workflow": workflow}
@@ -86,10 +106,7 @@ def traced_schedule(workflow: str, insert: Callable[[str | None], tuple]) -> tup
                                               attributes=attributes) as span:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)  # the application's propagators: traceparent, tracestate, baggage...
-        run_id, created = insert(json.dumps(carrier))
-        span.set_attribute("everystep.run_id", str(run_id))
-        span.set_attribute("everystep.created", created)
-        return run_id, created
+        yield Scheduling(json.dumps(carrier), span)
 
 
 # ---------------------------------------------------------------- executions

@@ -12,10 +12,18 @@ LISTENs for new runs and claims runs for free slots. Step writes go through a
 pool. While runs are waiting, a run that ends claims the next one for its
 slot in the statement that ends it, and its thread goes on with that one: a
 busy worker needs no claim statement of its own and no hand-off per run.
+
+Runs of `async def` workflows have slots of their own (`async_slots`), all
+on the runner's one event loop: a slot there is a task, not a thread. A
+process whose workflows are all of one kind claims for that kind's free
+slots only; one with both claims for the free slots of both, and a run
+whose kind has none free waits, claimed, for one (route the two kinds to
+different workers to avoid that).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import select
@@ -31,7 +39,7 @@ from psycopg_pool import ConnectionPool
 from everystep import db, liveness, metrics, registry
 from everystep.errors import Drain, LostClaim
 from everystep.logs import first_line
-from everystep.runner import Execution, Fence, Runner, Successors
+from everystep.runner import IO_THREADS, Execution, Fence, Runner, Successors
 from everystep.schema import MAX_KEY
 
 log = logging.getLogger("everystep")
@@ -77,6 +85,9 @@ class WorkerFence(Fence):
         if run.token in self.abandoned:
             raise LostClaim(f"run {run.id} was abandoned: the worker lost its lock, or the run was taken away")
 
+    def clear(self, run: db.ClaimedRun) -> bool:
+        return self.held.is_set() or run.token in self.abandoned
+
     def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
         # Retried until it goes through or the execution is abandoned; meanwhile
         # the control loop notices an outage and `before_write` waits for it.
@@ -86,13 +97,15 @@ class WorkerFence(Fence):
 
 
 class Worker(Successors):
-    """Claims and executes runs under one name, with `threads` run slots."""
+    """Claims and executes runs under one name, with `threads` run slots for
+    sync workflows and `async_slots` for async ones."""
 
     def __init__(
         self,
         database_url: str,
         name: str,
         threads: int = 8,
+        async_slots: int = 100,
         poll: float = 1.0,
         drain: float = 30.0,
         grace: float = 10.0,
@@ -114,6 +127,7 @@ class Worker(Successors):
         self.direct_url = direct_url
         self.name = name
         self.threads = threads
+        self.async_slots = async_slots
         self.poll = poll
         self.drain = drain
         self.grace = grace
@@ -134,6 +148,8 @@ class Worker(Successors):
         # The live executions, by token (-> run id); what the slots are doing.
         # Guarded by _lock, like the backlog, _escaped, _claiming and _reconcile.
         self._executing: dict[int, uuid.UUID] = {}
+        self._async: set[int] = set()  # the tokens of _executing that are async runs'
+        self._cancels_checked = 0.0  # when the async runs' cancel requests were last looked for
         self._lock = threading.Lock()
         self._claiming: set[int] = set()  # tokens of ending runs whose statement may claim a successor
         self._claims_landed = threading.Condition(self._lock)
@@ -177,17 +193,21 @@ class Worker(Successors):
         # wait for a connection) makes each retried write ask for a fresh
         # connection at once, so the runs go on as soon as the database is back.
         # One connection per run slot, and as many again for the writes of
-        # parallel branches and of late step outcomes.
+        # parallel branches and of late step outcomes; one per I/O thread of
+        # the async runs' loop.
+        io_threads = min(IO_THREADS, self.async_slots)
         self.pool = ConnectionPool(
-            self.database_url, min_size=1, max_size=2 * self.threads + 2,
+            self.database_url, min_size=1, max_size=2 * self.threads + 2 + io_threads,
             kwargs=liveness.connection_kwargs(f"everystep {self.name}"),
             timeout=2, reconnect_timeout=2, name=f"everystep-{self.name}", open=False,
             **self._pool_session(),
         )
         self.pool.open(wait=False)
-        self.runner = Runner(self.pool, self.name, self.fence, successors=self)
+        self.runner = Runner(self.pool, self.name, self.fence, successors=self, io_threads=io_threads,
+                             step_threads=self.threads)
         self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix=f"everystep-{self.name}")
         metrics.POOL_SIZE.labels(self.name).set(self.threads)
+        metrics.ASYNC_SLOTS.labels(self.name).set(self.async_slots)
         metrics.STARTED_AT.labels(self.name).set(time.time())
         self._publish_load()
         try:
@@ -353,7 +373,8 @@ class Worker(Successors):
                 next_due = None
                 if not self._stopping:
                     more = self._fill_slots(conn)
-                    if not more and len(self._executing) < self.threads:
+                    self._look_for_cancels(conn)
+                    if not more and any(self._free()):
                         # Idle slots: wake when the next waiting run becomes due.
                         next_due = db.next_due_in(conn)
                     last_query = time.monotonic()
@@ -380,7 +401,7 @@ class Worker(Successors):
         if escaped:
             liveness.fail_poison_runs(conn, self.name, escaped, self.max_crashes)
             db.requeue_held(conn, self.name, escaped)
-        free = self.threads - len(self._executing)
+        free = sum(self._free(claiming=True))
         if free <= 0:
             if self._waiting:
                 db.stop_waiting(conn, self.name)
@@ -402,7 +423,7 @@ class Worker(Successors):
         elif self._reconcile:
             return False
         if self._backlog:
-            self._start_backlog(free)
+            self._start_backlog()
             return False
         if not self._waiting:
             db.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
@@ -443,30 +464,60 @@ class Worker(Successors):
 
     # ---------------------------------------------------------------- runs
 
-    def _start_backlog(self, free: int) -> None:
-        """Start up to `free` runs of the backlog, oldest first; a run that an
-        earlier (abandoned) execution of ours is still executing waits there
-        until that execution is gone."""
+    def _free(self, claiming: bool = False) -> tuple[int, int]:
+        """The free sync and async slots. `claiming`: only those of the kinds
+        of workflow this process has (no async one: sync slots only)."""
+        with self._lock:
+            running_async = len(self._async)
+            free_sync = self.threads - (len(self._executing) - running_async)
+            free_async = self.async_slots - running_async
+        if claiming:
+            has_sync, has_async = registry.kinds()
+            free_sync, free_async = free_sync if has_sync else 0, free_async if has_async else 0
+        return max(free_sync, 0), max(free_async, 0)
+
+    def _start_backlog(self) -> None:
+        """Start the runs of the backlog that have a free slot of their kind,
+        oldest first; a run that an earlier (abandoned) execution of ours is
+        still executing waits there until that execution is gone."""
         starting = []
         with self._lock:
             busy = set(self._executing.values())
+            free = {False: self.threads - (len(self._executing) - len(self._async)),
+                    True: self.async_slots - len(self._async)}
             for run in list(self._backlog):
-                if len(starting) == free:
-                    break
-                if run.id not in busy:
+                kind = registry.is_async(run.name)
+                if run.id not in busy and free[kind] > 0:
                     self._backlog.remove(run)
                     starting.append(run)
                     busy.add(run.id)
+                    free[kind] -= 1
         for run in starting:
             self._start(run)
 
     def _start(self, run: db.ClaimedRun) -> None:
+        asynchronous = registry.is_async(run.name)
         with self._lock:
-            if run.id in self._executing.values():
-                self._backlog.append(run)  # claimed: started once the old execution is gone
+            if run.id in self._executing.values() or not self._slot_free(asynchronous):
+                self._backlog.append(run)  # claimed: started once the old execution is gone, or a slot is free
                 return
-            self._executing[run.token] = run.id
-        self.executor.submit(self._serve_slot, run)
+            self._take_slot(run, asynchronous)
+        if asynchronous:
+            self.runner.loop().submit(self._serve_async_slot(run))
+        else:
+            self.executor.submit(self._serve_slot, run)
+
+    def _slot_free(self, asynchronous: bool) -> bool:
+        """(Under _lock.) Whether a slot of this kind is free."""
+        if asynchronous:
+            return len(self._async) < self.async_slots
+        return len(self._executing) - len(self._async) < self.threads
+
+    def _take_slot(self, run: db.ClaimedRun, asynchronous: bool) -> None:
+        """(Under _lock.) The run is executing in a slot of its kind."""
+        self._executing[run.token] = run.id
+        if asynchronous:
+            self._async.add(run.token)
 
     def reserve(self, run: db.ClaimedRun) -> bool:
         """(Successors.) Whether the statement that ends a run may claim a
@@ -484,9 +535,9 @@ class Worker(Successors):
     def _serve_slot(self, run: db.ClaimedRun) -> None:
         """A slot's life: execute a run, then the successor claimed by the
         statement that ended it, on this same thread, until a run ends
-        without one. The ending execution's token leaves the live executions
-        in the same step as its successor's enters, so the slot never looks
-        free in between."""
+        without one (or with an async one, started in an async slot). The
+        ending execution's token leaves the live executions in the same step
+        as its successor's enters, so the slot never looks free in between."""
         while run is not None:
             try:
                 execution = self.runner.execute(run)
@@ -495,32 +546,70 @@ class Worker(Successors):
                 # on this run (a crash is counted, the run requeued), but it lives on.
                 log.exception("run execution ended abnormally", extra={**self._extra, "run": str(run.id)})
                 execution = Execution("escaped", None, False)
-            with self._lock:
-                del self._executing[run.token]
-                if run.token in self.fence.abandoned:
-                    self.fence.abandoned.discard(run.token)
-                    self._reconcile = True  # still ours in the database? then replay it
-                if execution.look_again:
-                    self._reconcile = True
-                if execution.outcome == "escaped":
-                    self._escaped.add(db.Claim(run.id, run.token))
-                if run.token in self._claiming:
-                    self._claiming.discard(run.token)
-                    self._claims_landed.notify_all()
-                run = execution.successor
-                if run is not None:
-                    if self._stopping or run.id in self._executing.values():
-                        self._backlog.append(run)  # requeued, or started once the old execution is gone
-                        run = None
-                    else:
-                        self._executing[run.token] = run.id
-                wake = run is None or self._reconcile or bool(self._backlog)
-            if execution.successor is not None:
-                metrics.CLAIMS.labels(self.name).inc()
-                if self.on_claim:
-                    self.on_claim(1)
-            if wake:
-                self._wake()
+            run = self._ended(run, execution, asynchronous=False)
+
+    async def _serve_async_slot(self, run: db.ClaimedRun) -> None:
+        """An async slot's life, on the runner's loop, as `_serve_slot`'s."""
+        while run is not None:
+            try:
+                execution = await self.runner.aexecute(run)
+            except BaseException as exc:
+                log.exception("run execution ended abnormally", extra={**self._extra, "run": str(run.id)})
+                execution = Execution("escaped", None, False)
+                if isinstance(exc, asyncio.CancelledError) and self._stopping:
+                    self._ended(run, execution, asynchronous=True)
+                    raise
+            run = self._ended(run, execution, asynchronous=True)
+
+    def _ended(self, run: db.ClaimedRun, execution: Execution, asynchronous: bool) -> db.ClaimedRun | None:
+        """An execution in a slot of this kind ended: the run the slot goes on
+        with (its successor, when it is of the same kind and may start now)."""
+        with self._lock:
+            del self._executing[run.token]
+            self._async.discard(run.token)
+            if run.token in self.fence.abandoned:
+                self.fence.abandoned.discard(run.token)
+                self._reconcile = True  # still ours in the database? then replay it
+            if execution.look_again:
+                self._reconcile = True
+            if execution.outcome == "escaped":
+                self._escaped.add(db.Claim(run.id, run.token))
+            if run.token in self._claiming:
+                self._claiming.discard(run.token)
+                self._claims_landed.notify_all()
+            successor = execution.successor
+            run = other_kind = None
+            if successor is not None:
+                if self._stopping or successor.id in self._executing.values():
+                    self._backlog.append(successor)  # requeued, or started once the old execution is gone
+                elif registry.is_async(successor.name) == asynchronous:
+                    self._take_slot(successor, asynchronous)
+                    run = successor
+                else:
+                    other_kind = successor
+            wake = run is None or self._reconcile or bool(self._backlog)
+        if successor is not None:
+            metrics.CLAIMS.labels(self.name).inc()
+            if self.on_claim:
+                self.on_claim(1)
+        if other_kind is not None:
+            self._start(other_kind)  # in a slot of its kind (or the backlog, until one is free)
+        if wake:
+            self._wake()
+        return run
+
+    def _look_for_cancels(self, conn: psycopg.Connection) -> None:
+        """Every poll interval while async runs execute: the ones whose run was
+        cancelled meanwhile are preempted (their async steps cancelled at the
+        next await; a sync step always runs to its end)."""
+        now = time.monotonic()
+        if not self._async or now - self._cancels_checked < min(self.poll, PING_INTERVAL):
+            return
+        self._cancels_checked = now
+        with self._lock:
+            tokens = list(self._async)
+        for token in db.cancel_requests(conn, self.name, tokens):
+            self.runner.preempt(token)
 
     def _publish_load(self) -> None:
         """The runs in flight, to the gauge and `on_load` (the process title)
@@ -532,7 +621,7 @@ class Worker(Successors):
         self._published_load = inflight
         metrics.INFLIGHT.labels(self.name).set(inflight)
         if self.on_load:
-            self.on_load(inflight, self.threads)
+            self.on_load(inflight, self.threads + (self.async_slots if registry.kinds()[1] else 0))
 
     def _lock_changed(self, held: bool) -> None:
         if self.on_lock:

@@ -15,8 +15,9 @@ from everystep.db import queries
 from everystep.schema import TERMINAL
 
 DB = Path(__file__).resolve().parent.parent / "everystep" / "db"
-# The functions that take a statement's name as their first argument.
-TAKES_A_NAME = {("queries", "get"), ("queries", "numbered"), ("libpq", "hot")}
+# The functions that take a statement's name as their first argument (a
+# plan's `Query`, everystep.db.queries, is called by its own name).
+TAKES_A_NAME = {("queries", "get"), ("queries", "numbered"), ("libpq", "hot"), (None, "Query")}
 
 
 def names_used() -> dict[str, set[str]]:
@@ -25,9 +26,13 @@ def names_used() -> dict[str, set[str]]:
     used: dict[str, set[str]] = {}
     for path in DB.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and isinstance(node.func.value, ast.Name)
-                    and (node.func.value.id, node.func.attr) in TAKES_A_NAME):
+            called = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                called = (None, node.func.id)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)):
+                called = (node.func.value.id, node.func.attr)
+            if called in TAKES_A_NAME and node.args:
                 for constant in ast.walk(node.args[0]):
                     if isinstance(constant, ast.Constant) and isinstance(constant.value, str):
                         used.setdefault(constant.value, set()).add(path.name)

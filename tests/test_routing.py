@@ -104,13 +104,15 @@ def test_the_config_reads_routing_and_limits(tmp_path):
 
 def test_a_workers_options_come_from_the_config_for_the_supervisor_and_the_cli_alike(tmp_path):
     loaded = config.load(write(tmp_path, (
-        "workers: {threads: 3, poll: 0.5, drain: 5, workflows: [a.*]}\nrecovery: {grace: 2, max_crashes: 4}\n"
+        "workers: {threads: 3, async_slots: 50, poll: 0.5, drain: 5, workflows: [a.*]}\n"
+        "recovery: {grace: 2, max_crashes: 4}\n"
         "workflows: {a.b: {concurrency: 2}, a.c: {concurrency: null}}\n"
     )))
-    assert config.worker_options(loaded) == {"threads": 3, "poll": 0.5, "drain": 5, "grace": 2, "max_crashes": 4,
-                                             "workflows": ("a.*",), "limits": {"a.b": 2, "a.c": None}}
-    assert config.worker_options(None) == {"threads": 8, "poll": 1.0, "drain": 30.0, "grace": 10.0,
-                                           "max_crashes": 3, "workflows": None, "limits": {}}
+    assert config.worker_options(loaded) == {"threads": 3, "async_slots": 50, "poll": 0.5, "drain": 5, "grace": 2,
+                                             "max_crashes": 4, "workflows": ("a.*",),
+                                             "limits": {"a.b": 2, "a.c": None}}
+    assert config.worker_options(None) == {"threads": 8, "async_slots": 100, "poll": 1.0, "drain": 30.0,
+                                           "grace": 10.0, "max_crashes": 3, "workflows": None, "limits": {}}
     assert config.maintenance_options(loaded) == {"interval": 5.0, "grace": 2, "max_crashes": 4}
 
 

@@ -39,7 +39,11 @@ def add_commands(commands: Any, add: Add) -> None:
                         help="run only the workflows whose name matches PATTERN ('*' any characters, '?' one); "
                              "repeat for several (default: workers.workflows of -c FILE, else every workflow)")
     worker.add_argument("--threads", type=whole_number_argument(1),
-                        help="runs in flight (default: workers.threads of -c FILE, else 8)")
+                        help="runs of sync workflows in flight, a thread each (default: workers.threads of -c FILE, "
+                             "else 8)")
+    worker.add_argument("--async-slots", type=whole_number_argument(1),
+                        help="runs of async workflows in flight, on one event loop (default: workers.async_slots of "
+                             "-c FILE, else 100)")
     worker.add_argument("--poll", type=seconds_argument(zero=False),
                         help="seconds between polls (default: workers.poll of -c FILE, else 1)")
     worker.add_argument("--drain", type=seconds_argument(zero=True),

@@ -43,7 +43,7 @@ from everystep.db.fenced import (
     take_message,
     why_not_written,
 )
-from everystep.db.migrations import migrate
+from everystep.db.migrations import migrate, missing_migrations
 from everystep.db.observe import (
     fleet_load,
     publish_route,
@@ -57,6 +57,7 @@ from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunabl
 from everystep.db.queue import (
     any_limit,
     apply_limits,
+    cancel_requests,
     claim,
     count_crashes,
     end_runs,
@@ -101,6 +102,12 @@ from everystep.db.rows import (
     Written,
 )
 from everystep.db.runs import (
+    acancel_run,
+    aget_event,
+    ainsert_run,
+    ainsert_runs,
+    aload_run,
+    asend_message,
     cancel_run,
     children,
     get_event,
@@ -177,17 +184,20 @@ __all__ = [
     "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
     "Written",
     # session, migrations
-    "listen", "migrate", "ping", "prepare_claiming_session", "prepare_control_session", "prepare_session",
+    "listen", "migrate", "missing_migrations", "ping", "prepare_claiming_session", "prepare_control_session",
+    "prepare_session",
     "reset_claiming_session", "try_lock", "unlock",
     # queue
-    "any_limit", "apply_limits", "claim", "count_crashes", "end_runs", "finish_run", "held_claims", "limits",
-    "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer", "requeue_from_dead_claimers",
-    "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting", "wait_for_runs",
+    "any_limit", "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims",
+    "limits", "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer",
+    "requeue_from_dead_claimers", "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting",
+    "wait_for_runs",
     # fenced
     "begin_wait", "cancel_reason", "complete_started_step", "park_run", "park_waiting", "record_attempt",
     "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child", "take_message",
     "why_not_written",
     # runs
+    "acancel_run", "aget_event", "ainsert_run", "ainsert_runs", "aload_run", "asend_message",
     "cancel_run", "children", "get_event", "insert_run", "insert_runs", "list_runs", "load_events",
     "load_messages", "load_run", "load_steps", "send_message",
     # schedules

@@ -13,10 +13,7 @@ from everystep.db import queries
 def migrate(conn: psycopg.Connection) -> list[str]:
     """Apply the shipped migrations not yet applied, in one transaction, under
     an advisory lock so concurrent migrators queue up. Returns what it applied."""
-    files = sorted(
-        (f for f in resources.files("everystep.migrations").iterdir() if f.name.endswith(".sql")),
-        key=lambda f: f.name,
-    )
+    files = _shipped()
     applied = []
     with conn.transaction():
         conn.execute(queries.get("migration_lock"), {})
@@ -30,3 +27,20 @@ def migrate(conn: psycopg.Connection) -> list[str]:
             conn.execute(queries.get("record_migration"), {"name": name})
             applied.append(name)
     return applied
+
+
+def missing_migrations(conn: psycopg.Connection) -> list[str]:
+    """The shipped migrations this connection's schema lacks (every one where
+    there is no ledger). Reads only: `conn` may be Django's adapter."""
+    names = [f.name.removesuffix(".sql") for f in _shipped()]
+    if not conn.execute(queries.get("migration_ledger_exists"), {}).fetchone()[0]:
+        return names
+    done = {row[0] for row in conn.execute(queries.get("applied_migrations"), {}).fetchall()}
+    return [name for name in names if name not in done]
+
+
+def _shipped() -> list:
+    return sorted(
+        (f for f in resources.files("everystep.migrations").iterdir() if f.name.endswith(".sql")),
+        key=lambda f: f.name,
+    )

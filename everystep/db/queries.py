@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Generator
 from importlib import resources
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from everystep.plans import DONE, Stepper
 
 _HEADER = re.compile(r"^-- name: (.*)$", re.MULTILINE)
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -103,3 +106,45 @@ def numbered(name: str) -> Numbered:
         return f"${params.index(param) + 1}"
 
     return Numbered(_PERCENT.sub(position, get(name)), tuple(params))
+
+
+# ---------------------------------------------------------------- plans
+
+class Query(NamedTuple):
+    """One statement of a plan, by name, and what of its result the plan
+    wants back: "one" row (or None), "all" rows, or the rows as "dicts"."""
+    name: str
+    params: dict
+    rows: str = "one"
+
+
+# A function of the data layer written once for both kinds of connection: a
+# generator that yields its Querys, gets each one's rows back, and returns
+# its value. `run` executes it on a psycopg connection (or the adapter of
+# Django's), `arun` on a psycopg AsyncConnection: the same statements.
+Plan = Generator[Query, Any, Any]
+
+
+def run(conn: Any, plan: Plan) -> Any:
+    """Execute `plan` on a connection: its value."""
+    stepper = Stepper(plan)
+    while (query := stepper.next()) is not DONE:
+        cur = conn.execute(get(query.name), query.params)
+        stepper.sent = _rows(query, cur, cur.fetchone() if query.rows == "one" else cur.fetchall())
+    return stepper.value
+
+
+async def arun(aconn: Any, plan: Plan) -> Any:
+    """Execute `plan` on an AsyncConnection: its value."""
+    stepper = Stepper(plan)
+    while (query := stepper.next()) is not DONE:
+        cur = await aconn.execute(get(query.name), query.params)
+        stepper.sent = _rows(query, cur, await cur.fetchone() if query.rows == "one" else await cur.fetchall())
+    return stepper.value
+
+
+def _rows(query: Query, cur: Any, rows: Any) -> Any:
+    if query.rows == "dicts":
+        names = [c.name for c in cur.description]
+        return [dict(zip(names, row)) for row in rows]
+    return rows

@@ -137,6 +137,11 @@ def held_claims(conn: psycopg.Connection, runner: str) -> list[Claim]:
     return [Claim(*row) for row in conn.execute(queries.get("held_claims"), {"runner": runner})]
 
 
+def cancel_requests(conn: psycopg.Connection, runner: str, tokens: list[int]) -> list[int]:
+    """The executions among `tokens` (the runner's) whose run has a cancel request."""
+    return [row[0] for row in conn.execute(queries.get("cancel_requests"), {"runner": runner, "tokens": tokens})]
+
+
 def running_claimers(conn: psycopg.Connection) -> list[str]:
     """Every distinct claimer of a running run."""
     return [row[0] for row in conn.execute(queries.get("running_claimers"), {})]

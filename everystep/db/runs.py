@@ -3,7 +3,9 @@ runs, their steps, messages, events and children. Statements: sql/runs.sql.
 
 The functions that write join the caller's transaction: `conn` is a psycopg
 connection, or the adapter of Django's (everystep.api), which binds
-parameters on the client.
+parameters on the client. Those the asyncio API uses are plans
+(queries.Plan): `f(conn, ...)` runs one on a connection, `af(aconn, ...)`
+the same statements on an AsyncConnection.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import psycopg
 
 from everystep.db import queries
+from everystep.db.queries import Plan, Query
 from everystep.db.rows import CancelOutcome, EventValue, Scheduled, Sent, dicts
 
 # ---------------------------------------------------------------- scheduling
@@ -38,14 +41,26 @@ def insert_run(
     at once; a run not due yet is `waiting`. With an idempotency key, an
     existing run of the same (name, key) is returned instead.
     `trace_context`: the scheduling span's context as JSON, when tracing is on."""
+    return queries.run(conn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after))
+
+
+async def ainsert_run(aconn: psycopg.AsyncConnection, run_id: uuid.UUID, name: str, args_json: str,
+                      idempotency_key: str | None, trace_context: str | None = None,
+                      at: datetime.datetime | None = None, after: float | None = None) -> Scheduled:
+    """insert_run on an AsyncConnection."""
+    return await queries.arun(aconn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after))
+
+
+def _insert_run(run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
+                trace_context: str | None, at: datetime.datetime | None, after: float | None) -> Plan:
     due_now = at is None and after is None
-    row = conn.execute(queries.get("insert_run" if due_now else "insert_run_at"), {
+    row = yield Query("insert_run" if due_now else "insert_run_at", {
         "id": run_id, "name": name, "args": args_json, "key": idempotency_key, "at": at, "after": after,
         "trace": trace_context,
-    }).fetchone()
+    })
     if row is not None:
         return Scheduled(row[0], True)
-    existing = conn.execute(queries.get("keyed_run"), {"name": name, "key": idempotency_key}).fetchone()
+    existing = yield Query("keyed_run", {"name": name, "key": idempotency_key})
     if existing is None:
         raise _invisible(idempotency_key)
     return Scheduled(existing[0], False)
@@ -61,15 +76,26 @@ def insert_runs(
     arrays go in binary where psycopg binds them (no array literal for the
     server to parse), and only the ids of created runs with a key come back."""
     binary = isinstance(conn, psycopg.Connection)
-    keyed_created = conn.execute(queries.get("insert_runs" if binary else "insert_runs_text"), {
-        "name": name, "ids": run_ids, "args": args_jsons, "keys": idempotency_keys}).fetchone()[0]
+    return queries.run(conn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, binary))
+
+
+async def ainsert_runs(aconn: psycopg.AsyncConnection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
+                       idempotency_keys: list[str | None]) -> list[Scheduled]:
+    """insert_runs on an AsyncConnection."""
+    return await queries.arun(aconn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, True))
+
+
+def _insert_runs(name: str, run_ids: list[uuid.UUID], args_jsons: list[str], idempotency_keys: list[str | None],
+                 binary: bool) -> Plan:
+    keyed_created = (yield Query("insert_runs" if binary else "insert_runs_text", {
+        "name": name, "ids": run_ids, "args": args_jsons, "keys": idempotency_keys}))[0]
     if not keyed_created and all(key is None for key in idempotency_keys):
         return [Scheduled(run_id, True) for run_id in run_ids]
     created = set(keyed_created)
     missing = [key for run_id, key in zip(run_ids, idempotency_keys) if key is not None and run_id not in created]
     existing = {}
     if missing:
-        existing = dict(conn.execute(queries.get("keyed_runs"), {"name": name, "keys": missing}).fetchall())
+        existing = dict((yield Query("keyed_runs", {"name": name, "keys": missing}, "all")))
     runs = []
     for run_id, key in zip(run_ids, idempotency_keys):
         if key is None or run_id in created:
@@ -89,8 +115,18 @@ def send_message(conn: psycopg.Connection, run: uuid.UUID, topic: str, payload: 
     run has ended (or the same idempotency key sent one already); count it on
     the run, and make the run due at once if it is parked waiting for this
     topic (the notification goes out at commit)."""
-    row = conn.execute(queries.get("send_message"), {
-        "run": run, "topic": topic, "payload": payload, "key": key, "on": f"message:{topic}"}).fetchone()
+    return queries.run(conn, _send_message(run, topic, payload, key))
+
+
+async def asend_message(aconn: psycopg.AsyncConnection, run: uuid.UUID, topic: str, payload: str,
+                        key: str | None) -> Sent:
+    """send_message on an AsyncConnection."""
+    return await queries.arun(aconn, _send_message(run, topic, payload, key))
+
+
+def _send_message(run: uuid.UUID, topic: str, payload: str, key: str | None) -> Plan:
+    row = yield Query("send_message", {
+        "run": run, "topic": topic, "payload": payload, "key": key, "on": f"message:{topic}"})
     return Sent(row[0], row[1])
 
 
@@ -100,10 +136,19 @@ def cancel_run(conn: psycopg.Connection, run: uuid.UUID, reason: str | None) -> 
     gets a durable cancel request that its execution honours at its next step
     boundary (and that the end of the run honours, whatever ends first). A
     finished run, or one with a request already, is left as it is."""
-    row = conn.execute(queries.get("cancel_run"), {"run": run, "reason": reason}).fetchone()
+    return queries.run(conn, _cancel_run(run, reason))
+
+
+async def acancel_run(aconn: psycopg.AsyncConnection, run: uuid.UUID, reason: str | None) -> CancelOutcome:
+    """cancel_run on an AsyncConnection."""
+    return await queries.arun(aconn, _cancel_run(run, reason))
+
+
+def _cancel_run(run: uuid.UUID, reason: str | None) -> Plan:
+    row = yield Query("cancel_run", {"run": run, "reason": reason})
     if row[0] is not None:
         return CancelOutcome(row[0], True)
-    row = conn.execute(queries.get("run_status"), {"run": run}).fetchone()
+    row = yield Query("run_status", {"run": run})
     return CancelOutcome(None if row is None else row[0], False)
 
 
@@ -113,12 +158,30 @@ def cancel_run(conn: psycopg.Connection, run: uuid.UUID, reason: str | None) -> 
 def get_event(conn: psycopg.Connection, run: uuid.UUID, key: str) -> EventValue:
     """The run's status (None if there is no such run), whether the event is
     set, and its value as JSON data."""
-    row = conn.execute(queries.get("get_event"), {"run": run, "key": key}).fetchone()
+    return queries.run(conn, _get_event(run, key))
+
+
+async def aget_event(aconn: psycopg.AsyncConnection, run: uuid.UUID, key: str) -> EventValue:
+    """get_event on an AsyncConnection."""
+    return await queries.arun(aconn, _get_event(run, key))
+
+
+def _get_event(run: uuid.UUID, key: str) -> Plan:
+    row = yield Query("get_event", {"run": run, "key": key})
     return EventValue(None, False, None) if row is None else EventValue(*row)
 
 
 def load_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
-    rows = dicts(conn.execute(queries.get("load_run"), {"run": run}))
+    return queries.run(conn, _load_run(run))
+
+
+async def aload_run(aconn: psycopg.AsyncConnection, run: uuid.UUID) -> dict | None:
+    """load_run on an AsyncConnection."""
+    return await queries.arun(aconn, _load_run(run))
+
+
+def _load_run(run: uuid.UUID) -> Plan:
+    rows = yield Query("load_run", {"run": run}, "dicts")
     return rows[0] if rows else None
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = (
-    "limit", "w1", "w3", "latency", "enqueue", "fleet", "growth", "recovery", "memory", "scrape", "supervisor_scrape",
-    "ui", "sleep", "flow", "claim_cost",
+    "limit", "w1", "w3", "w1_async", "w3_async", "latency", "enqueue", "fleet", "growth", "recovery", "memory",
+    "scrape", "supervisor_scrape", "ui", "sleep", "flow", "claim_cost",
 )
 
 

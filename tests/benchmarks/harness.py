@@ -171,7 +171,8 @@ def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[Su
         os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_SERVICE_NAME="everystep-bench")
         sections = {**sections, "tracing": {"enabled": True}}
     workers = {"processes": PROCESSES, "threads": THREADS, "poll": 1.0, "drain": 10, **sections.pop("workers", {})}
-    document = config(db.url, name, imports=["tests.benchmarks.workflows"], workers=workers, **sections)
+    imports = sections.pop("imports", ["tests.benchmarks.workflows"])
+    document = config(db.url, name, imports=imports, workers=workers, **sections)
     process = SupervisorProcess(document, folder)
     try:
         process.wait_logged("holding the lock of", count=PROCESSES)

@@ -1,7 +1,8 @@
-"""Throughput (w1, w3): runs scheduled up front in one transaction, drained by
-a real supervisor's 2 worker processes x 8 threads, each repeat right after a
-measurement of the raw commit ceiling, so every ratio compares figures taken
-minutes apart at most on this noisy machine."""
+"""Throughput (w1, w3, and w1_async, w3_async with async workflows and steps):
+runs scheduled up front in one transaction, drained by a real supervisor's 2
+worker processes x 8 run slots (threads, or async slots), each repeat right
+after a measurement of the raw commit ceiling, so every ratio compares
+figures taken minutes apart at most on this noisy machine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from collections.abc import Callable
 from tests.benchmarks import harness
 
 
-def main(benchmark: str, workflow: Callable, steps_per_run: int, runs: int, target: float) -> None:
+def main(benchmark: str, workflow: Callable, steps_per_run: int, runs: int, target: float,
+         **supervisor: dict | list) -> None:
+    """`supervisor`: sections of the supervisor's config (and `imports`)."""
     parser = argparse.ArgumentParser(description=f"{benchmark}: drain {runs} runs of {steps_per_run} step(s)")
     parser.add_argument("--runs", type=int, default=runs)
     parser.add_argument("--repeat", type=int, default=3, help="repeats; the figures are medians")
@@ -19,7 +22,8 @@ def main(benchmark: str, workflow: Callable, steps_per_run: int, runs: int, targ
     args = harness.arguments(parser, quick={"runs": 200, "repeat": 1, "ceiling_seconds": 1.0})
 
     limits, runs_per_s, ratios, db_cpu, worker_cpu, failed = [], [], [], [], [], 0
-    with harness.schema() as db, harness.scratch() as folder, harness.supervisor(db, benchmark, folder) as fleet:
+    with (harness.schema() as db, harness.scratch() as folder,
+          harness.supervisor(db, benchmark, folder, **supervisor) as fleet):
         meter = harness.CpuMeter(db, fleet.pid)
         for repeat in range(args.repeat):
             limits.append(harness.commit_ceiling(args.ceiling_seconds))

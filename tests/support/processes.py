@@ -56,14 +56,14 @@ class WorkerProcess:
                  drain: float | None = 10, grace: float | None = 2, max_crashes: int | None = 3,
                  imports: tuple = ("tests.apps.workflows",), workflows: tuple = (),
                  command: tuple = (sys.executable, "-m", "everystep.cli"), cwd: Path = ROOT,
-                 direct_url: str | None = None, config: Path | None = None):
+                 direct_url: str | None = None, config: Path | None = None, async_slots: int | None = None):
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
         args = [*command, *(["--database-url", url] if url else []), *(["-c", str(config)] if config else []),
                 "worker", "--name", name]
-        options = {"--threads": threads, "--poll": poll, "--drain": drain, "--grace": grace,
-                   "--max-crashes": max_crashes}
+        options = {"--threads": threads, "--async-slots": async_slots, "--poll": poll, "--drain": drain,
+                   "--grace": grace, "--max-crashes": max_crashes}
         args += [word for option, value in options.items() if value is not None for word in (option, str(value))]
         for module in imports:
             args += ["--import", module]

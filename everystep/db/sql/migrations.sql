@@ -12,6 +12,10 @@ CREATE TABLE IF NOT EXISTS everystep_migration (
     applied_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- name: migration_ledger_exists
+-- Whether the schema has the applier's ledger, before it is read.
+SELECT to_regclass('everystep_migration') IS NOT NULL;
+
 -- name: applied_migrations
 SELECT name
 FROM everystep_migration;

@@ -232,6 +232,14 @@ SELECT id, claim_token
 FROM everystep_workflow
 WHERE status = 'running' AND claimed_by = %(runner)s;
 
+-- name: cancel_requests
+-- Which of these executions of the runner (their tokens) have a cancel
+-- request on their run: the worker preempts their async steps.
+SELECT claim_token
+FROM everystep_workflow
+WHERE status = 'running' AND claimed_by = %(runner)s AND claim_token = ANY(%(tokens)s::bigint[])
+  AND cancel_requested_at IS NOT NULL;
+
 -- name: running_claimers
 SELECT DISTINCT claimed_by
 FROM everystep_workflow
@@ -396,12 +404,14 @@ WITH i AS (
         w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
 ), ended AS (
     -- A cancel request that reached the row before the end wins over every
-    -- other end: the run is `cancelled` (what the body returned or raised is
-    -- kept in result/error).
+    -- other end but `blocked`: the run is `cancelled` (what the body returned
+    -- or raised is kept in result/error). A run blocked on an unsafe step's
+    -- uncertain effect (one cancelled mid-effect too) waits for an operator:
+    -- the request is delivered at its next step call once that is resolved.
     UPDATE everystep_workflow w
-    SET status = CASE WHEN w.cancel_requested_at IS NULL THEN h.status ELSE 'cancelled' END,
+    SET status = CASE WHEN w.cancel_requested_at IS NULL OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
         result = h.result::jsonb, error = h.error::jsonb,
-        completed_at = CASE WHEN h.status = 'blocked' AND w.cancel_requested_at IS NULL THEN NULL ELSE everystep_now() END
+        completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE everystep_now() END
     FROM held h
     WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
       AND w.claimed_by = %(runner)s AND w.claim_token = h.token
@@ -491,9 +501,9 @@ WITH i AS (
         w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
 ), ended AS (
     UPDATE everystep_workflow w
-    SET status = CASE WHEN w.cancel_requested_at IS NULL THEN h.status ELSE 'cancelled' END,
+    SET status = CASE WHEN w.cancel_requested_at IS NULL OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
         result = h.result::jsonb, error = h.error::jsonb,
-        completed_at = CASE WHEN h.status = 'blocked' AND w.cancel_requested_at IS NULL THEN NULL ELSE everystep_now() END
+        completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE everystep_now() END
     FROM held h
     WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
       AND w.claimed_by = %(runner)s AND w.claim_token = h.token
