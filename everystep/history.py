@@ -33,7 +33,7 @@ from everystep import db, registry, serde
 from everystep.context import Scope
 from everystep.errors import WorkflowCodeError
 from everystep.execution import Fence, HeldRun, Lent, Successors
-from everystep.runner import EVENT, PATCH_STEP, START, Replay
+from everystep.runner import EVENT, PATCH_STEP, START, Replay, drive
 from everystep.schema import TERMINAL, StepStatus
 
 FORMAT = "everystep.history/1"
@@ -179,7 +179,7 @@ def _check(run: dict) -> Checked:
     quiet = _Quiet(run["id"])
     log.addFilter(quiet)  # the runner's "run failed" of a diverging run is this report's business
     try:
-        checking.run()
+        drive(checking.run())  # the replay rules, driven on this thread as a sync run's are
     except _EndOfHistory:
         pass
     finally:
@@ -304,16 +304,13 @@ class _History(HeldRun):
     def flush(self) -> None:
         pass
 
-    def ending(self) -> None:
-        return None
-
     def record_step(self, step_id: str, name: str, args: str, kwargs: str, status: str, result: Any,
                     error: dict | None, update: bool, started: tuple[float, float]) -> None:
         if name != PATCH_STEP or status != StepStatus.DONE:
             self._past()
         self.patches.append(Patch(step_id, bool(result)))
 
-    def end(self, status: str, result: str | None, error: str | None, last: Any) -> str:
+    def end(self, status: str, result: str | None, error: str | None) -> str:
         self.ended = status
         return status
 
