@@ -23,6 +23,7 @@ def main(url: str) -> None:
     from django.utils import timezone  # noqa: PLC0415
 
     from everystep.django.tasks import idempotency_key, task_finished, task_started  # noqa: PLC0415
+    from everystep.testing import server  # noqa: PLC0415
     from tests.apps import django_tasks as tasks  # noqa: PLC0415
     from tests.conftest import Database  # noqa: PLC0415
 
@@ -70,8 +71,8 @@ def main(url: str) -> None:
         first, again = tasks.add.enqueue(1, 1), tasks.add.enqueue(1, 1)
     out["keyed"] = first.id == again.id
 
-    database = Database.__new__(Database)
-    database.url, database._pool = url, None
+    database = Database.__new__(Database)  # on this URL as it is (its schema first on the search path)
+    server.Database.__init__(database, url, schema="")
     try:
         out["executed"] = {str(k): v for k, v in database.run_pending().items()}
     finally:
