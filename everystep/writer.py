@@ -35,12 +35,12 @@ from everystep import db, metrics
 # Writes per transaction at most: the run slots of a process stay far below
 # it; parallel branches and late outcomes may add some.
 MAX_BATCH = 64
-# Ends claim their successors among unlimited workflows only (a statement
-# half the size, which PostgreSQL sets up again for every batch) until one
-# such batch finds runs of a limited workflow to claim; from then on, for
-# this many seconds, with the whole claim, limits and slots included. So a
-# limited workflow's runs wait at most one batch behind later runs of
-# unlimited ones.
+# Ends claim their successors among unlimited workflows only (for plain
+# ends, db's end_plain_runs: a fraction of the plan, which PostgreSQL sets up
+# again for every batch) until one such batch finds a limited workflow with
+# a free slot and runs to claim; from then on, for this many seconds, with
+# the whole claim, limits and slots included. So a limited workflow's runs
+# wait at most one batch behind later runs of unlimited ones.
 WHOLE_CLAIM = 1.0
 # Seconds without a write after which the thread ends and its connection goes
 # back to the pool (the next write starts it again).
