@@ -102,9 +102,11 @@ def sort_lanes(conn: psycopg.Connection) -> int:
     stand (0011_lanes.sql): after the limits change, and at every sweep of
     the maintenance child, for a run inserted while they changed. Returns how
     many runs moved (and wakes the claimers when any did)."""
-    moved = conn.execute(queries.get("sort_lanes"), {}).fetchall()
-    if moved:
-        conn.execute(queries.get("notify"), {})
+    with conn.transaction():
+        conn.execute(queries.get("no_jit_in_transaction"), {})
+        moved = conn.execute(queries.get("sort_lanes"), {}).fetchall()
+        if moved:
+            conn.execute(queries.get("notify"), {})
     return len(moved)
 
 

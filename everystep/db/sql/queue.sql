@@ -157,23 +157,48 @@ RETURNING w.id, w.name, w.args,
 
 -- name: sort_lanes
 -- Every claimable run into the lane of its workflow as the limits stand (see
--- 0011_lanes.sql). A run a claim has locked is waited for (a claim is one
--- short statement): claimed meanwhile, it is not claimable any more and
--- stays as it is; else it moves. Locked in id order, so that two sorts at
--- once wait for each other rather than deadlock.
+-- 0011_lanes.sql), reading only what may be in the wrong lane: the limited
+-- lane's runs whose workflow has no limit any more (its own index), and the
+-- claimable runs of the workflows that have a limit (by name: the OFFSET 0
+-- keeps that a probe of everystep_workflow_due_by_name per limited workflow,
+-- which a join would turn into a scan of the table), never the whole
+-- backlog. A run a claim has locked is waited for (a claim is one short
+-- statement): claimed meanwhile, it is not claimable any more and stays as it
+-- is. Locked in id order, so that two sorts at once wait for each other
+-- rather than deadlock.
 WITH wrong AS (
     SELECT w.id
     FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting')
-      AND w.limited <> EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
+    WHERE w.status IN ('scheduled', 'waiting') AND w.limited
+      AND NOT EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
+  UNION ALL
+    SELECT w.id
+    FROM everystep_limit l
+    CROSS JOIN LATERAL (SELECT w.id
+                        FROM everystep_workflow w
+                        WHERE w.name = l.name AND w.status IN ('scheduled', 'waiting') AND NOT w.limited
+                        OFFSET 0) w
+), locked AS (
+    SELECT w.id
+    FROM everystep_workflow w
+    WHERE w.id = ANY(ARRAY(SELECT id FROM wrong))
     ORDER BY w.id
     FOR UPDATE OF w
 )
 UPDATE everystep_workflow w
 SET limited = NOT w.limited
-FROM wrong
-WHERE w.id = wrong.id
+FROM locked
+WHERE w.id = locked.id AND w.status IN ('scheduled', 'waiting')
+  AND w.limited <> EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
 RETURNING w.id;
+
+
+-- name: no_jit_in_transaction
+-- For the rest of the transaction, no JIT compilation: sort_lanes reads a few
+-- index entries in well under a millisecond, but its estimate (the lanes'
+-- anti-join against everystep_limit) is above jit_above_cost, and compiling
+-- it took 250 ms at every sweep.
+SELECT set_config('jit', 'off', true);
 
 
 -- name: any_limit
