@@ -77,7 +77,11 @@ def test_locks_seen_free_before_a_restart_do_not_count_after_it(private_server, 
             time.sleep(GRACE)
             assert sweep.sweep(conn) == []
             assert status(private_server, held_run) == ("running", "w-live")
-        # Now its session ends for good: dead a grace later.
+            worker_backend = worker.info.backend_pid
+        # Now its session ends for good: dead a grace after the sweep sees its
+        # lock free (the server ends the backend a moment after the client closes).
+        wait_for(lambda: not conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s",
+                                          (worker_backend,)).fetchone(), 10, what="the worker's backend gone")
         assert sweep.sweep(conn) == []
         time.sleep(GRACE)
         assert sweep.sweep(conn) == [held_run.id]
