@@ -61,6 +61,10 @@ class DatabaseConfig:
     # PostgreSQL, for what needs a session (workers' control sessions,
     # maintenance, migrations, the HTTP child); the workers' pools use `url`.
     direct_url: str = ""
+    # The environment the database must record (`everystep migrate
+    # --environment NAME`); empty: any. The CLI with -c and the supervisor
+    # refuse another one before they write anything.
+    expected_environment: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,28 @@ class UiConfig:
 
     bind: str = "127.0.0.1"
     port: int = 9118  # 0: any free port (for tests)
-    viewer_token: str = ""  # e.g. ${EVERYSTEP_UI_VIEWER_TOKEN}: may read
-    operator_token: str = ""  # e.g. ${EVERYSTEP_UI_OPERATOR_TOKEN}: may act
+    viewer_token: str = ""  # e.g. ${EVERYSTEP_UI_VIEWER_TOKEN}: may read (the audit trail says "viewer")
+    operator_token: str = ""  # e.g. ${EVERYSTEP_UI_OPERATOR_TOKEN}: may act (the audit trail says "operator")
+    users: dict[str, UiUser] = field(default_factory=dict)  # per-person credentials, by the person's name
+    # Behind an authenticating proxy (oauth2-proxy, ...): the request header
+    # naming the user, honoured only from the addresses of trusted_proxies.
+    trusted_user_header: str = ""
+    trusted_proxies: tuple[str, ...] = ()  # addresses or CIDRs, e.g. 10.0.0.5, 10.1.0.0/16
+    trusted_user_role: str = "viewer"  # the role of a header-named user not in `users`; none: refused
+
+
+UI_ROLES = ("viewer", "operator")
+TRUSTED_USER_ROLES = ("viewer", "operator", "none")
+UI_USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,99}")
+HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,99}")
+
+
+@dataclass(frozen=True)
+class UiUser:
+    """One person's credential (`ui.users.<name>`): what the audit trail names them."""
+
+    token: str = ""  # e.g. ${EVERYSTEP_UI_TOKEN_ALICE}; empty: only through the trusted proxy's header
+    role: str = "viewer"  # viewer: may read; operator: may act too
 
 
 @dataclass(frozen=True)
@@ -208,7 +232,8 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
     sentry = _Section(file, "sentry", top.raw.get("sentry"), SentryConfig)
     return Config(
         path=path,
-        database=DatabaseConfig(url=_database_url(database), direct_url=_direct_url(database)),
+        database=DatabaseConfig(url=_database_url(database), direct_url=_direct_url(database),
+                                expected_environment=_environment_name(database, "expected_environment")),
         name=_runner_base_name(top),
         imports=tuple(_module_names(top)),
         migrate=top.boolean("migrate"),
@@ -297,6 +322,17 @@ def _database_url(database: _Section, key: str = "url") -> str:
     return url
 
 
+ENVIRONMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _environment_name(section: _Section, key: str) -> str:
+    name = section.text(key)
+    if name and not ENVIRONMENT_NAME.fullmatch(name):
+        raise section.error(key, f"must be 1 to 64 letters, digits, '.', '_' or '-' (like staging or production), "
+                                 f"got {_show(name)}")
+    return name
+
+
 def _direct_url(database: _Section) -> str:
     direct_url = _database_url(database, "direct_url")
     if direct_url and not database.text("url"):
@@ -335,12 +371,64 @@ def _ui(file: str, raw: dict) -> UiConfig | None:
     from everystep.ui.core import bind_problem  # noqa: PLC0415
 
     ui = _Section(file, "ui", raw["ui"], UiConfig)
+    header = ui.text("trusted_user_header")
+    if header and not HEADER_NAME.fullmatch(header):
+        raise ui.error("trusted_user_header", f"must be an HTTP header name like X-Forwarded-User, got {_show(header)}")
+    proxies = _trusted_proxies(ui)
+    if header and not proxies:
+        raise ui.error("trusted_user_header", "needs ui.trusted_proxies: the addresses of the proxies allowed to "
+                                              "name the user (a header from anywhere else is ignored)")
+    if proxies and not header:
+        raise ui.error("trusted_proxies", "only applies with ui.trusted_user_header")
     config = UiConfig(bind=_bind_address(ui), port=ui.integer("port", minimum=0, maximum=65535),
-                      viewer_token=ui.text("viewer_token"), operator_token=ui.text("operator_token"))
-    problem = bind_problem(config.bind, config.viewer_token, config.operator_token)
+                      viewer_token=ui.text("viewer_token"), operator_token=ui.text("operator_token"),
+                      users=_ui_users(ui, bool(header)), trusted_user_header=header, trusted_proxies=proxies,
+                      trusted_user_role=ui.choice("trusted_user_role", TRUSTED_USER_ROLES))
+    tokens = [t for t in (config.viewer_token, config.operator_token, *(u.token for u in config.users.values())) if t]
+    if len(set(tokens)) < len(tokens):
+        raise ui.error("users", "two credentials have the same token: each person (and each of viewer_token, "
+                                "operator_token) needs a token of their own")
+    problem = bind_problem(config.bind, config.viewer_token, config.operator_token,
+                           others=bool(config.users or header))
     if problem:
         raise ui.error("bind", problem)
     return config
+
+
+def _ui_users(ui: _Section, by_header: bool) -> dict[str, UiUser]:
+    raw = ui.get("users")
+    if raw is None or raw == {}:
+        return {}
+    if not isinstance(raw, dict):
+        raise ui.error("users", "must be a mapping of names to {token: ..., role: viewer|operator}, "
+                                f"got {_show(raw)}")
+    users = {}
+    for name, entry in raw.items():
+        if not isinstance(name, str) or not UI_USER_NAME.fullmatch(name):
+            raise ui.error("users", f"the name {_show(name)} must be 1 to 100 letters, digits, '.', '_', '@', '+' "
+                                    "or '-' (the name the audit trail records)")
+        user = _Section(ui.file, f"ui.users.{name}", entry, UiUser)
+        token = user.text("token")
+        if not token and not by_header:
+            raise user.error("token", "is required (a user without one can only come through "
+                                      "ui.trusted_user_header)")
+        if token and (len(token) < 8 or any(ch.isspace() for ch in token)):
+            raise user.error("token", "must be at least 8 characters without whitespace")
+        users[name] = UiUser(token=token, role=user.choice("role", UI_ROLES))
+    return users
+
+
+def _trusted_proxies(ui: _Section) -> tuple[str, ...]:
+    import ipaddress  # noqa: PLC0415
+
+    proxies = ui.items("trusted_proxies")
+    for i, proxy in enumerate(proxies):
+        try:
+            ipaddress.ip_network(str(proxy), strict=False)
+        except ValueError:
+            raise ui.error(f"trusted_proxies[{i}]", f"must be an IP address or CIDR like 10.0.0.5 or 10.1.0.0/16, "
+                                                    f"got {_show(proxy)}") from None
+    return tuple(str(proxy) for proxy in proxies)
 
 
 def _schedules(file: str, raw: Any) -> Manifest:
@@ -551,6 +639,12 @@ class _Expanded(str):
 
 _SUBSTITUTION = re.compile(r"\$\$|\$\{(?P<body>[^}]*)(?P<close>\}?)")
 _REFERENCE = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>.*))?", re.DOTALL)
+
+
+def expand(file: str, key: str, node: Any) -> Any:
+    """Environment variables expanded in every string of `node` (found at
+    `key` of `file`), as in the config file: ConfigError for an unset one."""
+    return _plain(_expand(file, key, node))
 
 
 def _expand(file: str, key: str, node: Any) -> Any:

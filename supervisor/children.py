@@ -161,7 +161,7 @@ def _ui(spec: ChildSpec, config, status: _Status) -> None:
     ui = config.ui
     sock = server.bind(ui.bind, ui.port)  # a port in use is a boot failure
     status.booted()
-    server.serve(sock, spec.database_url, Credentials(ui.viewer_token, ui.operator_token))
+    server.serve(sock, spec.database_url, Credentials.from_config(ui))
 
 
 def _maintenance(spec: ChildSpec, config, status: _Status) -> None:

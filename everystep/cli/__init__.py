@@ -64,6 +64,9 @@ def _database_options(parser: argparse.ArgumentParser, default: Any) -> None:
     parser.add_argument("--database-url", default=default,
                         help="PostgreSQL URL (default: $EVERYSTEP_DATABASE_URL, else -c FILE)")
     parser.add_argument("-c", "--config", default=default, help="everystep.yaml to take database.url from")
+    parser.add_argument("--context", default=default, metavar="NAME",
+                        help="take the database URL and the environment it must be from the context NAME of "
+                             "~/.config/everystep/contexts.yaml (or $EVERYSTEP_CONTEXTS)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,16 @@ from typing import Any, TypeVar
 import psycopg
 
 from everystep import operations, serde
-from everystep.cli.common import EXIT_REFUSED, Add, CliError, actor, connect, json_value_argument, run_id_argument
+from everystep.cli.common import (
+    EXIT_REFUSED,
+    Add,
+    CliError,
+    acted_on,
+    actor,
+    connect,
+    json_value_argument,
+    run_id_argument,
+)
 
 T = TypeVar("T")
 
@@ -63,6 +72,7 @@ def cmd_resolve_step(args: argparse.Namespace) -> int:
     else:
         done = f"recorded as done with the result {serde.dumps(resolved.value)}"
     print(f"step {resolved.step!r} of run {resolved.run} {done}; the run is scheduled again")
+    acted_on(args)
     return 0
 
 
@@ -96,6 +106,7 @@ def _on_runs(args: argparse.Namespace, action: Callable[[psycopg.Connection], An
     _refuse(refused, args.runs, verb)
     for each in done:
         print(line(each))
+    acted_on(args)
     return 0
 
 

@@ -6,14 +6,33 @@ import argparse
 from typing import Any
 
 from everystep import db
-from everystep.cli.common import Add, audit, connect, plural, whole_number_argument
+from everystep.cli import contexts
+from everystep.cli.common import (
+    Add,
+    CliError,
+    acted_on,
+    actor,
+    audit,
+    connect,
+    expected_environment,
+    open_connection,
+    plural,
+    whole_number_argument,
+)
 
 MAX_DAYS = 36500  # 100 years: the bound of --older-than
 PRUNE_BATCH = 1000  # runs deleted per transaction, so prune never holds locks for long
 
 
 def add_commands(commands: Any, add: Add) -> None:
-    add(commands, "migrate", cmd_migrate, "apply the schema migrations (safe to run concurrently and repeatedly)")
+    migrate = add(commands, "migrate", cmd_migrate,
+                  "apply the schema migrations (safe to run concurrently and repeatedly)")
+    migrate.add_argument("--environment", metavar="NAME",
+                         help="record which environment this database is (staging, production, ...): "
+                              "commands whose --context expects another refuse to act on it")
+    migrate.add_argument("--force", action="store_true",
+                         help="with --environment: record it even though the database records another "
+                              "(a copy of production restored as staging, say)")
 
     prune = add(commands, "prune", cmd_prune,
                 "delete completed, failed, stopped and cancelled runs (with their steps) older than a bound")
@@ -31,9 +50,32 @@ def add_commands(commands: Any, add: Add) -> None:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    with connect(args) as conn:
-        applied = db.migrate(conn)
+    if args.environment is None:
+        if args.force:
+            raise CliError("--force only goes with --environment NAME")
+        with connect(args) as conn:
+            applied = db.migrate(conn)
+        print(f"applied {', '.join(applied)}" if applied else "nothing to apply: the schema is up to date")
+        acted_on(args)
+        return 0
+    name = contexts.environment_name(args.environment, "--environment")
+    expected, why = expected_environment(args)
+    if expected is not None and expected != name:
+        raise CliError(f"--environment {name}, but {why} expects {expected!r}: nothing done")
+    with open_connection(args) as conn:
+        recorded = db.recorded_environment(conn)
+        if recorded is not None and recorded != name and not args.force:
+            raise CliError(f"this database is recorded as {recorded!r}, not {name!r}: nothing done (if it is "
+                           f"{name} now, a copy say, pass --force)")
+        with conn.transaction():
+            applied = db.migrate(conn)
+            if recorded != name:
+                who = actor()
+                db.record_environment(conn, name, who.name)
+                db.audit(conn, who.name, who.source, "environment", target=name, details={"was": recorded})
     print(f"applied {', '.join(applied)}" if applied else "nothing to apply: the schema is up to date")
+    print(f"environment: {name}" + ("" if recorded == name else
+                                    f" (recorded now{f'; it was {recorded}' if recorded else ''})"))
     return 0
 
 
@@ -49,6 +91,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             deleted += batch
         audit(conn, "prune", details={"older_than_days": args.older_than, "deleted": deleted})
     print(f"deleted {plural(deleted, 'run')} {what}, with their steps")
+    acted_on(args)
     return 0
 
 
@@ -63,6 +106,7 @@ def cmd_roles(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         conn.execute(text)  # one transaction: the SQL has its BEGIN and COMMIT
     print(f"applied the roles {', '.join(roles.role_names(args.prefix))}")
+    acted_on(args)
     return 0
 
 

@@ -15,32 +15,32 @@ from typing import Any, NoReturn
 import psycopg
 
 from everystep import db, operations, registry, serde
+from everystep.cli.errors import (  # noqa: F401  (re-exported: the commands take them from here)
+    EXIT_DATABASE,
+    EXIT_PLAN_CHANGED,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    CliError,
+)
 from everystep.logs import first_line
-
-EXIT_REFUSED = 1
-EXIT_USAGE = 2
-EXIT_DATABASE = 3
-EXIT_PLAN_CHANGED = 4
 
 # How a module adds its commands: add(commands, name, fn, help) is a
 # subcommand with the database options (build_parser's).
 Add = Callable[[Any, str, "Callable[[argparse.Namespace], int] | None", str], argparse.ArgumentParser]
 
 
-class CliError(Exception):
-    """One clear line for stderr, and the exit code that goes with it."""
-
-    def __init__(self, message: str, code: int = EXIT_USAGE):
-        super().__init__(message)
-        self.code = code
-
-
 # ---------------------------------------------------------------- the database
 
 def database_url(args: argparse.Namespace) -> str:
-    """--database-url, else EVERYSTEP_DATABASE_URL, else -c FILE's database.url."""
+    """--database-url, else --context's url, else EVERYSTEP_DATABASE_URL,
+    else -c FILE's database.url."""
+    context = _context(args)
     if args.database_url:
+        if context is not None:
+            raise CliError(f"--database-url and --context {context.name} both name a database: give one")
         return args.database_url
+    if context is not None:
+        return context.url
     if os.environ.get("EVERYSTEP_DATABASE_URL"):
         return os.environ["EVERYSTEP_DATABASE_URL"]
     if getattr(args, "config", None):
@@ -69,7 +69,34 @@ def load_config(path: str) -> Any:
         raise CliError(str(exc)) from None
 
 
-def connect(args: argparse.Namespace) -> psycopg.Connection:
+def _context(args: argparse.Namespace) -> Any:
+    """The --context of the command line, read from the contexts file (once)."""
+    name = getattr(args, "context", None)
+    if not name:
+        return None
+    if getattr(args, "_context", None) is None:
+        from everystep.cli import contexts  # noqa: PLC0415
+
+        args._context = contexts.load_context(name)
+    return args._context
+
+
+def expected_environment(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The environment the database must record, and who expects it: the
+    --context's, else -c FILE's database.expected_environment; (None, "")
+    when nothing expects one."""
+    context = _context(args)
+    if context is not None and context.environment is not None:
+        return context.environment, f"--context {context.name}"
+    if context is None and getattr(args, "config", None):
+        expected = load_config(args.config).database.expected_environment
+        if expected:
+            return expected, f"{args.config}: database.expected_environment"
+    return None, ""
+
+
+def open_connection(args: argparse.Namespace) -> psycopg.Connection:
+    """A connection to the command's database, with no environment check."""
     url = database_url(args)
     try:
         return psycopg.connect(url, autocommit=True, connect_timeout=10)
@@ -77,6 +104,40 @@ def connect(args: argparse.Namespace) -> psycopg.Connection:
         raise CliError(f"cannot reach the database: {first_line(exc)}", EXIT_DATABASE) from None
     except psycopg.ProgrammingError as exc:  # a malformed URL
         raise CliError(f"bad database URL: {first_line(exc)}") from None
+
+
+def connect(args: argparse.Namespace) -> psycopg.Connection:
+    """A connection to the command's database, once its recorded environment
+    is the expected one (else one line, exit 2, before anything is written).
+    The environment found is kept in `args.environment_found`."""
+    from everystep.cli import contexts  # noqa: PLC0415
+
+    expected, why = expected_environment(args)
+    conn = open_connection(args)
+    try:
+        args.environment_found = contexts.check(conn, expected, why)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def check_environment(args: argparse.Namespace) -> str | None:
+    """For a command that connects by itself (a worker, the UI): refuse a
+    database that is not the expected environment before it starts."""
+    expected, _ = expected_environment(args)
+    if expected is None:
+        return None
+    with connect(args):
+        return args.environment_found
+
+
+def acted_on(args: argparse.Namespace) -> None:
+    """The line a command that changed something ends with: the environment
+    it acted on, when the database records one."""
+    found = getattr(args, "environment_found", None)
+    if found:
+        print(f"environment: {found}")
 
 
 def load_run(conn: psycopg.Connection, run_id: uuid.UUID) -> dict:
@@ -87,10 +148,14 @@ def load_run(conn: psycopg.Connection, run_id: uuid.UUID) -> dict:
 
 
 def actor() -> operations.Actor:
-    """Who acts, as the audit trail records it: the Unix user on this host."""
+    """Who acts, as the audit trail records it: $EVERYSTEP_OPERATOR, else
+    the Unix user on this host (user@host)."""
     import getpass  # noqa: PLC0415
     import socket  # noqa: PLC0415
 
+    named = os.environ.get("EVERYSTEP_OPERATOR", "").strip()
+    if named:
+        return operations.Actor(named, "cli")  # the person, where the OS user is shared (a bastion's "deploy")
     try:
         user = getpass.getuser()
     except (KeyError, OSError):

@@ -15,6 +15,7 @@ from everystep.cli.common import (
     EXIT_REFUSED,
     Add,
     CliError,
+    check_environment,
     database_url,
     import_modules,
     load_config,
@@ -109,6 +110,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     config = _config(args)
     url = database_url(args)
+    check_environment(args)
     direct_url = args.direct_url or (config.database.direct_url if config else None) or None
     options = _given(worker_options(config), args)
     with _supervised_as(args, config):
@@ -131,6 +133,7 @@ def cmd_maintenance(args: argparse.Namespace) -> int:
     config = _config(args)
     # Its locks need a session: straight to PostgreSQL when database.url is a pooler's.
     url = args.direct_url or (config.database.direct_url if config else None) or database_url(args)
+    check_environment(args)
     options = _given(maintenance_options(config), args)
     with _supervised_as(args, config):
         maintenance = Maintenance(url, **options)
@@ -176,16 +179,22 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from everystep.ui.core import Credentials, bind_problem  # noqa: PLC0415
 
     url = database_url(args)
+    check_environment(args)
     bind, port = args.bind, args.port
     viewer = os.environ.get("EVERYSTEP_UI_VIEWER_TOKEN", "")
     operator = os.environ.get("EVERYSTEP_UI_OPERATOR_TOKEN", "")
     config = _config(args)
-    if config is not None and config.ui is not None:  # the file's ui: section, the command line's options first
-        ui = config.ui
+    ui = config.ui if config is not None else None
+    if ui is not None:  # the file's ui: section, the command line's options first
         bind, port = bind or ui.bind, ui.port if port is None else port
         viewer, operator = ui.viewer_token or viewer, ui.operator_token or operator
+        credentials = Credentials(viewer, operator, ui.users, ui.trusted_user_header, ui.trusted_proxies,
+                                  ui.trusted_user_role)
+    else:
+        credentials = Credentials(viewer, operator)
     bind = bind or "127.0.0.1"
-    problem = bind_problem(bind, viewer, operator, "set EVERYSTEP_UI_VIEWER_TOKEN and/or EVERYSTEP_UI_OPERATOR_TOKEN")
+    problem = bind_problem(bind, viewer, operator, "set EVERYSTEP_UI_VIEWER_TOKEN and/or EVERYSTEP_UI_OPERATOR_TOKEN",
+                           others=bool(ui is not None and (ui.users or ui.trusted_user_header)))
     if problem:
         raise CliError(problem)
     try:
@@ -197,6 +206,6 @@ def cmd_ui(args: argparse.Namespace) -> int:
         sock = server.bind(bind, 9118 if port is None else port)
     except OSError as exc:
         raise CliError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}", EXIT_REFUSED) from None
-    server.serve(sock, url, Credentials(viewer, operator))
+    server.serve(sock, url, credentials)
     return 0
 

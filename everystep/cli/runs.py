@@ -18,6 +18,7 @@ from everystep import api, db, history, registry, serde
 from everystep.cli.common import (
     Add,
     CliError,
+    acted_on,
     audit,
     connect,
     json_value_argument,
@@ -232,6 +233,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     else:
         print(f"existing run {run.id} of {run.name} has the idempotency key {args.idempotency_key!r};"
               " nothing scheduled")
+    acted_on(args)
     return 0
 
 

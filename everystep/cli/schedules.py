@@ -17,6 +17,7 @@ from everystep.cli.common import (
     EXIT_REFUSED,
     Add,
     CliError,
+    acted_on,
     audit,
     connect,
     load_config,
@@ -88,11 +89,13 @@ def cmd_schedules_retire(args: argparse.Namespace) -> int:
         owner = db.load_schedule(conn, args.key)["source"]
         audit(conn, "schedules-retire", target=args.key, details={"source": owner, "forced": args.force})
     if args.output == "json":
-        print_json({"key": args.key, "source": owner, "retired_at": retired_at, "forced": args.force})
+        print_json({"key": args.key, "source": owner, "retired_at": retired_at, "forced": args.force,
+                    "environment": getattr(args, "environment_found", None)})
         return 0
     print(f"retired {args.key}{'' if owner == source else f' (of source {owner})'} at "
           f"{scheduler.iso_utc(retired_at)}: it will not fire again "
           "(remove it from the file too, or the next apply brings it back)")
+    acted_on(args)
     return 0
 
 
@@ -184,7 +187,8 @@ def _print_plan(args: argparse.Namespace, plan: scheduler.Plan, done: bool, expe
                                                                               for e in plan.entries],
                     "counts": counts}
         if args.schedules_command == "apply":
-            document = {"applied": done, "expected_digest": expected_digest, **document}
+            document = {"applied": done, "expected_digest": expected_digest, **document,
+                        "environment": getattr(args, "environment_found", None)}
         print_json(document)
         return
     for entry in plan.entries:
@@ -194,6 +198,8 @@ def _print_plan(args: argparse.Namespace, plan: scheduler.Plan, done: bool, expe
     print(f"{'applied' if done else 'plan'}: {', '.join(summary) or 'no schedules in the file or the database'}"
           f" (source {plan.source})")
     print(f"digest: {plan.digest}")
+    if done:
+        acted_on(args)
 
 
 def _plan_entry_document(entry: scheduler.PlanEntry) -> dict:

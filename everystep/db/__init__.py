@@ -53,7 +53,17 @@ from everystep.db.observe import (
     set_statement_timeout,
     unserved_runs,
 )
-from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunable, prune_batch, resolve_step
+from everystep.db.ops import (
+    ResolveRefused,
+    audit,
+    audit_records,
+    audit_records_filtered,
+    count_prunable,
+    prune_batch,
+    record_environment,
+    recorded_environment,
+    resolve_step,
+)
 from everystep.db.queue import (
     any_limit,
     apply_limits,
@@ -208,7 +218,8 @@ __all__ = [
     "advance_clock", "clock_frozen", "create_schema", "current_schema", "drop_schema", "next_due_moment", "reset_clock",
     "run_statuses", "runs_of_workflow", "set_clock",
     # ops, observe, ui
-    "audit", "audit_records", "count_prunable", "prune_batch", "resolve_step",
+    "audit", "audit_records", "audit_records_filtered", "record_environment", "recorded_environment",
+    "count_prunable", "prune_batch", "resolve_step",
     "fleet_load", "publish_route", "queue_stats", "runners_without_lock", "server", "set_statement_timeout",
     "unserved_runs",
     "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",

@@ -71,3 +71,25 @@ def audit_records(conn: psycopg.Connection, run: uuid.UUID | None = None, limit:
                   before: int | None = None) -> list[dict]:
     """The newest audit records (of one run), newest first."""
     return dicts(conn.execute(queries.get("audit_records"), {"run": run, "before": before, "limit": limit}))
+
+
+def audit_records_filtered(conn: psycopg.Connection, *, actor: str | None = None, action: str | None = None,
+                           run: uuid.UUID | None = None, before: int | None = None, limit: int = 200) -> list[dict]:
+    """The newest audit records of one person, action and/or run (each filter
+    only when given), newest first; `before` pages on by record id."""
+    return dicts(conn.execute(queries.get("audit_records_filtered"), {
+        "actor": actor, "action": action, "run": run, "before": before, "limit": limit}, prepare=False))
+
+
+def recorded_environment(conn: psycopg.Connection) -> str | None:
+    """The environment recorded for this database (`everystep migrate
+    --environment NAME`); None when none is, or the schema predates it."""
+    if not conn.execute(queries.get("environment_table_exists"), {}).fetchone()[0]:
+        return None
+    row = conn.execute(queries.get("recorded_environment"), {}).fetchone()
+    return row[0] if row else None
+
+
+def record_environment(conn: psycopg.Connection, name: str, by: str) -> None:
+    """Record which environment this database is (staging, production, ...)."""
+    conn.execute(queries.get("record_environment"), {"name": name, "by": by[:255]})

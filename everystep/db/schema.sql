@@ -305,6 +305,17 @@ CREATE TABLE everystep_audit (
 );
 CREATE INDEX everystep_audit_at ON everystep_audit (at);
 CREATE INDEX everystep_audit_run ON everystep_audit (run_id) WHERE run_id IS NOT NULL;
+-- The audit page's filter by person.
+CREATE INDEX everystep_audit_actor ON everystep_audit (actor, id);
+
+-- Which environment the database is (staging, production, ...): at most one
+-- row, written by `everystep migrate --environment NAME`.
+CREATE TABLE everystep_environment (
+    one         boolean PRIMARY KEY DEFAULT true CHECK (one),
+    name        varchar(64) NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT everystep_now(),
+    recorded_by varchar(255) NOT NULL
+);
 
 -- The ledger of applied migrations, written by the applier
 -- (everystep/db/migrations.py), not by a migration.

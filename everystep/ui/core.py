@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import secrets
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ MAX_PAGE_SIZE = 500
 BULK_LIMIT = 10_000  # runs one bulk action on a filter may touch
 STATEMENT_TIMEOUT_MS = 5000
 FAILURE_WINDOWS = {"hour": 1, "day": 24, "week": 24 * 7}
+ENVIRONMENT_TTL = 30.0  # seconds the header's environment is kept before it is read again
 ARGS_SEARCH_WINDOWS = (dt.timedelta(hours=1), dt.timedelta(days=1), dt.timedelta(days=7), None)
 
 
@@ -50,6 +52,7 @@ class Who:
 
     role: str  # viewer or operator
     name: str  # what the audit trail records
+    session: str = ""  # what the CSRF token is bound to (the credential); empty: the name
 
     @property
     def can_act(self) -> bool:
@@ -58,40 +61,88 @@ class Who:
 
 # ---------------------------------------------------------------- credentials
 
-class Credentials:
-    """The two tokens (from the environment, via the config) and the CSRF
-    tokens derived from them. With no token configured every caller is an
-    operator: only allowed on a loopback address (see `check_bind`)."""
+MAX_HEADER_USER = 255  # the width of everystep_audit.actor
 
-    def __init__(self, viewer_token: str = "", operator_token: str = ""):
+
+class Credentials:
+    """Who may read and who may act: the two shared tokens (the audit trail
+    names their holders "viewer" and "operator"), per-person tokens
+    (`ui.users`), and the user a trusted authenticating proxy names in a
+    header; and the CSRF tokens derived from them. With none configured
+    every caller is an operator: only allowed on a loopback address (see
+    `check_bind`)."""
+
+    def __init__(self, viewer_token: str = "", operator_token: str = "", users: Mapping[str, Any] | None = None,
+                 trusted_user_header: str = "", trusted_proxies: tuple[str, ...] = (),
+                 trusted_user_role: str = "viewer"):
+        import ipaddress  # noqa: PLC0415
+
         self.viewer_token = viewer_token
         self.operator_token = operator_token
+        self.users = dict(users or {})  # name -> an object with .token and .role (config.UiUser)
+        # Every token, in one list, all compared on every request.
+        self._tokens = [(t.encode(), Who(role, name, t)) for t, role, name in (
+            (viewer_token, "viewer", "viewer"), (operator_token, "operator", "operator"),
+            *((u.token, u.role, name) for name, u in self.users.items())) if t]
+        self.trusted_user_header = trusted_user_header.lower()
+        self._proxies = [ipaddress.ip_network(p, strict=False) for p in trusted_proxies]
+        self.trusted_user_role = trusted_user_role
         self._secret = secrets.token_bytes(32)  # CSRF tokens are valid for this server's life
+
+    @classmethod
+    def from_config(cls, ui: Any) -> Credentials:
+        """The credentials of a `ui:` section (config.UiConfig)."""
+        return cls(ui.viewer_token, ui.operator_token, ui.users, ui.trusted_user_header, ui.trusted_proxies,
+                   ui.trusted_user_role)
 
     @property
     def required(self) -> bool:
-        return bool(self.viewer_token or self.operator_token)
+        return bool(self._tokens or self.trusted_user_header)
 
-    def identify(self, token: str | None) -> Who | None:
-        """Who holds `token`; None when it is not one of ours. Both tokens are
-        always compared, in constant time."""
+    def identify(self, token: str | None, peer: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> Who | None:
+        """Who holds `token`, or who the trusted proxy at `peer` names in its
+        header; None when neither is one of ours. Every token is compared,
+        in constant time. The header counts only from a trusted proxy's
+        address: from anywhere else it is ignored."""
         if not self.required:
             return Who("operator", "local")
+        if self.trusted_user_header and headers is not None and self._trusted(peer):
+            named = (headers.get(self.trusted_user_header) or "").strip()
+            if named:
+                return self._header_user(named)
         given = (token or "").encode()
-        operator = bool(self.operator_token) and hmac.compare_digest(given, self.operator_token.encode())
-        viewer = bool(self.viewer_token) and hmac.compare_digest(given, self.viewer_token.encode())
-        if operator:
-            return Who("operator", "operator")
-        if viewer:
-            return Who("viewer", "viewer")
-        return None
+        found = None
+        for known, who in self._tokens:
+            if hmac.compare_digest(given, known) and found is None:
+                found = who
+        return found
 
-    def csrf_token(self, token: str | None) -> str:
+    def _trusted(self, peer: str | None) -> bool:
+        import ipaddress  # noqa: PLC0415
+
+        try:
+            address = ipaddress.ip_address(peer or "")
+        except ValueError:
+            return False
+        return any(address in network for network in self._proxies)
+
+    def _header_user(self, name: str) -> Who | None:
+        if len(name) > MAX_HEADER_USER or not name.isprintable():
+            return None
+        user = self.users.get(name)
+        role = user.role if user is not None else self.trusted_user_role
+        if role not in ("viewer", "operator"):
+            return None  # trusted_user_role: none, and not a listed user
+        return Who(role, name, f"header:{name}")
+
+    def csrf_token(self, who: Who | None) -> str:
         """The CSRF token of a session: bound to its credential and this server."""
-        return hmac.new(self._secret, (token or "local").encode(), "sha256").hexdigest()
+        key = (who.session or who.name) if who is not None else "local"
+        return hmac.new(self._secret, key.encode(), "sha256").hexdigest()
 
-    def csrf_ok(self, token: str | None, given: str | None) -> bool:
-        return hmac.compare_digest(self.csrf_token(token).encode(), (given or "").encode())
+    def csrf_ok(self, who: Who, given: str | None) -> bool:
+        return hmac.compare_digest(self.csrf_token(who).encode(), (given or "").encode())
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -109,10 +160,12 @@ def is_loopback(bind: str) -> bool:
 
 
 def bind_problem(bind: str, viewer_token: str, operator_token: str,
-                 how: str = "set ui.viewer_token and/or ui.operator_token (e.g. ${EVERYSTEP_UI_OPERATOR_TOKEN})"
-                 ) -> str | None:
-    """Why the UI may not serve on `bind` with these tokens, or None."""
-    if is_loopback(bind) or viewer_token or operator_token:
+                 how: str = "set ui.viewer_token and/or ui.operator_token (e.g. ${EVERYSTEP_UI_OPERATOR_TOKEN}), "
+                            "ui.users or ui.trusted_user_header",
+                 others: bool = False) -> str | None:
+    """Why the UI may not serve on `bind` with these credentials (`others`:
+    per-person ones, or a trusted header), or None."""
+    if is_loopback(bind) or viewer_token or operator_token or others:
         return None
     return f"bind {bind!r} is not a loopback address and no credentials are configured: {how}, or bind 127.0.0.1"
 
@@ -229,6 +282,7 @@ class Console:
             kwargs=liveness.connection_kwargs("everystep ui"), configure=self._configure,
         )
         self.hub = Hub(self._overview, interval=poll_interval)
+        self._environment: tuple[str | None, float] | None = None  # (name, when read)
 
     @staticmethod
     def _configure(conn: psycopg.Connection) -> None:
@@ -313,11 +367,31 @@ class Console:
             return {"window": window, "groups": db.ui_failures(conn, FAILURE_WINDOWS[window])}
 
     def audit(self, query: Mapping[str, str]) -> dict:
+        """The newest audit records, filtered by person (`actor`), `action`
+        and `run` (each exact, when given), paged by record id (`before`)."""
         before = query.get("before")
-        if before is not None and not before.isdigit():
+        if before and not (before.isdigit() and len(before) <= 18):
             raise Problem(400, "before must be an audit record id")
+        actor = (query.get("actor") or "").strip() or None
+        if actor is not None and len(actor) > MAX_HEADER_USER:
+            raise Problem(400, f"actor must be at most {MAX_HEADER_USER} characters")
+        action = (query.get("action") or "").strip() or None
+        if action is not None and (len(action) > 64 or not all(ch.isalnum() or ch == "-" for ch in action)):
+            raise Problem(400, f"action must be an action's name like cancel or resolve-step, not {action[:40]!r}")
+        run = _run_id(query["run"]) if query.get("run") else None
+        limit = _limit(query)
         with self._db() as conn:
-            return {"records": db.audit_records(conn, limit=_limit(query), before=int(before) if before else None)}
+            return {"records": db.audit_records_filtered(conn, actor=actor, action=action, run=run, limit=limit,
+                                                         before=int(before) if before else None)}
+
+    def environment(self) -> str | None:
+        """The environment the database records (`everystep migrate
+        --environment`), read at most every ENVIRONMENT_TTL seconds."""
+        now = time.monotonic()
+        if self._environment is None or now - self._environment[1] > ENVIRONMENT_TTL:
+            with self._db() as conn:
+                self._environment = (db.recorded_environment(conn), now)
+        return self._environment[0]
 
     # ------------------------------------------------------------ actions
 

@@ -49,8 +49,12 @@ def create_app(console: Console) -> Starlette:
     """The ASGI app of one console: the page, its JSON API, its event stream."""
     credentials = console.credentials
 
+    def identify(request: Request) -> Who | None:
+        peer = request.client.host if request.client else None
+        return credentials.identify(_token(request)[0], peer, request.headers)
+
     def who(request: Request) -> Who:
-        found = credentials.identify(_token(request)[0])
+        found = identify(request)
         if found is None:
             raise Problem(401, "a viewer or operator token is needed")
         return found
@@ -67,13 +71,15 @@ def create_app(console: Console) -> Starlette:
         return endpoint
 
     async def page(request: Request) -> Response:
-        token = _token(request)[0]
-        caller = credentials.identify(token)
+        caller = identify(request)
         if caller is None:
             return RedirectResponse(request.url_for("login"), status_code=303)
+        environment = await run_in_threadpool(console.environment)
         return templates.TemplateResponse(request, "index.html", {
-            "role": caller.role, "csrf_header": "X-CSRF-Token", "csrf_token": credentials.csrf_token(token),
-            "base": _base(request), "static_base": _base(request) + "/static", "login": credentials.required,
+            "role": caller.role, "csrf_header": "X-CSRF-Token", "csrf_token": credentials.csrf_token(caller),
+            "base": _base(request), "static_base": _base(request) + "/static",
+            "login": credentials.required and not caller.session.startswith("header:"),
+            "user": caller.name, "environment": environment,
         })
 
     async def login(request: Request) -> Response:
@@ -97,12 +103,12 @@ def create_app(console: Console) -> Starlette:
         return response
 
     async def act(request: Request) -> Response:
-        token, from_header = _token(request)
+        from_header = _token(request)[1]
         try:
             caller = who(request)
             # A browser session's POST must carry the page's CSRF token; a
             # script's bearer header cannot be forged by another site.
-            if not from_header and not credentials.csrf_ok(token, request.headers.get("x-csrf-token")):
+            if not from_header and not credentials.csrf_ok(caller, request.headers.get("x-csrf-token")):
                 raise Problem(403, "CSRF token missing or wrong: reload the page")
             try:
                 body = json.loads(await request.body() or b"{}")
@@ -112,6 +118,15 @@ def create_app(console: Console) -> Starlette:
             return _JSON(answer)
         except Problem as problem:
             return _JSON({"error": str(problem)}, status_code=problem.status)
+
+    async def me(request: Request) -> Response:
+        """Who the server takes the caller for, and the database's environment."""
+        try:
+            caller = who(request)
+        except Problem as problem:
+            return _JSON({"error": str(problem)}, status_code=problem.status)
+        environment = await run_in_threadpool(console.environment)
+        return _JSON({"name": caller.name, "role": caller.role, "environment": environment})
 
     async def events(request: Request) -> Response:
         try:
@@ -127,6 +142,7 @@ def create_app(console: Console) -> Starlette:
         Route("/login", login, methods=["GET", "POST"], name="login"),
         Route("/logout", logout, methods=["POST"]),
         Route("/api/overview", api(console.overview)),
+        Route("/api/me", me),
         Route("/api/runs", api(console.runs, with_query=True)),
         Route("/api/runs/{run_id}", api(console.run)),
         Route("/api/workflows", api(console.workflows)),

@@ -63,3 +63,33 @@ FROM everystep_audit
 WHERE (%(run)s::uuid IS NULL OR run_id = %(run)s) AND (%(before)s::bigint IS NULL OR id < %(before)s)
 ORDER BY id DESC
 LIMIT %(limit)s;
+
+-- name: audit_records_filtered
+-- The newest audit records matching the audit page's filters (each holds
+-- only when given, not NULL): one actor, one action, one run; before one
+-- record; newest first. Run unprepared, so PostgreSQL plans it with its
+-- values and drops the conditions whose value is NULL.
+SELECT id, at, actor, source, action, run_id, step_id, target, details
+FROM everystep_audit
+WHERE (%(actor)s::text IS NULL OR actor = %(actor)s::text)
+  AND (%(action)s::text IS NULL OR action = %(action)s::text)
+  AND (%(run)s::uuid IS NULL OR run_id = %(run)s::uuid)
+  AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: environment_table_exists
+-- Whether the schema has the environment table (migration 0017), before it is read.
+SELECT to_regclass('everystep_environment') IS NOT NULL;
+
+-- name: recorded_environment
+-- The environment recorded for this database, if any.
+SELECT name
+FROM everystep_environment;
+
+-- name: record_environment
+-- Record (or change) which environment this database is.
+INSERT INTO everystep_environment (one, name, recorded_at, recorded_by)
+VALUES (true, %(name)s, everystep_now(), %(by)s)
+ON CONFLICT (one) DO UPDATE
+SET name = excluded.name, recorded_at = excluded.recorded_at, recorded_by = excluded.recorded_by;
