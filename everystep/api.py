@@ -48,9 +48,21 @@ def workflow(fn: Callable | None = None, *, concurrency: int | None = None) -> A
         raise EverystepError(f"concurrency must be a whole number >= 1 or None, got {concurrency!r}")
     if fn is None:
         return functools.partial(workflow, concurrency=concurrency)
+    if "<locals>" in getattr(fn, "__qualname__", ""):
+        raise EverystepError(
+            f"@workflow {fn.__qualname__} is defined inside a function: a worker finds a workflow by its "
+            "module.qualname, which cannot import it; define it at the top level of a module")
     fn.__everystep_concurrency__ = concurrency  # type: ignore[attr-defined]
     registry.register(fn)
     return fn
+
+
+def _check_signature(caller: str, name: str, fn: Callable, args: Sequence[Any]) -> None:
+    """A run whose arguments do not fit its workflow's parameters could never
+    start: refused (TypeError) before anything is written."""
+    problem = registry.arguments_problem(fn, args)
+    if problem:
+        raise TypeError(f"{caller}: {name}{problem}")
 
 
 @overload
@@ -304,6 +316,7 @@ def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: 
         raise EverystepError(f"{caller} takes at= or after=, not both")
     at = None if at is None else _aware(f"{caller.removesuffix('()')}(at=...)", at)
     after = None if after is None else _seconds(f"{caller.removesuffix('()')}(after=...)", after)
+    _check_signature(caller, name, workflow_fn, args)
     return name, serde.dumps(list(args)), at, after  # unserializable args refused before any insert
 
 
@@ -353,6 +366,7 @@ def _many_args(caller: str, workflow_fn: Callable, args_list: Any,
                 f"{caller}: run {position} has arguments {args!r:.60}; each must be a tuple or list "
                 "of positional arguments, e.g. [(1,), (2,)]"
             )
+        _check_signature(f"{caller} run {position}", name, workflow_fn, args)
         args_jsons.append(serde.dumps(list(args)))
     if idempotency_keys is None:
         return name, args_jsons, [None] * len(args_list)

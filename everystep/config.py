@@ -175,6 +175,41 @@ _A_LEAP_YEAR = datetime.datetime(2028, 1, 1, tzinfo=datetime.UTC)
 CRON_MACROS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
 
 
+def check_workflows(config: Config) -> list[str]:
+    """What the config names that the code does not have, once its imports
+    are imported: a schedule of a workflow nothing defines, of a step, or
+    with args that do not fit the workflow's parameters, and a `workflows:`
+    key no import defines, each raise ConfigError (they would fire failing
+    runs, or limit nothing); a `workers.workflows` pattern that matches no
+    imported workflow is returned as a warning line."""
+    import fnmatch  # noqa: PLC0415
+
+    from everystep import registry  # noqa: PLC0415
+
+    file = str(config.path)
+    for i, module in enumerate(config.imports):
+        try:
+            registry.import_module(module)
+        except Exception as exc:  # whatever the module raises while importing
+            raise ConfigError(f"{file}: imports[{i}]: cannot import {module}: {type(exc).__name__}: "
+                              f"{first_line(exc)}") from None
+    for key, schedule in config.schedules.items():
+        problem = registry.workflow_problem(schedule.workflow)
+        if problem:
+            raise ConfigError(f"{file}: schedules.{key}.workflow: {problem}")
+        problem = registry.workflow_problem(schedule.workflow, schedule.args)
+        if problem:
+            raise ConfigError(f"{file}: schedules.{key}.args: {problem}")
+    for name in config.workflows:
+        problem = registry.workflow_problem(name)
+        if problem:
+            raise ConfigError(f"{file}: workflows.{name}: {problem}")
+    names = list(registry.WORKFLOWS)
+    return [f"{file}: workers.workflows: the pattern {pattern!r} matches no imported workflow "
+            f"(imports: {', '.join(config.imports) or 'none'})"
+            for pattern in config.workers.workflows or () if not fnmatch.filter(names, pattern)]
+
+
 def worker_options(config: Config | None) -> dict[str, Any]:
     """The `Worker` keyword arguments a config file sets (its defaults for
     None): what the supervisor gives each of its workers, and `everystep
@@ -319,7 +354,16 @@ def _database_url(database: _Section, key: str = "url") -> str:
             problem = re.sub(r'"[^"]*"', lambda quoted: quoted[0] if quoted[0] == '"="' else '"..."',
                              first_line(exc))
             raise database.error(key, f"not a PostgreSQL URL or connection string: {problem}") from None
+        _check_ports(database, key, url)
     return url
+
+
+def _check_ports(database: _Section, key: str, url: str) -> None:
+    """libpq reads a port number it cannot use only when it connects: refused here."""
+    ports = str(conninfo.conninfo_to_dict(url).get("port") or "")
+    for port in ports.split(","):
+        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise database.error(key, f"the port {port[:20]!r} is not a port number (1 to 65535)")
 
 
 ENVIRONMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

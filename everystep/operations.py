@@ -172,12 +172,12 @@ def _utc(moment: datetime.datetime) -> str:
 
 class CancelledRun(NamedTuple):
     run: uuid.UUID
-    status: str  # cancelled (now, or before); running: asked to stop, it ends cancelled at its next step
+    status: str  # cancelled now; running: asked to stop, it ends cancelled at its next step
 
 
 class Cancelled(NamedTuple):
     done: list[CancelledRun]
-    refused: list[Refusal]  # unknown runs, and runs that had ended otherwise
+    refused: list[Refusal]  # unknown runs, runs that had ended (cancelled too), runs asked to stop already
 
 
 def cancel(conn: psycopg.Connection, actor: Actor, runs: Iterable[uuid.UUID], reason: str | None = None, *,
@@ -189,11 +189,15 @@ def cancel(conn: psycopg.Connection, actor: Actor, runs: Iterable[uuid.UUID], re
     done, refused = [], []
     with conn.transaction() as transaction:
         for run in _runs(runs):
-            status = db.cancel_run(conn, run, reason).status
+            outcome = db.cancel_run(conn, run, reason)
+            status = outcome.status
             if status is None:
                 refused.append(_unknown(run))
-            elif status in (RunStatus.CANCELLED, RunStatus.RUNNING):
+            elif outcome.changed:
                 done.append(CancelledRun(run, status))
+            elif status == RunStatus.RUNNING:
+                refused.append(Refusal(run, status, f"run {run} was asked to stop already: it ends cancelled at "
+                                                    "its next step"))
             else:
                 refused.append(Refusal(run, status, f"run {run} is {status} already"))
         if refused and all_or_nothing:

@@ -55,6 +55,46 @@ def resolve(name: str) -> Callable:
     return fn
 
 
+def workflow_problem(name: str, args: tuple | list | None = None) -> str | None:
+    """What is wrong with running the workflow `name` with `args` (positional;
+    None: not checked): nothing defines it, it is a step or something else,
+    or the arguments do not fit its parameters. None when nothing is."""
+    try:
+        fn = WORKFLOWS.get(name) or import_path(name)
+    except ImportError:
+        return f"no module defines {name} (is its module in imports:?)"
+    except Exception as exc:  # whatever importing its module raises
+        return f"importing {name} failed: {type(exc).__name__}: {first_line(exc)}"
+    if workflow_name(fn) != name:
+        if getattr(fn, "__everystep_step__", None) is not None:
+            return f"{name} is a @step, not a @workflow: a schedule runs a workflow"
+        return f"{name} is not an @workflow function"
+    if args is not None:
+        problem = arguments_problem(fn, args)
+        if problem:
+            return f"{name}{problem}"
+    return None
+
+
+def arguments_problem(fn: Callable, args: tuple | list) -> str | None:
+    """Why `fn(*args)` could not be called ("(signature): why (given N)"), or None."""
+    signature = _signatures.get(fn)
+    if signature is None:
+        try:
+            signature = _signatures[fn] = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return None  # no signature to check against
+    try:
+        signature.bind(*args)
+    except TypeError as exc:
+        count = len(args)
+        return f"{signature}: {exc} (given {count} argument{'' if count == 1 else 's'})"
+    return None
+
+
+_signatures: dict[Callable, inspect.Signature] = {}  # the workflows' signatures, read once
+
+
 def is_async(name: str) -> bool:
     """Whether the workflow of a stored name is an `async def` one (False
     when the name resolves to nothing: the sync path reports it)."""

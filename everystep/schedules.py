@@ -79,6 +79,7 @@ def put(key: str, workflow: Callable | str, args: Sequence[Any] = (), *, cron: s
     if auto_pause_after is not None:
         raw["auto_pause_after"] = auto_pause_after
     spec = _validate(key, raw, source)  # before the database is touched
+    _check_runnable(key, workflow, spec)
     conn = transaction_connection(conn, "everystep.schedules.put()")
     entry = _refused_as_error(lambda: scheduler.plan_entry(
         key, spec, db.load_schedule(conn, key, lock=True), db.database_now(conn), source))
@@ -130,6 +131,18 @@ def _workflow_name(workflow: Callable | str) -> Any:
             raise ScheduleError(f"everystep.schedules.put(): {workflow!r} is not an @workflow function")
         return name
     return workflow  # a module.qualname, checked as the manifest checks it
+
+
+def _check_runnable(key: str, workflow: Callable | str, spec: Schedule) -> None:
+    """A schedule whose runs could never start (no such workflow, a step, args
+    that do not fit) is refused rather than firing failing runs."""
+    if callable(workflow):
+        problem = registry.arguments_problem(workflow, spec.args)
+        problem = problem and f"{spec.workflow}{problem}"
+    else:
+        problem = registry.workflow_problem(spec.workflow, spec.args)
+    if problem:
+        raise ScheduleError(f"everystep.schedules.put(): schedule {key!r}: {problem}")
 
 
 def _validate(key: str, raw: dict, source: str) -> Schedule:

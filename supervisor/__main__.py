@@ -56,6 +56,9 @@ def _run(config_path: str, runtime_dir: str) -> int:
 
     try:
         return Arbiter(config, runtime_dir).run()
+    except ConfigError as exc:  # what the config names that the code does not have
+        print(f"everystep-supervisor: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except FatalError as exc:
         print(f"everystep-supervisor: {exc}", file=sys.stderr)
         return EXIT_FATAL

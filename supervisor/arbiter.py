@@ -26,7 +26,7 @@ from pathlib import Path
 from setproctitle import setproctitle
 
 from everystep import embedded, logs, registry
-from everystep.config import Config, ConfigError, load
+from everystep.config import Config, ConfigError, check_workflows, load
 from supervisor import metrics, metrics_dir, state_file
 from supervisor.children import (
     BOOTED,
@@ -94,6 +94,8 @@ class Arbiter:
     def run(self) -> int:
         logs.configure(format=self.config.logging.format)
         self._import_modules(self.config.imports)
+        for warning in check_workflows(self.config):  # ConfigError: refused before anything starts
+            log.warning("%s", warning)
         self.database_url = self._database_url()
         self._install_signals()
         log.info("supervisor %s starting (pid %d, %d workers)", self.config.name, os.getpid(), self.processes)
@@ -383,6 +385,8 @@ class Arbiter:
         try:
             config = load(self.config.path)
             self._import_modules(tuple(m for m in config.imports if m not in self.config.imports))
+            for warning in check_workflows(config):
+                log.warning("HUP: %s", warning)
         except (ConfigError, FatalError) as exc:
             log.error("HUP: keeping the running config: %s", exc)
             return

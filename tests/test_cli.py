@@ -152,7 +152,10 @@ def test_runs_list_filters_by_status_and_workflow_and_limits(db):
     greets = [str(waiting), str(done)]
     assert first_column(ok(cli(db, "runs", "list", "--workflow", "tests.apps.cli_workflows.greet"))) == greets
     assert first_column(ok(cli(db, "runs", "list", "--workflow", "tests.apps.cli_workflows:greet"))) == greets
-    assert first_column(ok(cli(db, "runs", "list", "--workflow", "greet"))) == []
+    assert "--workflow greet: no run has that name and no module defines a workflow of it" in error_line(
+        cli(db, "runs", "list", "--workflow", "greet"), 2)
+    # A workflow the code defines, with no run (yet): an empty list.
+    assert ok(cli(db, "runs", "list", "--workflow", "tests.apps.cli_workflows.describe")) == "no runs\n"
     limited = ok(cli(db, "runs", "list", "--limit", "2")).splitlines()
     assert [line.split()[0] for line in limited[1:3]] == [str(waiting), str(failed)]
     assert limited[3:] == ["(the newest 2; more runs match: raise --limit)"]
@@ -512,9 +515,13 @@ def test_schedule_decodes_each_argument_as_extended_json(db):
 
 def test_schedule_with_an_idempotency_key_returns_the_existing_run(db):
     first = scheduled_id(ok(cli(db, "schedule", "tests.apps.cli_workflows:greet", '"ada"', "--idempotency-key", "k1")))
-    again = ok(cli(db, "schedule", "--idempotency-key", "k1", "tests.apps.cli_workflows:greet", '"bob"'))
+    again = ok(cli(db, "schedule", "--idempotency-key", "k1", "tests.apps.cli_workflows:greet", '"ada"'))
     assert again == (f"existing run {first} of tests.apps.cli_workflows.greet has the idempotency key 'k1';"
                      " nothing scheduled\n")
+    # The key reused with other arguments: the existing run will not do what was asked.
+    assert error_line(cli(db, "schedule", "--idempotency-key", "k1", "tests.apps.cli_workflows:greet", '"bob"'),
+                      2) == (f"everystep: existing run {first} of tests.apps.cli_workflows.greet has the idempotency"
+                             """ key 'k1' with other arguments (["ada"], not ["bob"]); nothing scheduled""")
     assert workflow_count(db) == 1
     assert db.run(first)["idempotency_key"] == "k1"
 

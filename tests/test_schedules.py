@@ -32,7 +32,7 @@ PARIS = zoneinfo.ZoneInfo("Europe/Paris")
 
 
 @workflow
-def report(label):
+def report(label, options=None):
     return f"report {label}"
 
 

@@ -215,11 +215,11 @@ def test_put_pause_resume_retire_and_get(db, clock):
 def test_the_api_writes_in_the_callers_transaction(db):
     with db.connect() as conn:
         with pytest.raises(RuntimeError), everystep.transaction(conn):
-            schedules.put("c", report, [], cron="@daily")
+            schedules.put("c", report, ["c"], cron="@daily")
             raise RuntimeError("the caller's work failed")
         assert schedules.get("c", conn=conn) is None
         with pytest.raises(EverystepError, match=r"everystep.schedules.put\(\) needs an open transaction"):
-            schedules.put("c", report, [], cron="@daily", conn=conn)
+            schedules.put("c", report, ["c"], cron="@daily", conn=conn)
     assert db.value("SELECT count(*) FROM everystep_schedule") == 0
 
 
@@ -258,7 +258,7 @@ def test_the_api_and_a_manifest_own_their_keys(db, tmp_path):
     with db.connect() as conn, everystep.transaction(conn):
         schedules.put("customer-1", report, ["c1"], cron="@hourly")
         for refused, message in [
-            (lambda: schedules.put("nightly", report, [], cron="@hourly"),
+            (lambda: schedules.put("nightly", report, ["n"], cron="@hourly"),
              "schedule 'nightly' belongs to source 'deployment', not 'api': it is left alone"),
             (lambda: schedules.pause("nightly"), "schedule 'nightly' belongs to source 'deployment', not 'api'"),
             (lambda: schedules.retire("nightly"), "schedule 'nightly' belongs to source 'deployment', not 'api'"),

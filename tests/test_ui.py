@@ -172,7 +172,8 @@ def test_requeue_refuses_a_live_claimer_and_reschedule_copies_args(db, ui):
     with db.connect() as holder:
         assert everystep.db.try_lock(holder, "dead-runner")  # alive while this session holds its lock
         status, answer = client.request("POST", "/api/actions/requeue", {"runs": [str(run.id)]}, headers=csrf)
-        assert status == 200 and answer["done"] == [] and "holds its lock" in answer["refused"][0]
+        # Refused, and nothing done: 409 with why (and no audit record).
+        assert status == 409 and "nothing done" in answer["error"] and "holds its lock" in answer["error"]
     status, answer = client.request("POST", "/api/actions/requeue", {"runs": [str(run.id)]}, headers=csrf)
     assert answer["done"] == [str(run.id)] and db.run(run.id)["status"] == "scheduled"
 

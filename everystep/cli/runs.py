@@ -70,6 +70,8 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     name = args.workflow.replace(":", ".") if args.workflow else None
     with connect(args) as conn:
         runs = db.list_runs(conn, args.status, name, args.limit + 1, args.parent)
+        if not runs and name is not None:
+            _known_workflow(conn, name)
     more, runs = len(runs) > args.limit, runs[: args.limit]
     if args.output == "json":
         print_json(runs)
@@ -85,6 +87,19 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     if more:
         print(f"(the newest {args.limit}; more runs match: raise --limit)")
     return 0
+
+
+def _known_workflow(conn: psycopg.Connection, name: str) -> None:
+    """A workflow filter that matches nothing: bad input (exit 2) when no
+    run ever had the name and no module defines a workflow of it (a typo),
+    rather than an empty list."""
+    if db.list_runs(conn, None, name, 1):
+        return
+    try:
+        registry.resolve(name)
+    except Exception:  # ImportError, TypeError, whatever importing the module raises
+        raise CliError(f"--workflow {name}: no run has that name and no module defines a workflow of it "
+                       "(a module.qualname, e.g. myapp.workflows.provision_vm)") from None
 
 
 def cmd_runs_show(args: argparse.Namespace) -> int:
@@ -223,6 +238,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         try:
             with api.transaction(conn):
                 run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key)
+                if not run.created:
+                    _same_arguments(conn, run, args)
                 if run.created:
                     audit(conn, "schedule", run.id, target=run.name, details={"args": serde.to_json(list(args.values)),
                                                                                "idempotency_key": args.idempotency_key})
@@ -235,6 +252,17 @@ def cmd_schedule(args: argparse.Namespace) -> int:
               " nothing scheduled")
     acted_on(args)
     return 0
+
+
+def _same_arguments(conn: psycopg.Connection, run: api.ScheduledRun, args: argparse.Namespace) -> None:
+    """A reused idempotency key with other arguments: bad input, not a silent
+    "existing run" (the run the key names will not do what was asked)."""
+    existing = load_run(conn, run.id)["args"]
+    given = json.loads(serde.dumps(list(args.values)))
+    if existing != given:
+        raise CliError(f"existing run {run.id} of {run.name} has the idempotency key {args.idempotency_key!r} "
+                       f"with other arguments ({_json_text(existing)[:200]}, not {_json_text(given)[:200]}); "
+                       "nothing scheduled")
 
 
 def _import_workflow(target: str) -> Callable:

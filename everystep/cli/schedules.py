@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,7 +81,7 @@ def cmd_schedules_retire(args: argparse.Namespace) -> int:
     if args.source is not None:
         source = _source_option(args.source)
     elif args.config:
-        source = _schedules_manifest(args).source
+        source = load_config(args.config).schedules.source  # its workflow may be gone: that is why it retires
     else:
         source = scheduler.DEFAULT_SOURCE
     with _schedules_database(args) as conn:
@@ -90,7 +91,7 @@ def cmd_schedules_retire(args: argparse.Namespace) -> int:
         audit(conn, "schedules-retire", target=args.key, details={"source": owner, "forced": args.force})
     if args.output == "json":
         print_json({"key": args.key, "source": owner, "retired_at": retired_at, "forced": args.force,
-                    "environment": getattr(args, "environment_found", None)})
+                    **_environment(args)})
         return 0
     print(f"retired {args.key}{'' if owner == source else f' (of source {owner})'} at "
           f"{scheduler.iso_utc(retired_at)}: it will not fire again "
@@ -155,9 +156,18 @@ def _refused_as_cli_error(action: Callable[[], Any]) -> Any:
 
 def _schedules_manifest(args: argparse.Namespace) -> scheduler.Manifest:
     """The schedules of -c FILE, validated before anything is read or written."""
+    from everystep.config import ConfigError, check_workflows  # noqa: PLC0415
+
     if not args.config:
         raise CliError(f"schedules {args.schedules_command} needs the manifest: -c everystep.yaml")
-    return load_config(args.config).schedules
+    config = load_config(args.config)
+    try:
+        warnings = check_workflows(config)  # a schedule that could only fire failing runs is bad input
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    for warning in warnings:
+        print(f"everystep: warning: {warning}", file=sys.stderr)
+    return config.schedules
 
 
 @contextlib.contextmanager
@@ -187,8 +197,7 @@ def _print_plan(args: argparse.Namespace, plan: scheduler.Plan, done: bool, expe
                                                                               for e in plan.entries],
                     "counts": counts}
         if args.schedules_command == "apply":
-            document = {"applied": done, "expected_digest": expected_digest, **document,
-                        "environment": getattr(args, "environment_found", None)}
+            document = {"applied": done, "expected_digest": expected_digest, **document, **_environment(args)}
         print_json(document)
         return
     for entry in plan.entries:
@@ -200,6 +209,12 @@ def _print_plan(args: argparse.Namespace, plan: scheduler.Plan, done: bool, expe
     print(f"digest: {plan.digest}")
     if done:
         acted_on(args)
+
+
+def _environment(args: argparse.Namespace) -> dict:
+    """The environment a change acted on, for its JSON document: when the database records one."""
+    found = getattr(args, "environment_found", None)
+    return {"environment": found} if found else {}
 
 
 def _plan_entry_document(entry: scheduler.PlanEntry) -> dict:

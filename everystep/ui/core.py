@@ -240,8 +240,11 @@ def run_filter(query: Mapping[str, str]) -> db.RunFilter:
         at, _, last = query["before"].partition("|")
         moment = _time(at, "before")
         before = (moment, _run_id(last))
+    since, until = _time(query.get("since"), "since"), _time(query.get("until"), "until")
+    if since is not None and until is not None and until <= since:
+        raise Problem(400, f"until ({plain(until)}) must be after since ({plain(since)})")
     return db.RunFilter(status=status, workflow=query.get("workflow") or None,
-                           since=_time(query.get("since"), "since"), until=_time(query.get("until"), "until"),
+                           since=since, until=until,
                            run_id=run_id, idempotency_key=key, args_contain=args, before=before)
 
 
@@ -446,12 +449,12 @@ class Console:
         """Requeue each run whose claimer is dead (its lock is free); report the others."""
         done, refused = operations.requeue(conn, actor, self._target_runs(conn, body), all_or_nothing=False)
         return _answer(f"requeued {len(done)} run(s)", [each.run for each in done],
-                       [refusal.why for refusal in refused])
+                       [refusal.why for refusal in refused], _all_unknown(refused))
 
     def _reschedule(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         done, refused = operations.reschedule(conn, actor, self._target_runs(conn, body), all_or_nothing=False)
         return _answer(f"scheduled {len(done)} new run(s) with the same args", [each.new for each in done],
-                       [refusal.why for refusal in refused])
+                       [refusal.why for refusal in refused], _all_unknown(refused))
 
     def _cancel(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         """Cancel runs as `everystep cancel` does: at once if not running, at
@@ -466,7 +469,8 @@ class Console:
             f"; asked {asked} running run(s) to stop" if asked else "")
         return _answer(message, [each.run for each in done], [
             f"{refusal.run}: {refusal.why}" if refusal.status is None else f"{refusal.run}: already {refusal.status}"
-            for refusal in refused])
+            if refusal.status != "running" else f"{refusal.run}: asked to stop already"
+            for refusal in refused], _all_unknown(refused))
 
     def _schedule_action(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         key, verb = body.get("key"), body.get("verb")
@@ -479,9 +483,20 @@ class Console:
         return {"message": f"schedule {key} {verb}d"}
 
 
-def _answer(message: str, done: list[uuid.UUID], refused: list[str]) -> dict:
-    """The answer of an action on several runs: what it did, and what it refused."""
+def _answer(message: str, done: list[uuid.UUID], refused: list[str],
+            unknown: bool = False) -> dict:
+    """The answer of an action on several runs: what it did, and what it
+    refused. An action that did nothing is refused: 404 when no run named
+    exists (`unknown`), else 409, with the first reason (it wrote nothing,
+    not even an audit record)."""
+    if refused and not done:
+        more = f" (and {len(refused) - 1} more refused)" if len(refused) > 1 else ""
+        raise Problem(404 if unknown else 409, f"nothing done: {refused[0]}{more}")
     return {"message": message + (f"; refused {len(refused)}" if refused else ""), "done": done, "refused": refused}
+
+
+def _all_unknown(refused: list[operations.Refusal]) -> bool:
+    return all(refusal.status is None for refusal in refused)
 
 
 _ACTIONS = {
