@@ -625,16 +625,45 @@ async function showFailures() {
       : h("p", { class: "muted" }, `no failed runs created in the last ${failureWindow}`));
 }
 
-function auditTable(records) {
+function auditTable(records, filters = false) {
+  // On the audit page, a person's or an action's cell filters by it.
+  const by = (key, value) => filters ? h("a", { href: "#audit", class: `filter-${key}`, title: `only ${value}`, onclick: (ev) => {
+    ev.preventDefault(); auditFilters[key] = value; refresh(); } }, value) : value;
   return h("table", { class: "audit" }, h("thead", {}, h("tr", {}, ["when", "who", "from", "action", "run", "step", "target", "values"].map((t) => h("th", {}, t)))),
-    h("tbody", {}, records.map((r) => h("tr", {}, h("td", {}, when(r.at)), h("td", {}, r.actor), h("td", {}, r.source), h("td", {}, r.action),
+    h("tbody", {}, records.map((r) => h("tr", {}, h("td", {}, when(r.at)), h("td", { class: "actor" }, by("actor", r.actor)), h("td", {}, r.source), h("td", { class: "action" }, by("action", r.action)),
       h("td", {}, r.run_id ? runLink(r.run_id, r.run_id.slice(0, 8) + "…") : "-"), h("td", { class: "mono" }, r.step_id || "-"),
       h("td", { class: "mono" }, r.target || "-"), h("td", { class: "mono" }, JSON.stringify(r.details))))));
 }
 
+// The audit page's filters: by person, action and run (each exact; empty: any).
+const auditFilters = { actor: "", action: "", run: "" };
+const AUDIT_ACTIONS = ["resolve-step", "requeue", "schedule-again", "cancel", "schedule", "prune", "schedules-apply",
+  "schedules-retire", "schedule-pause", "schedule-resume", "schedule-fire", "environment"];
+
 async function showAudit() {
-  const { records } = await getJSON("/api/audit?limit=200");
-  fill(main, h("h2", {}, "Audit"), records.length ? auditTable(records) : h("p", { class: "muted" }, "no actions recorded"));
+  const query = new URLSearchParams({ limit: "200" });
+  for (const [k, v] of Object.entries(auditFilters)) if (v) query.set(k, v);
+  const form = h("form", { id: "audit-filters", class: "filters", onsubmit: (ev) => {
+    ev.preventDefault();
+    for (const k of Object.keys(auditFilters)) auditFilters[k] = ev.target[k].value.trim();
+    refresh();
+  } },
+  h("label", {}, "who ", h("input", { name: "actor", value: auditFilters.actor, placeholder: "a person", size: 16 })),
+  h("label", {}, " action ", h("select", { name: "action" }, h("option", { value: "" }, "any"),
+    AUDIT_ACTIONS.map((a) => h("option", { value: a, selected: a === auditFilters.action }, a)))),
+  h("label", {}, " run ", h("input", { name: "run", value: auditFilters.run, placeholder: "run id", size: 38 })),
+  h("button", { type: "submit" }, "filter"),
+  h("button", { type: "button", onclick: () => { Object.keys(auditFilters).forEach((k) => { auditFilters[k] = ""; }); refresh(); } }, "clear"));
+  let records;
+  try {
+    ({ records } = await getJSON(`/api/audit?${query}`));
+  } catch (err) {
+    fill(main, h("h2", {}, "Audit"), form, h("p", { class: "error", id: "audit-error" }, err.message));
+    return;
+  }
+  const filtered = Object.values(auditFilters).some(Boolean);
+  fill(main, h("h2", {}, "Audit"), form, records.length ? auditTable(records, true)
+    : h("p", { class: "muted" }, filtered ? "no actions recorded match these filters" : "no actions recorded"));
 }
 
 route();
