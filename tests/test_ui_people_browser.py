@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import re
 
-import pytest
-from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402, I001
+from playwright.sync_api import Page, expect
 
 from tests.apps import ui_workflows
-from tests.test_ui_browser import CHROMIUM, CHROMIUM_ARGS, shot  # skips this module too without Chromium
+from tests.test_ui_browser import browser as browser  # noqa: F401  (the fixture; it skips this module too without Chromium)
+from tests.test_ui_browser import shot
 from tests.test_ui_people import ALICE
 from tests.test_ui_people import ui as ui  # noqa: F401  (the fixture)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 def new_page(browser, headers: dict | None = None) -> Page:
