@@ -354,16 +354,20 @@ def _database_url(database: _Section, key: str = "url") -> str:
             problem = re.sub(r'"[^"]*"', lambda quoted: quoted[0] if quoted[0] == '"="' else '"..."',
                              first_line(exc))
             raise database.error(key, f"not a PostgreSQL URL or connection string: {problem}") from None
-        _check_ports(database, key, url)
+        problem = port_problem(url)
+        if problem:
+            raise database.error(key, problem)
     return url
 
 
-def _check_ports(database: _Section, key: str, url: str) -> None:
-    """libpq reads a port number it cannot use only when it connects: refused here."""
+def port_problem(url: str) -> str | None:
+    """A port in a PostgreSQL URL that is not a port number (libpq finds out
+    only when it connects, as if the server were unreachable); None if none is."""
     ports = str(conninfo.conninfo_to_dict(url).get("port") or "")
     for port in ports.split(","):
         if port and not (port.isdigit() and 1 <= int(port) <= 65535):
-            raise database.error(key, f"the port {port[:20]!r} is not a port number (1 to 65535)")
+            return f"the port {port[:20]!r} is not a port number (1 to 65535)"
+    return None
 
 
 ENVIRONMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

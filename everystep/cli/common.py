@@ -97,7 +97,15 @@ def expected_environment(args: argparse.Namespace) -> tuple[str | None, str]:
 
 def open_connection(args: argparse.Namespace) -> psycopg.Connection:
     """A connection to the command's database, with no environment check."""
+    from everystep.config import port_problem  # noqa: PLC0415
+
     url = database_url(args)
+    try:
+        problem = port_problem(url)
+    except psycopg.ProgrammingError as exc:  # a malformed URL
+        raise CliError(f"bad database URL: {first_line(exc)}") from None
+    if problem:
+        raise CliError(f"bad database URL: {problem}")
     try:
         return psycopg.connect(url, autocommit=True, connect_timeout=10)
     except psycopg.OperationalError as exc:
