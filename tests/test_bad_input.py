@@ -8,9 +8,7 @@ schedule and an environment) serves all the cases."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import io
 import json
 import textwrap
 import uuid
@@ -21,13 +19,13 @@ import yaml
 import everystep
 import everystep.db
 from everystep import schedules
-from everystep.cli import main
 from everystep.config import ConfigError, check_workflows, load
 from everystep.errors import EverystepError
 from everystep.testing import server
 from tests.apps import cli_workflows
 from tests.apps.cli_workflows import greet, shout
 from tests.conftest import Database
+from tests.support.inprocess import run_cli as cli
 from tests.support.ui_process import Client, UiProcess
 
 UNKNOWN = "0190e1f4-0000-7000-8000-000000000000"
@@ -102,16 +100,6 @@ def one_line(message: str, needle: str) -> None:
 
 
 # ---------------------------------------------------------------- the CLI
-
-def cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exit_:
-            code = exit_.code
-    return code, out.getvalue(), err.getvalue()
-
 
 @pytest.fixture
 def clean_env(monkeypatch, tmp_path, world):

@@ -6,26 +6,12 @@ it writes anything."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 import yaml
 
 import everystep
-from everystep.cli import main
 from tests.apps.cli_workflows import greet
-
-
-def run(*argv: str, env: dict | None = None, monkeypatch=None) -> tuple[int, str, str]:
-    """The CLI in this process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exit_:
-            code = exit_.code
-    return code, out.getvalue(), err.getvalue()
+from tests.support.inprocess import run_cli as run
 
 
 def one_line(err: str) -> str:
