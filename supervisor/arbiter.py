@@ -23,10 +23,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psycopg
 from setproctitle import setproctitle
 
-from everystep import embedded, logs, registry
+from everystep import db, embedded, logs, registry
 from everystep.config import Config, ConfigError, check_workflows, load
+from everystep.logs import first_line
 from supervisor import metrics, metrics_dir, state_file
 from supervisor.children import (
     BOOTED,
@@ -97,6 +99,7 @@ class Arbiter:
         for warning in check_workflows(self.config):  # ConfigError: refused before anything starts
             log.warning("%s", warning)
         self.database_url = self._database_url()
+        self._check_environment()
         self._install_signals()
         log.info("supervisor %s starting (pid %d, %d workers)", self.config.name, os.getpid(), self.processes)
         self._add("http", "http")
@@ -124,6 +127,24 @@ class Arbiter:
         except embedded.EmbeddedError as exc:
             raise FatalError(str(exc)) from None
         return url
+
+    def _check_environment(self) -> None:
+        """With database.expected_environment, refuse (before any child
+        starts, so before anything is written) a database that records
+        another environment, or none."""
+        expected = self.config.database.expected_environment
+        if not expected:
+            return
+        try:
+            with psycopg.connect(self.config.database.direct_url or self.database_url, autocommit=True,
+                                 connect_timeout=10) as conn:
+                recorded = db.recorded_environment(conn)
+        except psycopg.Error as exc:
+            raise FatalError(f"cannot read the database's environment: {first_line(exc)}") from None
+        if recorded != expected:
+            found = f"is {recorded!r}" if recorded else "records none (everystep migrate --environment NAME)"
+            raise ConfigError(f"{self.config.path}: database.expected_environment: expects {expected!r}, but the "
+                              f"database {found}: nothing started")
 
     def _import_modules(self, names: tuple[str, ...]) -> None:
         for module in names:

@@ -6,12 +6,16 @@ it writes anything."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
 import everystep
 from tests.apps.cli_workflows import greet
 from tests.support.inprocess import run_cli as run
+from tests.support.processes import ROOT
 
 
 def one_line(err: str) -> str:
@@ -130,3 +134,33 @@ def test_the_operator_variable_names_the_person_in_the_audit_trail(db, contexts,
     monkeypatch.setenv("EVERYSTEP_OPERATOR", "alice")
     assert run("--context", "anything", "schedule", "tests.apps.cli_workflows:greet", '"x"')[0] == 0
     assert db.value("SELECT actor FROM everystep_audit WHERE action = 'schedule'") == "alice"
+
+
+def _supervisor(document: dict, tmp_path) -> subprocess.CompletedProcess:
+    path = tmp_path / "everystep.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return subprocess.run([sys.executable, "-m", "supervisor", "-c", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_the_supervisor_refuses_another_environment_before_it_starts_anything(db, tmp_path):
+    assert run("--database-url", db.url, "migrate", "--environment", "staging")[0] == 0
+    before = counts(db)
+    result = _supervisor({"database": {"url": db.url, "expected_environment": "production"},
+                          "imports": ["tests.apps.cli_workflows"], "http": {"port": 0}}, tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "database.expected_environment: expects 'production', but the database is 'staging'" in result.stderr
+    assert "starting" not in result.stderr and counts(db) == before
+
+
+def test_the_supervisor_refuses_a_schedule_the_code_cannot_run(db, tmp_path):
+    result = _supervisor({"database": {"url": db.url}, "imports": ["tests.apps.cli_workflows"],
+                          "http": {"port": 0}, "schedules": {"nightly": {
+                              "workflow": "tests.apps.cli_workflows.greet", "args": [1, 2], "cron": "@daily"}}},
+                         tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "schedules.nightly.args: tests.apps.cli_workflows.greet(name): too many positional arguments" \
+        in result.stderr
+    assert db.value("SELECT count(*) FROM everystep_schedule") == 0
