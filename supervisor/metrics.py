@@ -9,6 +9,6 @@ CHILD_RESTARTS = Counter(
     "everystep_supervisor_child_restarts", "Children restarted after an unexpected exit, by child name.", ["child"]
 )
 CHILDREN = Gauge(
-    "everystep_supervisor_children", "Children alive, by role (worker, http, maintenance).", ["role"],
+    "everystep_supervisor_children", "Children alive, by role (worker, http, maintenance, ui).", ["role"],
     multiprocess_mode="livesum",
 )

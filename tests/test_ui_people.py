@@ -91,6 +91,9 @@ def test_a_trusted_proxy_names_the_user_and_any_other_address_is_ignored(db, ui)
     base = ui({"trusted_user_header": "X-Forwarded-User", "trusted_proxies": ["10.9.9.9"],
                "users": {"dave": {"role": "operator"}}, "viewer_token": "viewer-token-0123456789"})
     assert Client(base).request("GET", "/api/me", headers=header)[0] == 401
+    # Nor does a forwarded-for header make a client the proxy: the peer address is the socket's.
+    assert Client(base).request("GET", "/api/me", headers={**header, "X-Forwarded-For": "10.9.9.9",
+                                                             "Forwarded": "for=10.9.9.9"})[0] == 401
     assert Client(base).request("POST", "/api/actions/cancel", {"runs": [str(other.id)]}, headers=header)[0] == 401
     assert db.run(other.id)["status"] == "scheduled" and len(audit_rows(db)) == 1
 

@@ -72,6 +72,7 @@ def test_people_their_actions_and_the_audit_filters(db, browser, ui):
     page.click("nav a[data-view=audit]")
     rows = page.locator("table.audit tbody tr")
     expect(rows).to_have_count(4)  # the environment record, alice's cancel, dave's cancel and schedule-again
+    shot(page, "audit")
     page.fill("#audit-filters input[name=actor]", "alice")
     page.click("#audit-filters button:text('filter')")
     expect(rows).to_have_count(1)
@@ -89,7 +90,6 @@ def test_people_their_actions_and_the_audit_filters(db, browser, ui):
     page.click("#audit-filters button:text('filter')")
     expect(rows).to_have_count(1)
     expect(rows.first.locator("td.actor")).to_have_text("alice")
-    shot(page, "audit")
     page.fill("#audit-filters input[name=run]", "not-a-run")
     page.click("#audit-filters button:text('filter')")
     expect(page.locator("#audit-error")).to_contain_text("not a run id")

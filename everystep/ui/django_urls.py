@@ -77,7 +77,7 @@ def _base() -> str:
 def page(request: HttpRequest, who: Who, run_id: str | None = None) -> HttpResponse:
     html = _templates.get_template("index.html").render(
         role=who.role, csrf_header="X-CSRFToken", csrf_token=get_token(request), base=_base(),
-        static_base=_base() + "/static", login=False,
+        static_base=_base() + "/static", login=False, user=who.name, environment=console().environment(),
     )
     return HttpResponse(html)
 

@@ -36,8 +36,11 @@ def serve(sock: socket.socket, database_url: str, credentials: Credentials,
           on_ready: Callable[[int], None] | None = None) -> None:
     """Serve the UI on `sock` until stopped by SIGTERM or SIGINT."""
     console = Console(database_url, credentials)
+    # proxy_headers off: the peer address is the socket's, never what an
+    # X-Forwarded-For says, so only a trusted proxy's own connection may name
+    # the user (ui.trusted_proxies).
     config = uvicorn.Config(create_app(console), log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2)
+                            timeout_graceful_shutdown=2, proxy_headers=False)
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
