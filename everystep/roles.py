@@ -86,6 +86,9 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_message, {s}.everystep_eve
 GRANT SELECT ON {s}.everystep_migration TO {operator};
 GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
 GRANT pg_read_all_stats TO {operator};
+-- Every role may read which environment the database is (0017_environment.sql):
+-- the CLI checks it before it acts; `migrate --environment` (the owner) writes it.
+GRANT SELECT ON {s}.everystep_environment TO {producer}, {worker}, {operator};
 
 -- Rows: a worker changes only runs that are scheduled, waiting or running
 -- (never a blocked or finished one: resolving is the operator's), and step

@@ -287,6 +287,7 @@ CLI_CASES = [
     ("show-unknown", "runs show {UNKNOWN}", 2, f"no run {UNKNOWN}"),
     ("export-nothing", "runs export", 2, "runs export takes run ids, or a filter"),
     ("export-unknown", "runs export {UNKNOWN}", 2, UNKNOWN),
+    ("export-unknown-workflow", "runs export --workflow no.such.wf", 2, "--workflow no.such.wf: no run has"),
     ("schedule-not-module-func", "schedule greet", 2, "expected MODULE:FUNC"),
     ("schedule-no-module", "schedule no_such_module_xyz:greet", 2, "cannot import no_such_module_xyz"),
     ("schedule-no-function", "schedule tests.apps.cli_workflows:nope", 2, "has no 'nope'"),

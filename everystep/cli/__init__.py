@@ -1,6 +1,7 @@
 """The `everystep` operations CLI.
 
-    everystep migrate
+    everystep [--context NAME] COMMAND ...
+    everystep migrate [--environment NAME [--force]]
     everystep runs list [--status S] [--workflow NAME] [--parent RUN] [--limit N] [-o text|json]
     everystep runs show RUN [-o text|json]
     everystep runs export RUN... | --workflow NAME [--status S] [--limit N] [-o FILE]
@@ -21,8 +22,12 @@ Every action (resolve-step, requeue, cancel, reschedule, prune, schedule,
 schedules apply and retire) is recorded in the audit trail, everystep_audit.
 The actions on runs are everystep.operations' functions, the UI's too.
 
-The database comes from --database-url, else $EVERYSTEP_DATABASE_URL, else
-the `database.url` of `-c FILE`.
+The database comes from --database-url, else --context NAME's url (the
+contexts file: ~/.config/everystep/contexts.yaml or $EVERYSTEP_CONTEXTS),
+else $EVERYSTEP_DATABASE_URL, else the `database.url` of `-c FILE`. With a
+context's environment (or -c FILE's database.expected_environment), every
+command refuses a database that records another environment, before it
+writes anything (everystep/cli/contexts.py).
 
 A command either does all it was asked or nothing: bad input and refusals are
 found before anything is written, and reported as one line on stderr.
@@ -31,7 +36,7 @@ Exit codes: 0 success; 1 the command ran and refused (a run in the wrong
 state, a claimer that is alive; replay-check: a run diverges) or the
 database rejected it; 2 bad input
 (usage, a malformed id or JSON value, an unknown run, step, workflow or
-module); 3 the database is unreachable; 4 `schedules apply --plan-digest`
+module, a database of another environment); 3 the database is unreachable; 4 `schedules apply --plan-digest`
 found the plan changed since it was reviewed (nothing written); 130
 interrupted.
 """

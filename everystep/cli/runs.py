@@ -175,6 +175,8 @@ def cmd_runs_export(args: argparse.Namespace) -> int:
         if args.workflow is not None or args.status is not None:
             name = args.workflow.replace(":", ".") if args.workflow else None
             listed = db.list_runs(conn, args.status, name, args.limit)
+            if not listed and name is not None:
+                _known_workflow(conn, name)
             run_ids += [run["id"] for run in listed if run["id"] not in run_ids]
         try:
             document = history.export(conn, run_ids)
