@@ -258,6 +258,9 @@ def _register(backend: EverystepBackend, task: Any) -> None:
             return value
 
     body.__everystep_concurrency__ = getattr(fn, "__everystep_concurrency__", None)  # type: ignore[attr-defined]
+    if task.takes_context:  # a run stores the arguments after the context: what schedule() checks
+        parameters = list(inspect.signature(fn).parameters.values())[1:]
+        body.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
     registry.register(body)
 
 
