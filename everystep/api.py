@@ -360,13 +360,16 @@ def _many_args(caller: str, workflow_fn: Callable, args_list: Any,
         raise EverystepError(f"{caller} takes a list of argument tuples, one per run")
     args_list = list(args_list)
     args_jsons = []
+    arities = set()  # positional arguments fit or not by their count alone: each count checked once
     for position, args in enumerate(args_list):
         if not isinstance(args, (tuple, list)):
             raise EverystepError(
                 f"{caller}: run {position} has arguments {args!r:.60}; each must be a tuple or list "
                 "of positional arguments, e.g. [(1,), (2,)]"
             )
-        _check_signature(f"{caller} run {position}", name, workflow_fn, args)
+        if len(args) not in arities:
+            _check_signature(f"{caller} run {position}", name, workflow_fn, args)
+            arities.add(len(args))
         args_jsons.append(serde.dumps(list(args)))
     if idempotency_keys is None:
         return name, args_jsons, [None] * len(args_list)
