@@ -182,8 +182,6 @@ def check_workflows(config: Config) -> list[str]:
     key no import defines, each raise ConfigError (they would fire failing
     runs, or limit nothing); a `workers.workflows` pattern that matches no
     imported workflow is returned as a warning line."""
-    import fnmatch  # noqa: PLC0415
-
     from everystep import registry  # noqa: PLC0415
 
     file = str(config.path)
@@ -204,10 +202,20 @@ def check_workflows(config: Config) -> list[str]:
         problem = registry.workflow_problem(name)
         if problem:
             raise ConfigError(f"{file}: workflows.{name}: {problem}")
+    return [f"{file}: workers.workflows: {problem}"
+            for problem in unmatched_patterns(config.workers.workflows or (), config.imports)]
+
+
+def unmatched_patterns(patterns: tuple[str, ...] | list[str], imports: tuple[str, ...] | list[str]) -> list[str]:
+    """A line for each workflow name pattern that matches no workflow
+    registered (once `imports` are imported): workers that would claim nothing."""
+    import fnmatch  # noqa: PLC0415
+
+    from everystep import registry  # noqa: PLC0415
+
     names = list(registry.WORKFLOWS)
-    return [f"{file}: workers.workflows: the pattern {pattern!r} matches no imported workflow "
-            f"(imports: {', '.join(config.imports) or 'none'})"
-            for pattern in config.workers.workflows or () if not fnmatch.filter(names, pattern)]
+    return [f"the pattern {pattern!r} matches no imported workflow (imports: {', '.join(imports) or 'none'})"
+            for pattern in patterns if not fnmatch.filter(names, pattern)]
 
 
 def worker_options(config: Config | None) -> dict[str, Any]:

@@ -114,6 +114,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     direct_url = args.direct_url or (config.database.direct_url if config else None) or None
     options = _given(worker_options(config), args)
     with _supervised_as(args, config):
+        from everystep.config import unmatched_patterns  # noqa: PLC0415
+
+        for problem in unmatched_patterns(options["workflows"] or (),
+                                          [*(config.imports if config else ()), *args.imports]):
+            log.warning("worker %s: --workflows: %s", args.name, problem)
         worker = Worker(url, args.name, **options, direct_url=direct_url)
         stop_on_signals(worker)
         worker.run()
