@@ -392,8 +392,12 @@ class Console:
         --environment`), read at most every ENVIRONMENT_TTL seconds."""
         now = time.monotonic()
         if self._environment is None or now - self._environment[1] > ENVIRONMENT_TTL:
-            with self._db() as conn:
-                self._environment = (db.recorded_environment(conn), now)
+            try:
+                with self._db() as conn:
+                    name = db.recorded_environment(conn)
+            except psycopg.errors.InsufficientPrivilege:
+                name = None  # a role granted before the table existed: the header shows none
+            self._environment = (name, now)
         return self._environment[0]
 
     # ------------------------------------------------------------ actions
