@@ -88,7 +88,7 @@ def expected_environment(args: argparse.Namespace) -> tuple[str | None, str]:
     context = _context(args)
     if context is not None and context.environment is not None:
         return context.environment, f"--context {context.name}"
-    if context is None and getattr(args, "config", None):
+    if getattr(args, "config", None):
         expected = load_config(args.config).database.expected_environment
         if expected:
             return expected, f"{args.config}: database.expected_environment"
