@@ -40,6 +40,7 @@ from everystep.errors import (
     RunFailed,
     StepFailure,
     Terminal,
+    WorkflowArgumentsError,
     WorkflowCodeError,
 )
 from everystep.retries import Backoff
@@ -66,6 +67,7 @@ __all__ = [
     "RunContext",
     "ScheduledRun",
     "StepFailure",
+    "WorkflowArgumentsError",
     "cancel",
     "gather",
     "get_event",

@@ -25,7 +25,7 @@ from everystep.connections import (  # noqa: F401  (atransaction, transaction, u
     use,
 )
 from everystep.context import SEGMENT, current_scope, run_branches
-from everystep.errors import EverystepError, RunFailed, StepFailure
+from everystep.errors import EverystepError, RunFailed, StepFailure, WorkflowArgumentsError
 from everystep.ids import uuid7, uuid7_many
 from everystep.retries import Backoff, RetryPolicy
 from everystep.schema import MAX_KEY, MAX_NAME, RunStatus, StepStatus
@@ -59,10 +59,10 @@ def workflow(fn: Callable | None = None, *, concurrency: int | None = None) -> A
 
 def _check_signature(caller: str, name: str, fn: Callable, args: Sequence[Any]) -> None:
     """A run whose arguments do not fit its workflow's parameters could never
-    start: refused (TypeError) before anything is written."""
+    start: refused before anything is written."""
     problem = registry.arguments_problem(fn, args)
     if problem:
-        raise TypeError(f"{caller}: {name}{problem}")
+        raise WorkflowArgumentsError(f"{caller}: {name}{problem}")
 
 
 @overload

@@ -10,6 +10,12 @@ class EverystepError(Exception):
     duplicate id in one scope, no transaction to schedule into."""
 
 
+class WorkflowArgumentsError(EverystepError, TypeError):
+    """Arguments that do not fit a workflow's parameters: such a run could
+    never start, so it is refused before anything is written (a TypeError,
+    as Python's own call would raise, and an EverystepError)."""
+
+
 class WorkflowCodeError(EverystepError):
     """Replay diverged: the step recorded under this id was another function."""
 

@@ -380,6 +380,8 @@ def _local_workflow():
 
 
 API_CASES = [
+    ("schedule-too-many-args-is-an-everystep-error", lambda: everystep.schedule(greet, 1, 2, 3), EverystepError,
+     "too many positional arguments"),
     ("schedule-too-many-args", lambda: everystep.schedule(greet, 1, 2, 3), TypeError,
      "schedule(): tests.apps.cli_workflows.greet(name): too many positional arguments (given 3 arguments)"),
     ("schedule-missing-arg", lambda: everystep.schedule(greet), TypeError, "missing a required argument: 'name'"),
