@@ -39,6 +39,7 @@ from everystep.errors import (
     LostClaim,
     RunFailed,
     StepFailure,
+    StepTimeout,
     Terminal,
     WorkflowCodeError,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "RunContext",
     "ScheduledRun",
     "StepFailure",
+    "StepTimeout",
     "cancel",
     "gather",
     "get_event",

@@ -315,4 +315,4 @@ class _History(HeldRun):
         return status
 
     record_attempt = record_sleep = park = park_waiting = begin_wait = take_message = take_child = _past
-    start_child = set_event = requeue = cancel_reason = start_traced = _past
+    start_child = set_event = requeue = cancel_reason = deliver_cancel = start_traced = _past

@@ -97,6 +97,7 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
             children = db.children(conn, args.run)
             messages = db.load_messages(conn, args.run)
             events = db.load_events(conn, args.run)
+            now = db.database_now(conn)
     if args.output == "json":
         print_json({**run, "steps": steps, "children": children, "messages": messages, "events": events})
         return 0
@@ -123,6 +124,13 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         fields.append(("messages", f"{len(messages)} received, {waiting} not consumed yet"))
     for event in events:
         fields.append((f"event {event['key']}"[:15], _json_text(event["value"])))
+    if run["deadline_at"] is not None:
+        fields.append(("deadline", f"{utc(run['deadline_at'])} ({_until(run['deadline_at'], run, now)})"))
+    timed_out = _timed_out(steps)
+    if timed_out:
+        count = sum(timed_out.values())
+        fields.append(("timeouts", f"{count} step attempt{'s' if count > 1 else ''} timed out"
+                                   f" ({', '.join(f'step {k}' for k in timed_out)})"))
     if run["cancel_requested_at"] is not None:
         fields.append(("cancel", f"requested {utc(run['cancel_requested_at'])}"
                                  + (f": {run['cancel_reason']}" if run["cancel_reason"] else "")))
@@ -187,6 +195,37 @@ def _step_row(step: dict) -> tuple[str, ...]:
     else:
         outcome = "(started; outcome unknown)"
     return step["step_id"], step["status"], step["name"], args, outcome
+
+
+def _until(deadline: dt.datetime, run: dict, now: dt.datetime) -> str:
+    """How a run stands against its deadline (database time)."""
+    if run["status"] in db.TERMINAL:
+        return "met" if run["completed_at"] is not None and run["completed_at"] < deadline \
+            and run["cancel_reason"] != "deadline" else "passed"
+    left = (deadline - now).total_seconds()
+    if left <= 0:
+        return "passed"
+    if left < 120:
+        return f"in {left:.0f} s"
+    if left < 7200:
+        return f"in {left / 60:.0f} min"
+    return f"in {left / 3600:.1f} h"
+
+
+def _timed_out(steps: list[dict]) -> dict[str, int]:
+    """The steps with attempts that timed out (StepTimeout), and how many each."""
+    counts: dict[str, int] = {}
+    for step in steps:
+        errors = [a["error"] for a in step["attempts"] or []]
+        if step["status"] == "failed":
+            errors.append(step["error"])
+        n = sum(1 for error in errors if isinstance(error, dict) and error.get("type") == STEP_TIMEOUT)
+        if n:
+            counts[step["step_id"]] = n
+    return counts
+
+
+STEP_TIMEOUT = "everystep.errors.StepTimeout"
 
 
 def _epoch_utc(seconds: float) -> str:
