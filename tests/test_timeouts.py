@@ -294,3 +294,24 @@ def test_runs_show_gives_the_deadline_and_the_timeouts(db, marks):
     shown = ok(cli(db, "runs", "show", str(cancelled.id)))
     assert "deadline        " in shown and "(passed)" in shown
     assert "cancel          requested " in shown and ": deadline" in shown
+
+
+@pytest.mark.parametrize("unsafe", [False, True])
+def test_an_async_run_past_its_deadline_has_its_running_step_cancelled(db, marks, tmp_path, start_worker, unsafe):
+    """As a cancel request does: the worker looks for its async runs past
+    their deadline every poll, and cancels their steps at their next await."""
+    from tests.apps import async_workflows as flows  # noqa: PLC0415
+
+    hold = tmp_path / "hold"
+    hold.touch()
+    start_worker("w-async", poll=0.2, imports=("tests.apps.async_workflows",))
+    run = schedule_one(db, flows.held_then_more, marks, str(hold), unsafe, deadline=1.5)
+    row = ended(db, run.id)
+    assert hold.exists()  # the step never got to its end: it was cancelled at an await
+    (step,) = db.steps(run.id)
+    if unsafe:  # cancelled mid-effect: the effect may have happened
+        assert row["status"] == "blocked" and step["status"] == "started"
+    else:
+        assert (row["status"], row["cancel_reason"]) == ("cancelled", "deadline")
+        assert step["status"] == "failed" and step["error"] == {**step["error"], "type": CANCELLED,
+                                                                 "message": "deadline"}
