@@ -315,3 +315,19 @@ def test_an_async_run_past_its_deadline_has_its_running_step_cancelled(db, marks
         assert (row["status"], row["cancel_reason"]) == ("cancelled", "deadline")
         assert step["status"] == "failed" and step["error"] == {**step["error"], "type": CANCELLED,
                                                                  "message": "deadline"}
+
+
+def test_the_testing_clock_brings_a_deadline_as_it_brings_a_wake_time(everystep_db, marks):
+    """advance() stops at the parked run's deadline (its due time), and the
+    drain there cancels it: an hour's sleep with a minute's deadline."""
+    from everystep.testing import advance, drain  # noqa: PLC0415
+    from tests.support.engine import schedule_in  # noqa: PLC0415
+
+    conn = everystep_db
+    run = schedule_in(conn, tf.sleeps_long, marks, deadline=60)
+    drain(conn)
+    assert everystep.db.load_run(conn, run.id)["status"] == "waiting"
+    advance(conn, 7200)
+    row = everystep.db.load_run(conn, run.id)
+    assert (row["status"], row["cancel_reason"]) == ("cancelled", "deadline")
+    assert (row["completed_at"] - row["deadline_at"]).total_seconds() < 1  # at its deadline, not at the wake time
