@@ -259,13 +259,13 @@ class _Checking(Replay):
             raise self.held.stop_with(WorkflowCodeError(self.divergence.message))
 
     def step(self, scope: Scope, fn: Any, name: str, unsafe: bool, args: tuple, kwargs: dict,
-             everystep_id: str | None, retry: Any = None) -> Any:
+             everystep_id: str | None, retry: Any = None, timeout: float | None = None) -> Any:
         self._call.what = (name, serde.encode(list(args)), serde.encode(kwargs))
 
         def never(*_args: Any, **_kwargs: Any) -> Any:
             raise self.held.stop_with(_EndOfHistory())
 
-        return super().step(scope, never, name, unsafe, args, kwargs, everystep_id, retry)
+        return super().step(scope, never, name, unsafe, args, kwargs, everystep_id, retry)  # (never times out)
 
     def start_child(self, scope: Scope, child_name: str, args_json: str) -> uuid.UUID:
         self._call.what = (START, [child_name], None)
