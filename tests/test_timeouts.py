@@ -17,6 +17,7 @@ from everystep import EverystepError, schedule
 from tests.apps import timeout_workflows as tf
 from tests.apps.workflows import marks_of
 from tests.support.processes import wait_for
+from tests.test_roles import roles  # noqa: F401  (a fixture)
 
 IMPORTS = ("tests.apps.workflows", "tests.apps.timeout_workflows")
 STEP_TIMEOUT = "everystep.errors.StepTimeout"
@@ -331,3 +332,30 @@ def test_the_testing_clock_brings_a_deadline_as_it_brings_a_wake_time(everystep_
     row = everystep.db.load_run(conn, run.id)
     assert (row["status"], row["cancel_reason"]) == ("cancelled", "deadline")
     assert (row["completed_at"] - row["deadline_at"]).total_seconds() < 1  # at its deadline, not at the wake time
+
+
+def test_the_producer_and_worker_roles_schedule_and_cancel_by_deadline(db, marks, roles, tmp_path):  # noqa: F811
+    """Least privilege: the producer writes a run's deadline (schedule,
+    schedule_many); a worker process under the worker role starts a child
+    with one and cancels both by it."""
+    from psycopg import conninfo  # noqa: PLC0415
+
+    from tests.support.processes import WorkerProcess  # noqa: PLC0415
+    from tests.test_roles import as_role  # noqa: PLC0415
+
+    with as_role(db, f"{roles}producer") as conn, everystep.transaction(conn):
+        parent = everystep.schedule(tf.parent_of_child, marks, False, deadline=3)
+        (many,) = everystep.schedule_many(tf.has_a_timeout, [(marks,)])
+    assert deadline_of(db, parent.id) is not None and deadline_of(db, many.id) is not None
+    url = conninfo.make_conninfo(db.url, options=f"-c search_path={db.schema} -c role={roles}worker")
+    worker = WorkerProcess(url, "role-worker", tmp_path / "logs", imports=IMPORTS)
+    try:
+        assert ended(db, many.id)["status"] == "completed"
+        row = ended(db, parent.id)
+        assert (row["status"], row["cancel_reason"]) == ("cancelled", "deadline")
+        child = db.value("SELECT id FROM everystep_workflow WHERE parent_id = %s", (parent.id,))
+        assert deadline_of(db, child) == deadline_of(db, parent.id)
+        assert (ended(db, child)["status"], db.run(child)["cancel_reason"]) == ("cancelled", "deadline")
+    finally:
+        worker.signal(15)
+        worker.proc.wait(30)
