@@ -26,6 +26,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from everystep import metrics
+from everystep.context import current_run
 from everystep.errors import StepTimeout
 
 log = logging.getLogger("everystep")
@@ -53,12 +54,14 @@ def _abandon(future: concurrent.futures.Future, workflow: str, step: str, timeou
     """The attempt behind `future` timed out: count its thread until it ends."""
     gauge = metrics.ABANDONED_STEP_THREADS.labels(workflow)
     gauge.inc()
+    run = current_run.get()
+    extra = {"workflow": workflow, **({"run": str(run.workflow_id)} if run is not None else {})}
     log.warning("step %s timed out after %g s; its thread is abandoned (its result will be ignored)",
-                step, timeout, extra={"workflow": workflow})
+                step, timeout, extra=extra)
 
     def ended(_: concurrent.futures.Future) -> None:
         gauge.dec()
-        log.info("an abandoned attempt of step %s ended; its result was ignored", step, extra={"workflow": workflow})
+        log.info("an abandoned attempt of step %s ended; its result was ignored", step, extra=extra)
 
     future.add_done_callback(ended)
     return timed_out(workflow, step, timeout)

@@ -43,6 +43,13 @@ def ended(db, run_id, timeout: float = 30) -> dict:
     return db.run(run_id)
 
 
+def ready(worker):
+    """A worker process once it claims: a deadline counted from a schedule
+    made after this does not pass while the process starts."""
+    worker.wait_logged("holding the lock", timeout=60)
+    return worker
+
+
 def timeouts(workflow, kind: str) -> float:
     name = workflow.__everystep_workflow__
     return REGISTRY.get_sample_value("everystep_timeouts_total", {"workflow": name, "kind": kind}) or 0.0
@@ -140,17 +147,15 @@ def test_an_async_step_of_a_sync_workflow_and_a_sync_step_of_an_async_one_time_o
     assert tags(marks, second.id) == ["sync-in-async"]
 
 
-def test_step_timeouts_are_counted(db, marks):
-    before = timeouts(tf.retries_a_timeout, "step")
-    run = schedule_one(db, tf.retries_a_timeout, marks, 1)
+def test_step_timeouts_and_abandoned_threads_are_counted(db, marks):
+    name = tf.counted.__everystep_workflow__
+    before = timeouts(tf.counted, "step")
+    run = schedule_one(db, tf.counted, marks)
     assert db.run_pending() == {run.id: "completed"}
-    assert timeouts(tf.retries_a_timeout, "step") == before + 1
-    abandoned = REGISTRY.get_sample_value("everystep_step_threads_abandoned",
-                                          {"workflow": tf.retries_a_timeout.__everystep_workflow__})
-    assert abandoned == 1  # its thread is still sleeping
-    wait_for(lambda: REGISTRY.get_sample_value(
-        "everystep_step_threads_abandoned", {"workflow": tf.retries_a_timeout.__everystep_workflow__}) == 0,
-        timeout=10, what="the abandoned thread ended")
+    assert timeouts(tf.counted, "step") == before + 1
+    abandoned = lambda: REGISTRY.get_sample_value("everystep_step_threads_abandoned", {"workflow": name})  # noqa: E731
+    assert abandoned() == 1  # its thread is still sleeping
+    wait_for(lambda: abandoned() == 0, timeout=10, what="the abandoned thread ended")
 
 
 # ---------------------------------------------------------------- deadlines
@@ -187,8 +192,8 @@ def test_deadlines_from_schedule_and_from_the_workflow_timeout(db, marks):
 def test_a_parked_run_is_cancelled_at_its_deadline(db, marks, start_worker, workflow, cancelled_at):
     """A run sleeping or waiting for a message holds no worker: it is due at
     its deadline, claimed then, and its body gets Cancelled('deadline')."""
-    start_worker("w-deadline", threads=2, imports=IMPORTS)
-    run = schedule_one(db, workflow, marks, deadline=2)
+    ready(start_worker("w-deadline", threads=2, imports=IMPORTS))
+    run = schedule_one(db, workflow, marks, deadline=3)
     wait_for(lambda: status(db, run.id) == "waiting", what="the run parked")
     row = ended(db, run.id)
     assert (row["status"], row["cancel_reason"]) == ("cancelled", "deadline")
@@ -204,8 +209,8 @@ def test_a_running_run_is_cancelled_at_its_next_step_after_its_deadline(db, mark
     """The step in progress at the deadline finishes and is recorded; the next
     step call raises Cancelled('deadline'), which the body may clean up after."""
     release = tmp_path / "release"
-    start_worker("w-deadline", threads=2, imports=IMPORTS)
-    run = schedule_one(db, tf.steps_on, marks, str(release), deadline=1.5)
+    ready(start_worker("w-deadline", threads=2, imports=IMPORTS))
+    run = schedule_one(db, tf.steps_on, marks, str(release), deadline=3)
     wait_for(lambda: "held" in tags(marks, run.id), what="the first step running")
     wait_for(lambda: db.value("SELECT deadline_at <= now() FROM everystep_workflow WHERE id = %s", (run.id,)),
              what="the deadline passed")
@@ -231,7 +236,7 @@ def test_a_delayed_run_whose_deadline_comes_first_is_cancelled_before_it_does_an
 def test_a_child_inherits_the_earlier_of_its_own_and_its_parents_deadline(db, marks, start_worker):
     own = schedule_one(db, tf.parent_of_child, marks, True)  # parent 3600 s, child 60 s: the child's own
     inherited = schedule_one(db, tf.parent_of_child, marks, False)  # a child without a timeout: the parent's
-    earlier = schedule_one(db, tf.parent_of_child, marks, True, deadline=3)  # the parent's 3 s beat the child's 60
+    earlier = schedule_one(db, tf.parent_of_child, marks, True, deadline=8)  # the parent's 8 s beat the child's 60
     db.run_pending()
     child = {run.id: db.value("SELECT id FROM everystep_workflow WHERE parent_id = %s", (run.id,))
              for run in (own, inherited, earlier)}
@@ -269,9 +274,10 @@ def test_a_run_past_its_deadline_at_its_end_ends_cancelled_with_its_result(db, m
 
 def test_deadline_cancels_are_counted_once(db, marks):
     before = timeouts(tf.sleeps_long, "deadline")
-    run = schedule_one(db, tf.sleeps_long, marks, deadline=1)
+    run = schedule_one(db, tf.sleeps_long, marks, deadline=60)
     assert db.run_pending() == {run.id: "sleeping"}
-    time.sleep(1.2)
+    with db.connect() as conn:  # a minute later, as far as this run is concerned
+        conn.execute("UPDATE everystep_workflow SET deadline_at = now(), due_at = now() WHERE id = %s", (run.id,))
     assert db.run_pending() == {run.id: "cancelled"}
     assert timeouts(tf.sleeps_long, "deadline") == before + 1
 
@@ -287,11 +293,13 @@ def test_runs_show_gives_the_deadline_and_the_timeouts(db, marks):
     assert f"{STEP_TIMEOUT}: step tests.apps.timeout_workflows.hangs_at_first did not finish" in shown
     assert json.loads(ok(cli(db, "runs", "show", "--json", str(run.id))))["deadline_at"] is not None
 
-    cancelled = schedule_one(db, tf.sleeps_long, marks, deadline=1)
+    cancelled = schedule_one(db, tf.sleeps_long, marks, deadline=3600)
     db.run_pending()
-    assert "(in " in ok(cli(db, "runs", "show", str(cancelled.id)))
-    time.sleep(1.2)
-    db.run_pending()
+    assert "(in 60 min)" in ok(cli(db, "runs", "show", str(cancelled.id)))
+    with db.connect() as conn:  # an hour later, as far as this run is concerned
+        conn.execute("UPDATE everystep_workflow SET deadline_at = now(), due_at = now() WHERE id = %s",
+                     (cancelled.id,))
+    assert db.run_pending() == {cancelled.id: "cancelled"}
     shown = ok(cli(db, "runs", "show", str(cancelled.id)))
     assert "deadline        " in shown and "(passed)" in shown
     assert "cancel          requested " in shown and ": deadline" in shown
@@ -305,8 +313,9 @@ def test_an_async_run_past_its_deadline_has_its_running_step_cancelled(db, marks
 
     hold = tmp_path / "hold"
     hold.touch()
-    start_worker("w-async", poll=0.2, imports=("tests.apps.async_workflows",))
-    run = schedule_one(db, flows.held_then_more, marks, str(hold), unsafe, deadline=1.5)
+    ready(start_worker("w-async", poll=0.2, imports=("tests.apps.async_workflows",)))
+    run = schedule_one(db, flows.held_then_more, marks, str(hold), unsafe, deadline=3)
+    wait_for(lambda: flows.marks_of(marks), what="the step started")
     row = ended(db, run.id)
     assert hold.exists()  # the step never got to its end: it was cancelled at an await
     (step,) = db.steps(run.id)
@@ -344,13 +353,15 @@ def test_the_producer_and_worker_roles_schedule_and_cancel_by_deadline(db, marks
     from tests.test_roles import as_role  # noqa: PLC0415
 
     with as_role(db, f"{roles}producer") as conn, everystep.transaction(conn):
-        parent = everystep.schedule(tf.parent_of_child, marks, False, deadline=3)
+        parent = everystep.schedule(tf.parent_of_child, marks, False, deadline=10)
         (many,) = everystep.schedule_many(tf.has_a_timeout, [(marks,)])
     assert deadline_of(db, parent.id) is not None and deadline_of(db, many.id) is not None
     url = conninfo.make_conninfo(db.url, options=f"-c search_path={db.schema} -c role={roles}worker")
     worker = WorkerProcess(url, "role-worker", tmp_path / "logs", imports=IMPORTS)
     try:
         assert ended(db, many.id)["status"] == "completed"
+        wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE parent_id = %s", (parent.id,)),
+                 what="the child started")
         row = ended(db, parent.id)
         assert (row["status"], row["cancel_reason"]) == ("cancelled", "deadline")
         child = db.value("SELECT id FROM everystep_workflow WHERE parent_id = %s", (parent.id,))

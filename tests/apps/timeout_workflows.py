@@ -141,3 +141,9 @@ def child_with_timeout(marks: str) -> str:
 @workflow(timeout=120)
 def has_a_timeout(marks: str) -> str:
     return work(marks, "timed")
+
+
+@workflow
+def counted(marks: str) -> str:
+    """retries_a_timeout's step under a workflow of its own: its metrics' labels are this test's alone."""
+    return hangs_at_first(marks, 1)
