@@ -370,3 +370,26 @@ def test_the_producer_and_worker_roles_schedule_and_cancel_by_deadline(db, marks
     finally:
         worker.signal(15)
         worker.proc.wait(30)
+
+
+def test_a_supervisor_serves_the_timeouts_of_its_workers(db, marks, supervisors):
+    """One scrape of the fleet's /metrics: everystep_timeouts_total{workflow,kind}."""
+    from tests.support.scraping import get, samples, value  # noqa: PLC0415
+    from tests.support.supervisor_process import config  # noqa: PLC0415
+
+    sup = supervisors(config(db.url, "tmo", imports=list(IMPORTS)))
+    sup.wait_workers({"tmo-0", "tmo-1"})
+    timed = schedule_one(db, tf.counted, marks)
+    late = schedule_one(db, tf.sleeps_long, marks, deadline=4)
+    assert ended(db, timed.id)["status"] == "completed"
+    assert ended(db, late.id)["status"] == "cancelled"
+
+    def counts():
+        status, body = get(f"http://127.0.0.1:{sup.port}/metrics")
+        assert status == 200, body
+        found = samples(body)
+        return (value(found, "everystep_timeouts_total", workflow=tf.counted.__everystep_workflow__, kind="step"),
+                value(found, "everystep_timeouts_total", workflow=tf.sleeps_long.__everystep_workflow__,
+                      kind="deadline"))
+
+    wait_for(lambda: counts() == (1.0, 1.0), timeout=20, what="both timeouts counted")
