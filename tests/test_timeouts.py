@@ -393,3 +393,17 @@ def test_a_supervisor_serves_the_timeouts_of_its_workers(db, marks, supervisors)
                       kind="deadline"))
 
     wait_for(lambda: counts() == (1.0, 1.0), timeout=20, what="both timeouts counted")
+
+
+def test_the_schedule_command_takes_a_deadline(db):
+    from tests.test_cli import cli, error_line, ok  # noqa: PLC0415
+
+    out = ok(cli(db, "schedule", "tests.apps.timeout_workflows:has_a_timeout", '"m"', "--deadline", "30"))
+    run_id = out.split()[2]
+    seconds = db.value("SELECT extract(epoch FROM deadline_at - created_at) FROM everystep_workflow WHERE id = %s",
+                       (run_id,))
+    assert 29 < seconds < 31  # earlier than the workflow's timeout (120 s)
+    assert db.value("SELECT details->>'deadline' FROM everystep_audit WHERE run_id = %s", (run_id,)) == "30.0"
+    assert "expected a number of seconds > 0" in error_line(
+        cli(db, "schedule", "tests.apps.timeout_workflows:has_a_timeout", '"m"', "--deadline", "-1"), 2)
+    assert db.value("SELECT count(*) FROM everystep_workflow") == 1

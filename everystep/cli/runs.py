@@ -26,6 +26,7 @@ from everystep.cli.common import (
     plural,
     print_json,
     run_id_argument,
+    seconds_argument,
     table,
     utc,
     whole_number_argument,
@@ -62,6 +63,8 @@ def add_commands(commands: Any, add: Add) -> None:
     schedule.add_argument("values", type=json_value_argument, nargs="*", metavar="JSON",
                           help="each one positional argument, in everystep's JSON")
     schedule.add_argument("--idempotency-key", metavar="K", help="return the existing run of this workflow and key")
+    schedule.add_argument("--deadline", type=seconds_argument(zero=False), metavar="SECONDS",
+                          help="cancel the run (reason: deadline) if not finished this many seconds from now")
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
@@ -260,10 +263,13 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         try:
             with api.transaction(conn):
-                run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key)
+                run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key,
+                                   deadline=args.deadline)
                 if run.created:
-                    audit(conn, "schedule", run.id, target=run.name, details={"args": serde.to_json(list(args.values)),
-                                                                               "idempotency_key": args.idempotency_key})
+                    details = {"args": serde.to_json(list(args.values)), "idempotency_key": args.idempotency_key}
+                    if args.deadline is not None:
+                        details["deadline"] = args.deadline
+                    audit(conn, "schedule", run.id, target=run.name, details=details)
         except EverystepError as exc:
             raise CliError(str(exc)) from None
     if run.created:
