@@ -270,6 +270,9 @@ def test_a_run_past_its_deadline_at_its_end_ends_cancelled_with_its_result(db, m
     row = db.run(run.id)
     assert (row["status"], row["cancel_reason"], row["result"]) == ("cancelled", "deadline", "timed")
     assert timeouts(tf.has_a_timeout, "deadline") == before + 1
+    from tests.test_cli import cli, ok  # noqa: PLC0415
+
+    assert "cancel          at its end: deadline" in ok(cli(db, "runs", "show", str(run.id)))
 
 
 def test_deadline_cancels_are_counted_once(db, marks):

@@ -134,8 +134,10 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         count = sum(timed_out.values())
         fields.append(("timeouts", f"{count} step attempt{'s' if count > 1 else ''} timed out"
                                    f" ({', '.join(f'step {k}' for k in timed_out)})"))
-    if run["cancel_requested_at"] is not None:
-        fields.append(("cancel", f"requested {utc(run['cancel_requested_at'])}"
+    if run["cancel_requested_at"] is not None or run["cancel_reason"]:
+        # (A run its deadline cancelled at its end has the reason, no request.)
+        fields.append(("cancel", (f"requested {utc(run['cancel_requested_at'])}" if run["cancel_requested_at"]
+                                  else "at its end")
                                  + (f": {run['cancel_reason']}" if run["cancel_reason"] else "")))
     if run["status"] in ("completed", "cancelled") and run["result"] is not None:
         fields.append(("result", _json_text(run["result"])))
