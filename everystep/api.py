@@ -36,23 +36,31 @@ F = TypeVar("F", bound=Callable[..., Any])
 @overload
 def workflow(fn: F) -> F: ...
 @overload
-def workflow(*, concurrency: int | None = None) -> Callable[[F], F]: ...
+def workflow(*, concurrency: int | None = None,
+             timeout: float | datetime.timedelta | None = None) -> Callable[[F], F]: ...
 
 
-def workflow(fn: Callable | None = None, *, concurrency: int | None = None) -> Any:
+def workflow(fn: Callable | None = None, *, concurrency: int | None = None,
+             timeout: float | datetime.timedelta | None = None) -> Any:
     """Mark a function as a workflow, registered under `module.qualname`.
     Called directly, it is a plain function call. `concurrency=N`: at most N
     runs of it running at once across every worker sharing the database (the
-    config's `workflows: {name: {concurrency: ...}}` overrides it)."""
+    config's `workflows: {name: {concurrency: ...}}` overrides it).
+    `timeout`: seconds (> 0, or a timedelta) every run has from the time it
+    is due (its schedule, or its delayed start): its deadline, unless
+    schedule(deadline=) or its parent's is earlier; a run not finished by
+    then is cancelled with the reason 'deadline'."""
     if concurrency is not None and (type(concurrency) is not int or concurrency < 1):
         raise EverystepError(f"concurrency must be a whole number >= 1 or None, got {concurrency!r}")
+    timeout = None if timeout is None else _timeout("@workflow(timeout=...)", timeout)
     if fn is None:
-        return functools.partial(workflow, concurrency=concurrency)
+        return functools.partial(workflow, concurrency=concurrency, timeout=timeout)
     if "<locals>" in getattr(fn, "__qualname__", ""):
         raise EverystepError(
             f"@workflow {fn.__qualname__} is defined inside a function: a worker finds a workflow by its "
             "module.qualname, which cannot import it; define it at the top level of a module")
     fn.__everystep_concurrency__ = concurrency  # type: ignore[attr-defined]
+    fn.__everystep_timeout__ = timeout  # type: ignore[attr-defined]
     registry.register(fn)
     return fn
 
@@ -69,12 +77,14 @@ def _check_signature(caller: str, name: str, fn: Callable, args: Sequence[Any]) 
 def step(fn: F) -> F: ...
 @overload
 def step(*, unsafe_to_repeat: bool = False, retries: int = 0, backoff: float | Backoff | None = None,
-         retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None) -> Callable[[F], F]: ...
+         retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
+         timeout: float | datetime.timedelta | None = None) -> Callable[[F], F]: ...
 
 
 def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries: int = 0,
          backoff: float | Backoff | None = None,
-         retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None) -> Any:
+         retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
+         timeout: float | datetime.timedelta | None = None) -> Any:
     """Mark a unit of durable work. Inside a running workflow each call is
     recorded (or served from the record on replay); outside, a plain call.
 
@@ -83,6 +93,11 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     seconds; default Backoff(): 1 s doubling up to 300 s, 20% jitter).
     `retry_on`: the exception types retried (default: every Exception; an
     unsafe_to_repeat step is retried only on the types listed here).
+    `timeout`: seconds (> 0, or a timedelta) an attempt may take; past them
+    it fails with `everystep.StepTimeout`, an attempt like any other under
+    the retry policy (a sync attempt's thread is abandoned, an async one is
+    cancelled at its next await); an unsafe_to_repeat step that times out
+    is never retried: its run blocks.
 
     The function may be an `async def`. In an async workflow every step call
     returns an awaitable (`await charge(...)`), whatever the step's kind; a
@@ -90,9 +105,10 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     call returns the step's value (an async step's function runs on an
     event loop of its own). Outside a workflow a step is the plain function."""
     retry = _retry_policy(retries, backoff, retry_on)
+    timeout = None if timeout is None else _timeout("@step(timeout=...)", timeout)
     if fn is None:
         return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat, retries=retries, backoff=backoff,
-                                 retry_on=retry_on)
+                                 retry_on=retry_on, timeout=timeout)
     name = registry.qualified_name(fn)
     if len(name) > MAX_NAME:
         raise EverystepError(f"step name {name[:60]}... is longer than {MAX_NAME} characters")
@@ -102,13 +118,14 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
         scope = current_scope.get()
         if scope is None:
             return fn(*args, **kwargs)
-        return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry)
+        return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry, timeout)
 
     if inspect.iscoroutinefunction(fn) and hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+
         inspect.markcoroutinefunction(call)
     call.__everystep_step__ = name  # type: ignore[attr-defined]
     call.unsafe_to_repeat = unsafe_to_repeat  # type: ignore[attr-defined]
     call.retry = retry  # type: ignore[attr-defined]
+    call.timeout = timeout  # type: ignore[attr-defined]
     return call
 
 
@@ -275,39 +292,47 @@ def _reading(conn: Any, caller: str) -> Any:
 
 def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
              conn: Any = None, at: datetime.datetime | None = None,
-             after: float | datetime.timedelta | None = None) -> ScheduledRun:
+             after: float | datetime.timedelta | None = None,
+             deadline: float | datetime.timedelta | datetime.datetime | None = None) -> ScheduledRun:
     """Insert a run of `workflow_fn(*args)` into the caller's transaction
     (`conn`: a psycopg connection or a SQLAlchemy Session or Connection;
     else the bound one, else Django's). Nothing runs now; workers claim the
     run once the transaction commits, and not before `at` (an aware
     datetime) or `after` seconds (or a timedelta) from now, by the
-    database's clock."""
-    name, args_json, at, after = _run_args("schedule()", workflow_fn, args, idempotency_key, at, after)
+    database's clock. `deadline`: seconds from now (or a timedelta), or an
+    aware datetime, by which the run must be finished, else it is cancelled
+    with the reason 'deadline' (the earlier of it and the workflow's
+    timeout counts)."""
+    name, args_json, at, after, limit = _run_args("schedule()", workflow_fn, args, idempotency_key, at, after,
+                                                  deadline)
     conn = transaction_connection(conn, "schedule()")
     with tracing.scheduling(name) as span:
-        scheduled = db.insert_run(conn, uuid7(), name, args_json, idempotency_key, span.context, at, after)
+        scheduled = db.insert_run(conn, uuid7(), name, args_json, idempotency_key, span.context, at, after, limit)
         span.scheduled(*scheduled)
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
 
 async def aschedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
                     conn: Any = None, at: datetime.datetime | None = None,
-                    after: float | datetime.timedelta | None = None) -> ScheduledRun:
+                    after: float | datetime.timedelta | None = None,
+                    deadline: float | datetime.timedelta | datetime.datetime | None = None) -> ScheduledRun:
     """`schedule()` for asyncio: the run is inserted in the transaction of
     `conn`, a psycopg AsyncConnection or a SQLAlchemy AsyncSession or
     AsyncConnection (else the one bound by `everystep.atransaction`)."""
-    name, args_json, at, after = _run_args("aschedule()", workflow_fn, args, idempotency_key, at, after)
+    name, args_json, at, after, limit = _run_args("aschedule()", workflow_fn, args, idempotency_key, at, after,
+                                                  deadline)
     aconn = await async_connection(conn, "aschedule()")
     with tracing.scheduling(name) as span:
-        scheduled = await db.ainsert_run(aconn, uuid7(), name, args_json, idempotency_key, span.context, at, after)
+        scheduled = await db.ainsert_run(aconn, uuid7(), name, args_json, idempotency_key, span.context, at, after,
+                                         limit)
         span.scheduled(*scheduled)
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
 
 def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: str | None, at: Any,
-              after: Any) -> tuple[str, str, datetime.datetime | None, float | None]:
+              after: Any, deadline: Any) -> tuple[str, str, datetime.datetime | None, float | None, db.Deadline]:
     """schedule()'s checks, before anything is inserted: the workflow's name,
-    the arguments as JSON, the due time."""
+    the arguments as JSON, the due time, the deadline."""
     name = registry.workflow_name(workflow_fn)
     if name is None:
         raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
@@ -317,7 +342,21 @@ def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: 
     at = None if at is None else _aware(f"{caller.removesuffix('()')}(at=...)", at)
     after = None if after is None else _seconds(f"{caller.removesuffix('()')}(after=...)", after)
     _check_signature(caller, name, workflow_fn, args)
-    return name, serde.dumps(list(args)), at, after  # unserializable args refused before any insert
+    limit = _deadline(f"{caller.removesuffix('()')}(deadline=...)", deadline, workflow_fn)
+    return name, serde.dumps(list(args)), at, after, limit  # unserializable args refused before any insert
+
+
+def _deadline(what: str, deadline: Any, workflow_fn: Callable) -> db.Deadline:
+    """A run's deadline: schedule(deadline=) (seconds from now, a timedelta
+    or an aware datetime) and its workflow's timeout."""
+    timeout = getattr(workflow_fn, "__everystep_timeout__", None)
+    if deadline is None:
+        return db.NO_DEADLINE if timeout is None else db.Deadline(timeout=timeout)
+    if isinstance(deadline, datetime.datetime):
+        return db.Deadline(at=_aware(what, deadline), timeout=timeout)
+    if isinstance(deadline, datetime.date):
+        raise EverystepError(f"{what} takes seconds, a timedelta or an aware datetime, not the date {deadline}")
+    return db.Deadline(in_=_timeout(what, deadline), timeout=timeout)
 
 
 def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
@@ -333,8 +372,9 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
+    timeout = getattr(workflow_fn, "__everystep_timeout__", None)
     return [ScheduledRun(run_id, name, created)
-            for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys)]
+            for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys, timeout)]
 
 
 async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
@@ -346,8 +386,9 @@ async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
+    timeout = getattr(workflow_fn, "__everystep_timeout__", None)
     return [ScheduledRun(run_id, name, created)
-            for run_id, created in await db.ainsert_runs(aconn, name, ids, args_jsons, keys)]
+            for run_id, created in await db.ainsert_runs(aconn, name, ids, args_jsons, keys, timeout)]
 
 
 def _many_args(caller: str, workflow_fn: Callable, args_list: Any,
@@ -396,6 +437,17 @@ def _aware(what: str, when: Any) -> datetime.datetime:
     if when.tzinfo is None or when.utcoffset() is None:
         raise EverystepError(f"{what} takes a datetime with a timezone (an aware datetime), not the naive {when}")
     return when
+
+
+def _timeout(what: str, timeout: Any) -> float:
+    """A timeout option: a finite number of seconds > 0, or a timedelta."""
+    try:
+        seconds = _seconds(what, timeout)
+    except EverystepError:
+        seconds = 0.0
+    if seconds <= 0:
+        raise EverystepError(f"{what} takes a number of seconds > 0 or a timedelta, not {timeout!r}")
+    return seconds
 
 
 def _seconds(what: str, delay: Any) -> float:

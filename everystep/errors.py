@@ -69,6 +69,23 @@ class Cancelled(Exception):
         return self.reason or "cancelled"
 
 
+class StepTimeout(TimeoutError):
+    """A step attempt ran longer than its `@step(timeout=...)`: the attempt
+    failed with this, and is retried under the step's retry policy like any
+    failure (a TimeoutError, so `retry_on=TimeoutError` covers it). A sync
+    attempt's thread cannot be stopped: it is abandoned (its late result is
+    ignored); an async attempt is cancelled at its next await. An
+    unsafe_to_repeat step that times out is never retried: its run blocks."""
+
+    def __init__(self, step: str, timeout: float):
+        super().__init__(step, timeout)
+        self.step = step
+        self.timeout = timeout
+
+    def __str__(self) -> str:
+        return f"step {self.step} did not finish within its timeout of {self.timeout:g} s"
+
+
 class RunFailed(EverystepError):
     """A run waited for (ScheduledRun.result / aresult) ended without a
     result: it failed (`error` is its error, rebuilt), was stopped, or was

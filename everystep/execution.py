@@ -223,6 +223,12 @@ class HeldRun:
         with self.cursor() as cur:
             return db.cancel_reason(cur, self.claim.id)
 
+    def deliver_cancel(self) -> db.CancelDelivery:
+        """The reason of the cancel the body is about to get ('deadline' for
+        a run past its deadline, written as its request then)."""
+        with self.cursor() as cur:
+            return db.deliver_cancel(cur, self.claim.id)
+
     # -------------------------------------------------------------- fenced writes
 
     def _fenced(self, write: Callable[..., Any], args: tuple, step_id: str | None, status: str, what: str,
@@ -423,9 +429,11 @@ class HeldRun:
         timeout, if either is there (see db.take_child)."""
         return self._answered(db.take_child, (step_id, child, deadline), step_id, StepStatus.DONE, "a wait")
 
-    def start_child(self, step_id: str, name: str, child_name: str, args_json: str) -> dict:
-        """Schedule a child run with the step row that records its start."""
-        return self._answered(db.start_child, (step_id, name, uuid7(), child_name, args_json), step_id,
+    def start_child(self, step_id: str, name: str, child_name: str, args_json: str,
+                    timeout: float | None = None) -> dict:
+        """Schedule a child run with the step row that records its start; its
+        deadline is the earlier of this run's and `timeout` seconds from now."""
+        return self._answered(db.start_child, (step_id, name, uuid7(), child_name, args_json, timeout), step_id,
                               StepStatus.DONE, "starting a child")
 
     def set_event(self, step_id: str, name: str, key: str, value_json: str) -> None:

@@ -259,13 +259,13 @@ class _Checking(Replay):
             raise self.held.stop_with(WorkflowCodeError(self.divergence.message))
 
     def step(self, scope: Scope, fn: Any, name: str, unsafe: bool, args: tuple, kwargs: dict,
-             everystep_id: str | None, retry: Any = None) -> Any:
+             everystep_id: str | None, retry: Any = None, timeout: float | None = None) -> Any:
         self._call.what = (name, serde.encode(list(args)), serde.encode(kwargs))
 
         def never(*_args: Any, **_kwargs: Any) -> Any:
             raise self.held.stop_with(_EndOfHistory())
 
-        return super().step(scope, never, name, unsafe, args, kwargs, everystep_id, retry)
+        return super().step(scope, never, name, unsafe, args, kwargs, everystep_id, retry)  # (never times out)
 
     def start_child(self, scope: Scope, child_name: str, args_json: str) -> uuid.UUID:
         self._call.what = (START, [child_name], None)
@@ -315,4 +315,4 @@ class _History(HeldRun):
         return status
 
     record_attempt = record_sleep = park = park_waiting = begin_wait = take_message = take_child = _past
-    start_child = set_event = requeue = cancel_reason = start_traced = _past
+    start_child = set_event = requeue = cancel_reason = deliver_cancel = start_traced = _past

@@ -77,6 +77,15 @@ CANCELLATIONS = Counter(
 STEP_RETRIES = Counter(
     "everystep_step_retries", "Failed step attempts that are tried again (retries=).", ["workflow", "step"]
 )
+TIMEOUTS = Counter(
+    "everystep_timeouts", "Timeouts: step attempts that ran longer than their @step(timeout=) (kind=step), runs "
+    "cancelled because their deadline passed (kind=deadline).", ["workflow", "kind"]
+)
+ABANDONED_STEP_THREADS = Gauge(
+    "everystep_step_threads_abandoned", "Threads of timed-out sync step attempts that are still running (their "
+    "result will be ignored): a step that never returns leaks one per timed-out attempt.", ["workflow"],
+    multiprocess_mode="livesum"
+)
 
 # Recovery (the maintenance child's sweep and the workers' catchup).
 RECOVERED = Counter("everystep_recovered_runs", "Runs requeued from dead claimers by the sweep.")

@@ -95,16 +95,28 @@ def arguments_problem(fn: Callable, args: tuple | list) -> str | None:
 _signatures: dict[Callable, inspect.Signature] = {}  # the workflows' signatures, read once
 
 
-def is_async(name: str) -> bool:
-    """Whether the workflow of a stored name is an `async def` one (False
-    when the name resolves to nothing: the sync path reports it)."""
+def _found(name: str) -> Callable | None:
+    """The @workflow function of a stored name, None when it resolves to nothing."""
     fn = WORKFLOWS.get(name)
     if fn is None:
         try:
             fn = resolve(name)
         except Exception:
-            return False
-    return inspect.iscoroutinefunction(fn)
+            return None
+    return fn
+
+
+def timeout_of(name: str) -> float | None:
+    """The @workflow(timeout=) of a stored name, in seconds (None: none, or
+    not importable here)."""
+    return getattr(_found(name), "__everystep_timeout__", None)
+
+
+def is_async(name: str) -> bool:
+    """Whether the workflow of a stored name is an `async def` one (False
+    when the name resolves to nothing: the sync path reports it)."""
+    fn = _found(name)
+    return fn is not None and inspect.iscoroutinefunction(fn)
 
 
 def kinds() -> tuple[bool, bool]:

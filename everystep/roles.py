@@ -51,7 +51,8 @@ GRANT USAGE ON SCHEMA {s} TO {producer}, {worker}, {operator};
 -- producer: schedule() only. It inserts runs (only as scheduled, or waiting
 -- for a delayed start, see the policy below) and reads back the columns an
 -- idempotency key needs. Cancelling (everystep.cancel) is the operator's.
-GRANT INSERT (id, name, args, idempotency_key, status, due_at, trace_context, limited) ON {workflow} TO {producer};
+GRANT INSERT (id, name, args, idempotency_key, status, due_at, trace_context, limited, deadline_at) ON {workflow}
+    TO {producer};
 GRANT SELECT (id, name, idempotency_key) ON {workflow} TO {producer};
 GRANT INSERT ON {s}.everystep_audit TO {producer};
 GRANT SELECT ON {s}.everystep_waiting TO {producer};  -- scheduling notifies only when a worker waits

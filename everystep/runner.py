@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from psycopg_pool import ConnectionPool
 
-from everystep import aio, db, faults, metrics, observe, registry, serde, tracing
+from everystep import aio, db, faults, metrics, observe, registry, serde, timeouts, tracing
 from everystep.context import (
     MAX_STEP_ID,
     Outcome,
@@ -52,6 +52,7 @@ from everystep.errors import (
     EverystepError,
     LostClaim,
     Parked,
+    StepTimeout,
     Terminal,
     WorkflowCodeError,
 )
@@ -118,12 +119,17 @@ class _Invoke(NamedTuple):
     kwargs: dict
     step_id: str
     name: str
+    timeout: float | None = None  # @step(timeout=): seconds an attempt may take (everystep.timeouts)
 
     def run(self) -> Any:
         token = current_scope.set(None)
         try:
             if inspect.iscoroutinefunction(self.fn):  # an async step of a sync workflow
-                return asyncio.run(self.fn(*self.args, **self.kwargs))
+                return timeouts.run_coroutine(self.fn(*self.args, **self.kwargs), self.timeout,
+                                              self.replay.workflow_name, self.name)
+            if self.timeout is not None:
+                return timeouts.call(self.fn, self.args, self.kwargs, self.timeout, self.replay.workflow_name,
+                                     self.name)
             return self.fn(*self.args, **self.kwargs)
         finally:
             current_scope.reset(token)
@@ -433,7 +439,13 @@ class Replay:
                     exc_info=exc,
                 )
         observe.run_ending(self, status, exc)
-        return (yield _Io(self.held.end, (status, result, error)))
+        ended = yield _Io(self.held.end, (status, result, error))
+        if ended == RunStatus.CANCELLED and self.cancel_delivered is None:
+            # Cancelled by its end: a request that came after the last step
+            # call, or the deadline passing since.
+            if (yield _Io(self.held.cancel_reason)) == "deadline":
+                metrics.TIMEOUTS.labels(self.workflow_name, "deadline").inc()
+        return ended
 
     def outcomes(self) -> Mapping[str, Outcome]:
         if not self.asynchronous:
@@ -516,11 +528,16 @@ class Replay:
         context = contextvars.copy_context()
         context.run(current_scope.set, None)
         if not inspect.iscoroutinefunction(call.fn):
+            if call.timeout is not None:
+                return await timeouts.acall(context, call.fn, call.args, call.kwargs, call.timeout,
+                                            self.workflow_name, call.name)
             return await loop.step_call(context, call.fn, call.args, call.kwargs)
         task = asyncio.Task(call.fn(*call.args, **call.kwargs), context=context)
         loop.labels.put(task, f"run {self.run_id} ({self.workflow_name}), step {call.step_id} ({call.name})")
         self._steps_running.add(task)
         try:
+            if call.timeout is not None:
+                return await timeouts.bounded(task, call.timeout, self.workflow_name, call.name)
             return await task
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling() or not task.cancelled() or self._preempted is None:
@@ -532,12 +549,12 @@ class Replay:
     # -------------------------------------------------------------- steps
 
     def step(self, scope: Scope, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
-             everystep_id: str | None, retry: RetryPolicy | None = None) -> Any:
+             everystep_id: str | None, retry: RetryPolicy | None = None, timeout: float | None = None) -> Any:
         step_id = self._next_id(scope, everystep_id)
-        return self._perform(self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry))
+        return self._perform(self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry, timeout))
 
     def _step(self, scope: Scope, step_id: str, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
-              retry: RetryPolicy | None) -> Rules:
+              retry: RetryPolicy | None, timeout: float | None = None) -> Rules:
         recorded = self.recorded.get(step_id)
         rerun_started = False
         attempts: list = []
@@ -578,7 +595,16 @@ class Replay:
             traced = observe.step_started(self, step_id, name)
             failure: Exception | None = None
             try:
-                value = yield _Invoke(self, fn, args, kwargs, step_id, name)
+                value = yield _Invoke(self, fn, args, kwargs, step_id, name, timeout)
+            except StepTimeout as exc:
+                # The attempt is abandoned (sync) or cancelled (async): an
+                # unsafe one may have done its effect, so it is never retried.
+                failure = exc
+                observe.step_ended(self, traced, name, StepStatus.FAILED, exc)
+                if unsafe:
+                    raise self.held.stop_with(EffectUncertain(
+                        f"step {step_id!r} ({name}) is unsafe to repeat and timed out after {exc.timeout:g} s, "
+                        "its effect done or not; resolve it with `everystep resolve-step`")) from None
             except Preempted:
                 # An async step cancelled at an await because its run was: an
                 # unsafe one may have done its effect or not; a safe one failed
@@ -662,8 +688,12 @@ class Replay:
             yield from self._cancel(step_id, name, update)
 
     def _cancel(self, step_id: str, name: str, update: bool) -> Rules:
-        """Raise `Cancelled` at this call, recorded as its failure."""
-        cancelled = Cancelled((yield _Io(self.held.cancel_reason)))
+        """Raise `Cancelled` at this call, recorded as its failure (the
+        request's reason, or 'deadline': the run's deadline passed)."""
+        delivery = yield _Io(self.held.deliver_cancel)
+        if delivery.deadline:
+            metrics.TIMEOUTS.labels(self.workflow_name, "deadline").inc()
+        cancelled = Cancelled(delivery.reason)
         self.cancel_delivered = cancelled
         yield from self._record(step_id, name, "[]", "{}", StepStatus.FAILED, None, serde.encode_exception(cancelled),
                                 update, (time.perf_counter(), time.time()))
@@ -807,7 +837,8 @@ class Replay:
         recorded = self.recorded.get(step_id)
         if recorded is None:
             yield from self._boundary(step_id, START)
-            result = yield _Io(self.held.start_child, (step_id, START, child_name, args_json))
+            result = yield _Io(self.held.start_child,
+                               (step_id, START, child_name, args_json, registry.timeout_of(child_name)))
             recorded = self.recorded[step_id] = RecordedStep(step_id, START, StepStatus.DONE, result, None, None)
         elif recorded.name != START:
             raise self._code_changed(step_id, recorded, "starts a child")

@@ -219,8 +219,11 @@ def _fire(conn: psycopg.Connection, key: str, workflow: str, args_json: str, dec
     insert each, in this transaction, keyed by the fire time)."""
     fired = []
     last_run_id = None
+    timeout = registry.timeout_of(workflow)  # @workflow(timeout=), where this process can import it
+    deadline = db.NO_DEADLINE if timeout is None else db.Deadline(timeout=timeout)
     for fire_time in decision.fire:
-        run_id, created = db.insert_run(conn, uuid7(), workflow, args_json, idempotency_key(key, fire_time))
+        run_id, created = db.insert_run(conn, uuid7(), workflow, args_json, idempotency_key(key, fire_time),
+                                        deadline=deadline)
         last_run_id = run_id
         db.record_schedule_run(conn, key, fire_time, run_id)
         if created:

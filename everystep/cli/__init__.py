@@ -11,7 +11,7 @@
     everystep cancel RUN... [--reason TEXT]
     everystep reschedule RUN...
     everystep prune --older-than DAYS [--dry-run]
-    everystep schedule MODULE:FUNC [JSON ...] [--idempotency-key K]
+    everystep schedule MODULE:FUNC [JSON ...] [--idempotency-key K] [--deadline SECONDS]
     everystep schedules plan|apply|retire|list [-o text|json]
     everystep worker --name NAME [--import MODULE ...]
     everystep maintenance [--interval S] [--grace S] [--max-crashes N]

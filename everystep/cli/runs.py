@@ -27,6 +27,7 @@ from everystep.cli.common import (
     plural,
     print_json,
     run_id_argument,
+    seconds_argument,
     table,
     utc,
     whole_number_argument,
@@ -63,6 +64,8 @@ def add_commands(commands: Any, add: Add) -> None:
     schedule.add_argument("values", type=json_value_argument, nargs="*", metavar="JSON",
                           help="each one positional argument, in everystep's JSON")
     schedule.add_argument("--idempotency-key", metavar="K", help="return the existing run of this workflow and key")
+    schedule.add_argument("--deadline", type=seconds_argument(zero=False), metavar="SECONDS",
+                          help="cancel the run (reason: deadline) if not finished this many seconds from now")
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
@@ -113,6 +116,7 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
             children = db.children(conn, args.run)
             messages = db.load_messages(conn, args.run)
             events = db.load_events(conn, args.run)
+            now = db.database_now(conn)
     if args.output == "json":
         print_json({**run, "steps": steps, "children": children, "messages": messages, "events": events})
         return 0
@@ -139,8 +143,17 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         fields.append(("messages", f"{len(messages)} received, {waiting} not consumed yet"))
     for event in events:
         fields.append((f"event {event['key']}"[:15], _json_text(event["value"])))
-    if run["cancel_requested_at"] is not None:
-        fields.append(("cancel", f"requested {utc(run['cancel_requested_at'])}"
+    if run["deadline_at"] is not None:
+        fields.append(("deadline", f"{utc(run['deadline_at'])} ({_until(run['deadline_at'], run, now)})"))
+    timed_out = _timed_out(steps)
+    if timed_out:
+        count = sum(timed_out.values())
+        fields.append(("timeouts", f"{count} step attempt{'s' if count > 1 else ''} timed out"
+                                   f" ({', '.join(f'step {k}' for k in timed_out)})"))
+    if run["cancel_requested_at"] is not None or run["cancel_reason"]:
+        # (A run its deadline cancelled at its end has the reason, no request.)
+        fields.append(("cancel", (f"requested {utc(run['cancel_requested_at'])}" if run["cancel_requested_at"]
+                                  else "at its end")
                                  + (f": {run['cancel_reason']}" if run["cancel_reason"] else "")))
     if run["status"] in ("completed", "cancelled") and run["result"] is not None:
         fields.append(("result", _json_text(run["result"])))
@@ -207,6 +220,37 @@ def _step_row(step: dict) -> tuple[str, ...]:
     return step["step_id"], step["status"], step["name"], args, outcome
 
 
+def _until(deadline: dt.datetime, run: dict, now: dt.datetime) -> str:
+    """How a run stands against its deadline (database time)."""
+    if run["status"] in db.TERMINAL:
+        return "met" if run["completed_at"] is not None and run["completed_at"] < deadline \
+            and run["cancel_reason"] != "deadline" else "passed"
+    left = (deadline - now).total_seconds()
+    if left <= 0:
+        return "passed"
+    if left < 120:
+        return f"in {left:.0f} s"
+    if left < 7200:
+        return f"in {left / 60:.0f} min"
+    return f"in {left / 3600:.1f} h"
+
+
+def _timed_out(steps: list[dict]) -> dict[str, int]:
+    """The steps with attempts that timed out (StepTimeout), and how many each."""
+    counts: dict[str, int] = {}
+    for step in steps:
+        errors = [a["error"] for a in step["attempts"] or []]
+        if step["status"] == "failed":
+            errors.append(step["error"])
+        n = sum(1 for error in errors if isinstance(error, dict) and error.get("type") == STEP_TIMEOUT)
+        if n:
+            counts[step["step_id"]] = n
+    return counts
+
+
+STEP_TIMEOUT = "everystep.errors.StepTimeout"
+
+
 def _epoch_utc(seconds: float) -> str:
     """Epoch seconds (database time) as UTC, to the millisecond."""
     return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ").replace("000Z", "Z")
@@ -239,12 +283,15 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         try:
             with api.transaction(conn):
-                run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key)
+                run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key,
+                                   deadline=args.deadline)
                 if not run.created:
                     _same_arguments(conn, run, args)
                 if run.created:
-                    audit(conn, "schedule", run.id, target=run.name, details={"args": serde.to_json(list(args.values)),
-                                                                               "idempotency_key": args.idempotency_key})
+                    details = {"args": serde.to_json(list(args.values)), "idempotency_key": args.idempotency_key}
+                    if args.deadline is not None:
+                        details["deadline"] = args.deadline
+                    audit(conn, "schedule", run.id, target=run.name, details=details)
         except EverystepError as exc:
             raise CliError(str(exc)) from None
     if run.created:

@@ -31,6 +31,7 @@ from everystep.db.fenced import (
     begin_wait,
     cancel_reason,
     complete_started_step,
+    deliver_cancel,
     park_run,
     park_waiting,
     record_attempt,
@@ -88,11 +89,14 @@ from everystep.db.queue import (
     wait_for_runs,
 )
 from everystep.db.rows import (
+    NO_DEADLINE,
     Attempt,
     BatchEnd,
+    CancelDelivery,
     CancelOutcome,
     Claim,
     ClaimedRun,
+    Deadline,
     Ended,
     EndedRuns,
     EndWrite,
@@ -189,7 +193,8 @@ from everystep.schema import TERMINAL
 __all__ = [
     "CONNECTION_ERRORS", "LOST", "OTHER", "TERMINAL", "UI_STATUS_CAP", "WRITTEN",
     # rows
-    "Attempt", "BatchEnd", "CancelOutcome", "Claim", "ClaimedRun", "EndWrite", "Ended", "EndedRuns", "EventValue",
+    "NO_DEADLINE", "Attempt", "BatchEnd", "CancelDelivery", "CancelOutcome", "Claim", "ClaimedRun", "Deadline",
+    "EndWrite", "Ended", "EndedRuns", "EventValue",
     "Executor", "Parking", "QueueStats", "ResolveRefused", "RunFilter", "ScheduleRefused", "Scheduled", "Sent",
     "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
     "Written",
@@ -203,9 +208,9 @@ __all__ = [
     "requeue_from_dead_claimers", "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting",
     "wait_for_runs",
     # fenced
-    "begin_wait", "cancel_reason", "complete_started_step", "park_run", "park_waiting", "record_attempt",
-    "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child", "take_message",
-    "why_not_written",
+    "begin_wait", "cancel_reason", "complete_started_step", "deliver_cancel", "park_run", "park_waiting",
+    "record_attempt", "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child",
+    "take_message", "why_not_written",
     # runs
     "acancel_run", "aget_event", "ainsert_run", "ainsert_runs", "aload_run", "asend_message",
     "cancel_run", "children", "get_event", "insert_run", "insert_runs", "list_runs", "load_events",

@@ -17,7 +17,17 @@ import uuid
 from typing import Any
 
 from everystep.db import libpq, queries
-from everystep.db.rows import Attempt, Parking, Sleep, StepRow, StepState, TracedExecution, Wait, Written
+from everystep.db.rows import (
+    Attempt,
+    CancelDelivery,
+    Parking,
+    Sleep,
+    StepRow,
+    StepState,
+    TracedExecution,
+    Wait,
+    Written,
+)
 from everystep.db.session import Executor
 
 # Why a fenced write matched nothing (see why_not_written).
@@ -60,6 +70,14 @@ def cancel_reason(conn: Executor, run: uuid.UUID) -> str | None:
     """The reason given with a run's cancel request."""
     row = conn.execute(queries.get("cancel_reason"), {"run": run}).fetchone()
     return None if row is None else row[0]
+
+
+def deliver_cancel(conn: Executor, run: uuid.UUID) -> CancelDelivery:
+    """The reason of the cancel a run's body is about to get: its request's,
+    or 'deadline' for a run past its deadline without one (then written as
+    its request)."""
+    row = conn.execute(queries.get("deliver_cancel"), {"run": run}).fetchone()
+    return CancelDelivery(None, False) if row is None else CancelDelivery(*row)
 
 
 def step_row(conn: Executor, run: uuid.UUID, step_id: str) -> StepState | None:
@@ -153,15 +171,16 @@ def take_message(conn: Executor, run: uuid.UUID, runner: str, token: int, step_i
 
 
 def start_child(conn: Executor, run: uuid.UUID, runner: str, token: int, step_id: str, name: str, child: uuid.UUID,
-                child_name: str, args: str) -> Any:
+                child_name: str, args: str, timeout: float | None = None) -> Any:
     """Record the start of a child run as a step row (result {"child": id})
     and schedule the child (`parent_id` = this run), in one statement: the
-    child exists only if the row was written here. Returns the recorded
-    result, or False if the run is not held by this execution or the row
-    exists."""
+    child exists only if the row was written here. Its deadline is the
+    earlier of this run's and `timeout` seconds from now (its workflow's).
+    Returns the recorded result, or False if the run is not held by this
+    execution or the row exists."""
     row = conn.execute(queries.get("start_child"), {
         **_held(run, runner, token), "step_id": step_id, "name": name, "child": child, "child_name": child_name,
-        "args": args,
+        "args": args, "timeout": timeout,
     }).fetchone()
     return False if row is None else row[0]
 

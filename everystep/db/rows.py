@@ -116,6 +116,24 @@ class Sleep(NamedTuple):
     now: float  # the database's time of the write
 
 
+class CancelDelivery(NamedTuple):
+    """The cancel a running body is about to get (everystep.db.deliver_cancel)."""
+    reason: str | None
+    deadline: bool  # its deadline passed, with no request: 'deadline' was written as its request here
+
+
+class Deadline(NamedTuple):
+    """A run's deadline as schedule() is given it: the earliest of `at`, `in_`
+    seconds from now and `timeout` seconds from its due time (each None: not
+    that one)."""
+    at: datetime.datetime | None = None
+    in_: float | None = None
+    timeout: float | None = None
+
+
+NO_DEADLINE = Deadline()
+
+
 class Parking(NamedTuple):
     parked: bool  # the run is `waiting` until its due time; this execution is over
     cancel_requested: bool  # not parked: a cancel request is on the run

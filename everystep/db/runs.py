@@ -18,7 +18,7 @@ import psycopg
 
 from everystep.db import queries
 from everystep.db.queries import Plan, Query
-from everystep.db.rows import CancelOutcome, EventValue, Scheduled, Sent, dicts
+from everystep.db.rows import NO_DEADLINE, CancelOutcome, Deadline, EventValue, Scheduled, Sent, dicts
 
 # ---------------------------------------------------------------- scheduling
 
@@ -34,29 +34,35 @@ def _invisible(idempotency_key: str) -> psycopg.errors.SerializationFailure:
 def insert_run(
     conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
     trace_context: str | None = None, at: datetime.datetime | None = None, after: float | None = None,
+    deadline: Deadline = NO_DEADLINE,
 ) -> Scheduled:
     """Insert a run into the caller's transaction and notify the workers
     waiting for runs, if any (delivered at commit; see everystep_wake). It is
     due `at` a time, or `after` seconds from now by the database's clock, or
     at once; a run not due yet is `waiting`. With an idempotency key, an
     existing run of the same (name, key) is returned instead.
-    `trace_context`: the scheduling span's context as JSON, when tracing is on."""
-    return queries.run(conn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after))
+    `trace_context`: the scheduling span's context as JSON, when tracing is on.
+    `deadline`: when it must be finished by (database time)."""
+    return queries.run(conn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after,
+                                         deadline))
 
 
 async def ainsert_run(aconn: psycopg.AsyncConnection, run_id: uuid.UUID, name: str, args_json: str,
                       idempotency_key: str | None, trace_context: str | None = None,
-                      at: datetime.datetime | None = None, after: float | None = None) -> Scheduled:
+                      at: datetime.datetime | None = None, after: float | None = None,
+                      deadline: Deadline = NO_DEADLINE) -> Scheduled:
     """insert_run on an AsyncConnection."""
-    return await queries.arun(aconn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after))
+    return await queries.arun(aconn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after,
+                                                 deadline))
 
 
 def _insert_run(run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
-                trace_context: str | None, at: datetime.datetime | None, after: float | None) -> Plan:
-    due_now = at is None and after is None
+                trace_context: str | None, at: datetime.datetime | None, after: float | None,
+                deadline: Deadline) -> Plan:
+    due_now = at is None and after is None and deadline == NO_DEADLINE
     row = yield Query("insert_run" if due_now else "insert_run_at", {
         "id": run_id, "name": name, "args": args_json, "key": idempotency_key, "at": at, "after": after,
-        "trace": trace_context,
+        "trace": trace_context, "deadline": deadline.at, "deadline_in": deadline.in_, "timeout": deadline.timeout,
     })
     if row is not None:
         return Scheduled(row[0], True)
@@ -68,27 +74,28 @@ def _insert_run(run_id: uuid.UUID, name: str, args_json: str, idempotency_key: s
 
 def insert_runs(
     conn: psycopg.Connection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
-    idempotency_keys: list[str | None],
+    idempotency_keys: list[str | None], timeout: float | None = None,
 ) -> list[Scheduled]:
     """Insert many scheduled runs of one workflow in one statement (one
     notification at most). Returns them in input order; a key that exists
     already, or repeats within the batch, gives the first run's id. The
     arrays go in binary where psycopg binds them (no array literal for the
-    server to parse), and only the ids of created runs with a key come back."""
+    server to parse), and only the ids of created runs with a key come back.
+    `timeout`: their deadline is that many seconds from now."""
     binary = isinstance(conn, psycopg.Connection)
-    return queries.run(conn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, binary))
+    return queries.run(conn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, binary, timeout))
 
 
 async def ainsert_runs(aconn: psycopg.AsyncConnection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
-                       idempotency_keys: list[str | None]) -> list[Scheduled]:
+                       idempotency_keys: list[str | None], timeout: float | None = None) -> list[Scheduled]:
     """insert_runs on an AsyncConnection."""
-    return await queries.arun(aconn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, True))
+    return await queries.arun(aconn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, True, timeout))
 
 
 def _insert_runs(name: str, run_ids: list[uuid.UUID], args_jsons: list[str], idempotency_keys: list[str | None],
-                 binary: bool) -> Plan:
+                 binary: bool, timeout: float | None) -> Plan:
     keyed_created = (yield Query("insert_runs" if binary else "insert_runs_text", {
-        "name": name, "ids": run_ids, "args": args_jsons, "keys": idempotency_keys}))[0]
+        "name": name, "ids": run_ids, "args": args_jsons, "keys": idempotency_keys, "timeout": timeout}))[0]
     if not keyed_created and all(key is None for key in idempotency_keys):
         return [Scheduled(run_id, True) for run_id in run_ids]
     created = set(keyed_created)

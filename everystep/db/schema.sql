@@ -98,7 +98,10 @@ CREATE TABLE everystep_workflow (
     parent_id           uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL,
     -- 0011: its workflow had a concurrency limit when it became claimable:
     -- the lane it is claimed from
-    limited             boolean NOT NULL DEFAULT false
+    limited             boolean NOT NULL DEFAULT false,
+    -- 0013: when it must be finished by (engine's clock), else it is
+    -- cancelled with the reason 'deadline'; NULL: no deadline
+    deadline_at         timestamptz
 );
 
 -- What makes schedule()'s idempotency key safe under concurrency.

@@ -12,6 +12,9 @@
 --
 -- The writes that park a run or start a child notify the claimers
 -- (pg_notify('everystep:' || current_schema(), ''), delivered at commit).
+--
+-- What a write returns as the run's cancel request is `cancelling` (see
+-- queue.sql): a request, or the run's deadline passed (0013_timeouts.sql).
 
 
 -- name: complete_started_step
@@ -22,13 +25,13 @@ UPDATE everystep_step s
 SET name = %(name)s, args = %(args)s::jsonb, kwargs = %(kwargs)s::jsonb, status = %(status)s,
     result = %(result)s::jsonb, error = %(error)s::jsonb, claim_token = w.claim_token,
     started_at = to_timestamp(%(started_at)s::float8), finished_at = to_timestamp(%(finished_at)s::float8)
-FROM (SELECT id, claim_token, cancel_requested_at
+FROM (SELECT id, claim_token, cancel_requested_at, deadline_at
       FROM everystep_workflow
       WHERE id = %(run)s AND (status = 'running') IS TRUE AND claimed_by = %(runner)s
         AND claim_token = %(token)s::bigint
       FOR SHARE) w
 WHERE s.workflow_id = w.id AND s.step_id = %(step_id)s AND s.status IN ('started', 'retrying')
-RETURNING w.cancel_requested_at IS NOT NULL;
+RETURNING (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE;
 
 -- name: record_attempt
 -- A failed attempt of a step tried again after `wait` seconds: the row is
@@ -38,7 +41,7 @@ RETURNING w.cancel_requested_at IS NOT NULL;
 -- attempt already.
 WITH
     w AS (
-        SELECT id, claim_token, cancel_requested_at
+        SELECT id, claim_token, cancel_requested_at, deadline_at
         FROM everystep_workflow
         WHERE id = %(run)s AND (status = 'running') IS TRUE AND claimed_by = %(runner)s
           AND claim_token = %(token)s::bigint
@@ -64,12 +67,31 @@ SET status = 'retrying',
     finished_at = EXCLUDED.finished_at
 WHERE s.status IN ('retrying', 'started')
   AND NOT coalesce(s.attempts, '[]') @> jsonb_build_array(jsonb_build_object('attempt', %(attempt)s::int))
-RETURNING (SELECT cancel_requested_at IS NOT NULL FROM w), (SELECT attempt FROM a);
+RETURNING (SELECT (cancel_requested_at IS NOT NULL OR deadline_at <= everystep_now()) IS TRUE FROM w),
+          (SELECT attempt FROM a);
 
 -- name: cancel_reason
 SELECT cancel_reason
 FROM everystep_workflow
 WHERE id = %(run)s;
+
+-- name: deliver_cancel
+-- The reason of the cancel a run's body is about to get: the request's, or
+-- 'deadline' for a run past its deadline with no request, which is then
+-- written as its request (so that it is on the row, as one from cancel()),
+-- and whether that is so. No row: neither (the reason is NULL).
+WITH r AS (
+    SELECT id, cancel_requested_at IS NULL AS overdue
+    FROM everystep_workflow
+    WHERE id = %(run)s AND (cancel_requested_at IS NOT NULL OR deadline_at <= everystep_now())
+    FOR UPDATE
+)
+UPDATE everystep_workflow w
+SET cancel_requested_at = coalesce(w.cancel_requested_at, everystep_now()),
+    cancel_reason = CASE WHEN r.overdue THEN 'deadline' ELSE w.cancel_reason END
+FROM r
+WHERE w.id = r.id
+RETURNING w.cancel_reason, r.overdue;
 
 -- name: step_row
 SELECT name, status
@@ -133,13 +155,15 @@ SELECT wake.at, extract(epoch FROM everystep_now())
 FROM ins, wake;
 
 -- name: park_run
--- This execution ends and the run is left `waiting` until `due`, claimed by
--- nobody, and the workers are woken to recompute their next due time;
--- unless the time has come already or a cancel is requested (then nothing
--- changes, and the row says which).
+-- This execution ends and the run is left `waiting` until `due` (its
+-- deadline at the latest, when it has one), claimed by nobody, and the
+-- workers are woken to recompute their next due time; unless the time has
+-- come already or the run is `cancelling` (then nothing changes, and the row
+-- says which).
 WITH
     w AS (
-        SELECT id, cancel_requested_at IS NOT NULL AS cancel, to_timestamp(%(due)s::float8) > everystep_now() AS later
+        SELECT id, (cancel_requested_at IS NOT NULL OR deadline_at <= everystep_now()) IS TRUE AS cancel,
+               to_timestamp(%(due)s::float8) > everystep_now() AS later
         FROM everystep_workflow
         WHERE id = %(run)s AND (status = 'running') IS TRUE AND claimed_by = %(runner)s
           AND claim_token = %(token)s::bigint
@@ -147,7 +171,7 @@ WITH
     ),
     p AS (
         UPDATE everystep_workflow r
-        SET status = 'waiting', claimed_by = NULL, due_at = to_timestamp(%(due)s::float8)
+        SET status = 'waiting', claimed_by = NULL, due_at = least(to_timestamp(%(due)s::float8), r.deadline_at)
         FROM w
         WHERE r.id = w.id AND w.later AND NOT w.cancel
         RETURNING 1
@@ -243,10 +267,11 @@ FROM w;
 -- name: start_child
 -- The start of a child run as a step row (result {"child": id}) and the
 -- child itself (`parent_id` = this run), scheduled: the child exists only if
--- the row was written here.
+-- the row was written here. Its deadline is the earlier of this run's and
+-- `timeout` seconds from now (its workflow's; NULL: none).
 WITH
     w AS (
-        SELECT id, claim_token
+        SELECT id, claim_token, deadline_at
         FROM everystep_workflow
         WHERE id = %(run)s AND (status = 'running') IS TRUE AND claimed_by = %(runner)s
           AND claim_token = %(token)s::bigint
@@ -262,10 +287,11 @@ WITH
         RETURNING workflow_id, result
     ),
     child AS (
-        INSERT INTO everystep_workflow (id, name, args, status, parent_id, limited)
+        INSERT INTO everystep_workflow (id, name, args, status, parent_id, limited, deadline_at)
         SELECT %(child)s::uuid, %(child_name)s, %(args)s::jsonb, 'scheduled', workflow_id,
-               EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(child_name)s::varchar)
-        FROM ins
+               EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(child_name)s::varchar),
+               least(w.deadline_at, everystep_now() + make_interval(secs => %(timeout)s::float8))
+        FROM ins, w
         RETURNING id
     )
 SELECT ins.result, pg_notify('everystep:' || current_schema(), '')
@@ -320,12 +346,13 @@ FROM w;
 
 -- name: park_waiting
 -- This execution ends and the run is left `waiting` for `on` (a message
--- topic, a child) until `due` (NULL: for ever), claimed by nobody; unless a
--- message came since the run looked (its count is not `wakes` any more) or
--- a cancel is requested: then nothing changes, and the row says which.
+-- topic, a child) until `due` (NULL: for ever; its deadline at the latest,
+-- when it has one), claimed by nobody; unless a message came since the run
+-- looked (its count is not `wakes` any more) or the run is `cancelling`:
+-- then nothing changes, and the row says which.
 WITH
     w AS (
-        SELECT id, cancel_requested_at IS NOT NULL AS cancel
+        SELECT id, (cancel_requested_at IS NOT NULL OR deadline_at <= everystep_now()) IS TRUE AS cancel
         FROM everystep_workflow
         WHERE id = %(run)s AND (status = 'running') IS TRUE AND claimed_by = %(runner)s
           AND claim_token = %(token)s::bigint
@@ -334,7 +361,8 @@ WITH
     p AS (
         UPDATE everystep_workflow r
         SET status = 'waiting', claimed_by = NULL, waiting_on = %(on)s,
-            due_at = coalesce(to_timestamp(%(due)s::float8), everystep_now() + interval '100 years')
+            due_at = least(coalesce(to_timestamp(%(due)s::float8), everystep_now() + interval '100 years'),
+                           r.deadline_at)
         FROM w
         WHERE r.id = w.id AND NOT w.cancel AND r.wakes = %(wakes)s
         RETURNING 1

@@ -30,6 +30,11 @@
 --              otherwise walk the running entries of the status index (dead
 --              ones included, thousands of them between two vacuums under
 --              load) rather than look the run up.
+--   cancelling (cancel_requested_at IS NOT NULL OR deadline_at <= everystep_now()) IS TRUE:
+--              the run is to be cancelled, asked by everystep.cancel() or
+--              because its deadline passed (0013_timeouts.sql); what a claim
+--              and a step's write return to the run's execution. Without a
+--              deadline, the second test is NULL: free.
 --   notify     pg_notify('everystep:' || current_schema(), ''): a channel per
 --              schema, so deployments sharing a database (or test schemas)
 --              do not wake each other's workers.
@@ -127,7 +132,7 @@ WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING w.id, w.name, w.args,
     to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                   FROM everystep_step s WHERE s.workflow_id = w.id)),
-    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id;
+    w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id;
 
 
 -- name: claim_unlimited
@@ -152,7 +157,7 @@ WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING w.id, w.name, w.args,
     to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                   FROM everystep_step s WHERE s.workflow_id = w.id)),
-    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id;
+    w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id;
 
 
 -- name: sort_lanes
@@ -250,7 +255,7 @@ RETURNING w.id, w.name, w.args,
     to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                   FROM everystep_step s
                   WHERE s.workflow_id = w.id)),
-    w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id;
+    w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id;
 
 -- name: held_claims
 SELECT id, claim_token
@@ -259,11 +264,12 @@ WHERE status = 'running' AND claimed_by = %(runner)s;
 
 -- name: cancel_requests
 -- Which of these executions of the runner (their tokens) have a cancel
--- request on their run: the worker preempts their async steps.
+-- request on their run, or are past its deadline: the worker preempts
+-- their async steps.
 SELECT claim_token
 FROM everystep_workflow
 WHERE status = 'running' AND claimed_by = %(runner)s AND claim_token = ANY(%(tokens)s::bigint[])
-  AND cancel_requested_at IS NOT NULL;
+  AND (cancel_requested_at IS NOT NULL OR deadline_at <= everystep_now());
 
 -- name: running_claimers
 SELECT DISTINCT claimed_by
@@ -298,7 +304,7 @@ RETURNING id;
 -- SHARE of its run row keeps a requeue and the write from both winning.
 -- The input rows come as parallel arrays (one element per write, numbered
 -- n = 1, 2, ...); returns the rows written, with the cancel request seen on
--- their run. Run through libpq's prepared path (everystep/db/libpq.py).
+-- their run (`cancelling`). Run through libpq's prepared path (everystep/db/libpq.py).
 WITH
     i AS (
         SELECT *
@@ -309,7 +315,7 @@ WITH
                                  step_error, started_at, finished_at, n)
     ),
     w AS (
-        SELECT id, claim_token, cancel_requested_at
+        SELECT id, claim_token, cancel_requested_at, deadline_at
         FROM everystep_workflow
         WHERE id = ANY(%(runs)s::uuid[]) AND (status = 'running') IS TRUE AND claimed_by = %(runner)s
         FOR SHARE
@@ -324,7 +330,7 @@ WITH
         ON CONFLICT (workflow_id, step_id) DO NOTHING
         RETURNING workflow_id, step_id
     )
-SELECT i.n, w.cancel_requested_at IS NOT NULL
+SELECT i.n, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE
 FROM ins
 JOIN i ON i.run = ins.workflow_id AND i.step_id = ins.step_id
 JOIN w ON w.id = i.run;
@@ -426,17 +432,21 @@ WITH i AS (
     RETURNING w.id, w.name, w.args,
         to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                       FROM everystep_step s WHERE s.workflow_id = w.id)),
-        w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
+        w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
 ), ended AS (
     -- A cancel request that reached the row before the end wins over every
     -- other end but `blocked`: the run is `cancelled` (what the body returned
-    -- or raised is kept in result/error). A run blocked on an unsafe step's
+    -- or raised is kept in result/error), and so does a deadline passed, as a
+    -- request with the reason 'deadline'. A run blocked on an unsafe step's
     -- uncertain effect (one cancelled mid-effect too) waits for an operator:
     -- the request is delivered at its next step call once that is resolved.
     UPDATE everystep_workflow w
-    SET status = CASE WHEN w.cancel_requested_at IS NULL OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
+    SET status = CASE WHEN (w.cancel_requested_at IS NULL AND (w.deadline_at <= everystep_now()) IS NOT TRUE)
+                           OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
         result = h.result::jsonb, error = h.error::jsonb,
-        completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE everystep_now() END
+        completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE everystep_now() END,
+        cancel_reason = CASE WHEN w.cancel_requested_at IS NULL AND w.deadline_at <= everystep_now()
+                                  AND h.status <> 'blocked' THEN 'deadline' ELSE w.cancel_reason END
     FROM held h
     WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
       AND w.claimed_by = %(runner)s AND w.claim_token = h.token
@@ -523,12 +533,15 @@ WITH i AS (
     RETURNING w.id, w.name, w.args,
         to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
                       FROM everystep_step s WHERE s.workflow_id = w.id)),
-        w.claim_token, w.cancel_requested_at IS NOT NULL, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
+        w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
 ), ended AS (
     UPDATE everystep_workflow w
-    SET status = CASE WHEN w.cancel_requested_at IS NULL OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
+    SET status = CASE WHEN (w.cancel_requested_at IS NULL AND (w.deadline_at <= everystep_now()) IS NOT TRUE)
+                           OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
         result = h.result::jsonb, error = h.error::jsonb,
-        completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE everystep_now() END
+        completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE everystep_now() END,
+        cancel_reason = CASE WHEN w.cancel_requested_at IS NULL AND w.deadline_at <= everystep_now()
+                                  AND h.status <> 'blocked' THEN 'deadline' ELSE w.cancel_reason END
     FROM held h
     WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
       AND w.claimed_by = %(runner)s AND w.claim_token = h.token

@@ -23,13 +23,21 @@ FROM ins;
 
 -- name: insert_run_at
 -- A run due `at` a time, or `after` seconds from now by the database's
--- clock: `waiting` until then (`scheduled` if the time has come already).
+-- clock (neither: now): `waiting` until then (`scheduled` if the time has
+-- come already). Its deadline (0013_timeouts.sql) is the earliest of
+-- `deadline`, `deadline_in` seconds from now and `timeout` seconds from its
+-- due time (all NULL: none); it is due at its deadline at the latest.
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at, limited)
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at, limited,
+                                    deadline_at)
     SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,
-           CASE WHEN due.at > everystep_now() THEN 'waiting' ELSE 'scheduled' END, %(trace)s::jsonb,
-           greatest(due.at, everystep_now()), EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar)
-    FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8)) AS at) AS due
+           CASE WHEN least(due.at, due.deadline) > everystep_now() THEN 'waiting' ELSE 'scheduled' END,
+           %(trace)s::jsonb, greatest(least(due.at, due.deadline), everystep_now()),
+           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), due.deadline
+    FROM (SELECT a.at, least(%(deadline)s::timestamptz, everystep_now() + make_interval(secs => %(deadline_in)s::float8),
+                             greatest(a.at, everystep_now()) + make_interval(secs => %(timeout)s::float8)) AS deadline
+          FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8),
+                                everystep_now()) AS at) AS a) AS due
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id
 )
@@ -45,11 +53,14 @@ WHERE name = %(name)s AND idempotency_key = %(key)s;
 -- name: insert_runs
 -- Many scheduled runs of one workflow in one statement (one notification at
 -- most). The arrays go in binary (no array literal for the server to
--- parse); only the ids of created runs with a key come back.
+-- parse); only the ids of created runs with a key come back. `timeout`:
+-- their workflow's (@workflow(timeout=)), their deadline that many seconds
+-- from now (NULL: none).
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited)
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, deadline_at)
     SELECT id, %(name)b::varchar, args::jsonb, key, 'scheduled',
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar)
+           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar),
+           everystep_now() + make_interval(secs => %(timeout)b::float8)
     FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key)
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS keyed
@@ -60,9 +71,10 @@ SELECT ARRAY(SELECT id FROM ins WHERE keyed), everystep_wake();
 -- insert_runs with its parameters in text, for the connections that bind
 -- parameters on the client (Django's cursor), which cannot send binary ones.
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited)
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, deadline_at)
     SELECT id, %(name)s::varchar, args::jsonb, key, 'scheduled',
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar)
+           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar),
+           everystep_now() + make_interval(secs => %(timeout)s::float8)
     FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key)
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS keyed
@@ -161,7 +173,7 @@ WHERE w.id = %(run)s;
 
 -- name: load_run
 SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at,
-       due_at, cancel_requested_at, cancel_reason, parent_id
+       due_at, cancel_requested_at, cancel_reason, parent_id, deadline_at
 FROM everystep_workflow
 WHERE id = %(run)s;
 

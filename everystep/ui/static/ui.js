@@ -364,7 +364,11 @@ async function showRun(quiet) {
     actions,
     h("dl", {}, field("workflow", h("span", { class: "mono" }, run.name)), field("claimed by", run.claimed_by || "-"),
       field("idempotency key", run.idempotency_key || "-"), field("scheduled", when(run.created_at)),
-      field("finished", when(run.completed_at)), run.crashes ? field("crashes", run.crashes) : null),
+      field("finished", when(run.completed_at)), run.crashes ? field("crashes", run.crashes) : null,
+      run.deadline_at ? field("deadline", h("span", { id: "run-deadline" }, when(run.deadline_at))) : null,
+      run.cancel_requested_at || run.cancel_reason
+        ? field("cancel", h("span", { id: "run-cancel" }, run.cancel_reason ? `reason: ${run.cancel_reason}` : "requested")) : null,
+      stepTimeouts(run) ? field("timeouts", h("span", { id: "run-timeouts" }, `${stepTimeouts(run)} step attempt(s) timed out`)) : null),
     h("h3", {}, "args"), h("pre", { class: "value" }, readable(run.args)),
     run.status === "completed" ? [h("h3", {}, "result"), h("pre", { class: "value", id: "run-result" }, readable(run.result))] : null,
     run.error ? [h("h3", {}, "error"), h("pre", { class: "value error", id: "run-error" }, describeError(run.error))] : null,
@@ -382,6 +386,13 @@ async function showRun(quiet) {
   drawGraph(graph, run, detail);
   if (quiet && oldView) setView(oldView);
   onSnapshot = (snapshot, changed) => { if (changed && !["completed", "failed", "stopped"].includes(run.status)) refetchSoon(); };
+}
+
+// Step attempts that ran past their @step(timeout=): retried ones and final failures.
+function stepTimeouts(run) {
+  const timedOut = (e) => e && e.type === "everystep.errors.StepTimeout";
+  return run.steps.reduce((n, s) => n + (s.attempts || []).filter((a) => timedOut(a.error)).length
+    + (s.status === "failed" && timedOut(s.error) ? 1 : 0), 0);
 }
 
 function resolvePanel(run) {

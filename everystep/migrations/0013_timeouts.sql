@@ -1,0 +1,11 @@
+-- Deadlines: the moment (by the engine's clock) a run must be finished by,
+-- from schedule(deadline=...), @workflow(timeout=...) or a parent's own.
+-- NULL: none, and such a run pays nothing for the feature: every test of it
+-- is `deadline_at <= everystep_now()`, false on NULL.
+--
+-- A run past its deadline ends as a cancelled one, with the reason
+-- 'deadline': the claim says so as if a cancel were requested, and the
+-- writes of a running run's steps return it; a run parked waiting is due at
+-- its deadline at the latest (the parking statements cap due_at), so a
+-- claim reaches it then. No index: nothing looks runs up by deadline.
+ALTER TABLE everystep_workflow ADD COLUMN deadline_at timestamptz;
