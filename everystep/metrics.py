@@ -77,6 +77,10 @@ CANCELLATIONS = Counter(
 STEP_RETRIES = Counter(
     "everystep_step_retries", "Failed step attempts that are tried again (retries=).", ["workflow", "step"]
 )
+RATE_LIMITED = Counter(
+    "everystep_rate_limit_waits", "Step attempts that found no token of their rate limit (@step(rate_limit=)) "
+    "and waited for the next.", ["workflow", "rate_limit"]
+)
 
 # Recovery (the maintenance child's sweep and the workers' catchup).
 RECOVERED = Counter("everystep_recovered_runs", "Runs requeued from dead claimers by the sweep.")

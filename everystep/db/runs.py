@@ -34,6 +34,7 @@ def _invisible(idempotency_key: str) -> psycopg.errors.SerializationFailure:
 def insert_run(
     conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
     trace_context: str | None = None, at: datetime.datetime | None = None, after: float | None = None,
+    priority: int | None = None, default_priority: int = 0, concurrency_key: str | None = None,
 ) -> Scheduled:
     """Insert a run into the caller's transaction and notify the workers
     waiting for runs, if any (delivered at commit; see everystep_wake). It is
@@ -41,22 +42,28 @@ def insert_run(
     at once; a run not due yet is `waiting`. With an idempotency key, an
     existing run of the same (name, key) is returned instead.
     `trace_context`: the scheduling span's context as JSON, when tracing is on."""
-    return queries.run(conn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after))
+    return queries.run(conn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after,
+                                         (priority, default_priority, concurrency_key)))
 
 
 async def ainsert_run(aconn: psycopg.AsyncConnection, run_id: uuid.UUID, name: str, args_json: str,
                       idempotency_key: str | None, trace_context: str | None = None,
-                      at: datetime.datetime | None = None, after: float | None = None) -> Scheduled:
+                      at: datetime.datetime | None = None, after: float | None = None,
+                      priority: int | None = None, default_priority: int = 0,
+                      concurrency_key: str | None = None) -> Scheduled:
     """insert_run on an AsyncConnection."""
-    return await queries.arun(aconn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after))
+    return await queries.arun(aconn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after,
+                                                 (priority, default_priority, concurrency_key)))
 
 
 def _insert_run(run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
-                trace_context: str | None, at: datetime.datetime | None, after: float | None) -> Plan:
+                trace_context: str | None, at: datetime.datetime | None, after: float | None,
+                flow: tuple[int | None, int, str | None]) -> Plan:
     due_now = at is None and after is None
+    priority, default_priority, concurrency_key = flow
     row = yield Query("insert_run" if due_now else "insert_run_at", {
         "id": run_id, "name": name, "args": args_json, "key": idempotency_key, "at": at, "after": after,
-        "trace": trace_context,
+        "trace": trace_context, "priority": priority, "default_priority": default_priority, "ckey": concurrency_key,
     })
     if row is not None:
         return Scheduled(row[0], True)
@@ -68,7 +75,7 @@ def _insert_run(run_id: uuid.UUID, name: str, args_json: str, idempotency_key: s
 
 def insert_runs(
     conn: psycopg.Connection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
-    idempotency_keys: list[str | None],
+    idempotency_keys: list[str | None], priority: int | None = None, default_priority: int = 0,
 ) -> list[Scheduled]:
     """Insert many scheduled runs of one workflow in one statement (one
     notification at most). Returns them in input order; a key that exists
@@ -76,19 +83,23 @@ def insert_runs(
     arrays go in binary where psycopg binds them (no array literal for the
     server to parse), and only the ids of created runs with a key come back."""
     binary = isinstance(conn, psycopg.Connection)
-    return queries.run(conn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, binary))
+    return queries.run(conn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, binary,
+                                          (priority, default_priority)))
 
 
 async def ainsert_runs(aconn: psycopg.AsyncConnection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
-                       idempotency_keys: list[str | None]) -> list[Scheduled]:
+                       idempotency_keys: list[str | None], priority: int | None = None,
+                       default_priority: int = 0) -> list[Scheduled]:
     """insert_runs on an AsyncConnection."""
-    return await queries.arun(aconn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, True))
+    return await queries.arun(aconn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, True,
+                                                  (priority, default_priority)))
 
 
 def _insert_runs(name: str, run_ids: list[uuid.UUID], args_jsons: list[str], idempotency_keys: list[str | None],
-                 binary: bool) -> Plan:
+                 binary: bool, flow: tuple[int | None, int]) -> Plan:
     keyed_created = (yield Query("insert_runs" if binary else "insert_runs_text", {
-        "name": name, "ids": run_ids, "args": args_jsons, "keys": idempotency_keys}))[0]
+        "name": name, "ids": run_ids, "args": args_jsons, "keys": idempotency_keys,
+        "priority": flow[0], "default_priority": flow[1]}))[0]
     if not keyed_created and all(key is None for key in idempotency_keys):
         return [Scheduled(run_id, True) for run_id in run_ids]
     created = set(keyed_created)

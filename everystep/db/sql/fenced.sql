@@ -262,9 +262,10 @@ WITH
         RETURNING workflow_id, result
     ),
     child AS (
-        INSERT INTO everystep_workflow (id, name, args, status, parent_id, limited)
+        INSERT INTO everystep_workflow (id, name, args, status, parent_id, limited, priority)
         SELECT %(child)s::uuid, %(child_name)s, %(args)s::jsonb, 'scheduled', workflow_id,
-               EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(child_name)s::varchar)
+               EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(child_name)s::varchar),
+               coalesce((SELECT p.priority FROM everystep_priority p WHERE p.name = %(child_name)s::varchar), 0)
         FROM ins
         RETURNING id
     )

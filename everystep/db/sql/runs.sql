@@ -10,13 +10,29 @@
 -- name: insert_run
 -- A run due at once (due_at takes its default, everystep_now()). With an
 -- idempotency key that exists already, nothing is inserted and no row comes
--- back.
-WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, limited)
-    VALUES (%(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb,
-            EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar))
+-- back. Its priority: %(priority)s, else its workflow's default as the
+-- workers wrote it (everystep_priority), else %(default_priority)s (the
+-- decorator's). With a concurrency key of a workflow with a per-key limit,
+-- the run is keyed (0014_priorities.sql) and its key has a row.
+WITH opt AS (
+    SELECT coalesce(%(priority)s::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
+                    %(default_priority)s::smallint) AS priority,
+           %(ckey)s::varchar IS NOT NULL
+               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
+), ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, limited, priority,
+                                    concurrency_key, keyed)
+    SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb,
+           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), opt.priority,
+           %(ckey)s, opt.keyed
+    FROM opt
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id
+    RETURNING id, keyed
+), key_row AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT %(name)s, %(ckey)s FROM ins WHERE ins.keyed
+    ON CONFLICT DO NOTHING
 )
 SELECT id, everystep_wake()
 FROM ins;
@@ -24,14 +40,29 @@ FROM ins;
 -- name: insert_run_at
 -- A run due `at` a time, or `after` seconds from now by the database's
 -- clock: `waiting` until then (`scheduled` if the time has come already).
-WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at, limited)
+-- Its priority and key as for insert_run.
+WITH opt AS (
+    SELECT coalesce(%(priority)s::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
+                    %(default_priority)s::smallint) AS priority,
+           %(ckey)s::varchar IS NOT NULL
+               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
+), ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at, limited, priority,
+                                    concurrency_key, keyed)
     SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,
            CASE WHEN due.at > everystep_now() THEN 'waiting' ELSE 'scheduled' END, %(trace)s::jsonb,
-           greatest(due.at, everystep_now()), EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar)
-    FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8)) AS at) AS due
+           greatest(due.at, everystep_now()),
+           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), opt.priority,
+           %(ckey)s, opt.keyed
+    FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8)) AS at) AS due,
+         opt
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id
+    RETURNING id, keyed
+), key_row AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT %(name)s, %(ckey)s FROM ins WHERE ins.keyed
+    ON CONFLICT DO NOTHING
 )
 SELECT id, everystep_wake()
 FROM ins;
@@ -45,11 +76,15 @@ WHERE name = %(name)s AND idempotency_key = %(key)s;
 -- name: insert_runs
 -- Many scheduled runs of one workflow in one statement (one notification at
 -- most). The arrays go in binary (no array literal for the server to
--- parse); only the ids of created runs with a key come back.
+-- parse); only the ids of created runs with a key come back. Their
+-- priority as for insert_run.
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited)
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority)
     SELECT id, %(name)b::varchar, args::jsonb, key, 'scheduled',
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar)
+           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar),
+           coalesce(%(priority)b::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)b::varchar),
+                    %(default_priority)b::smallint)
     FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key)
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS keyed
@@ -60,9 +95,12 @@ SELECT ARRAY(SELECT id FROM ins WHERE keyed), everystep_wake();
 -- insert_runs with its parameters in text, for the connections that bind
 -- parameters on the client (Django's cursor), which cannot send binary ones.
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited)
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority)
     SELECT id, %(name)s::varchar, args::jsonb, key, 'scheduled',
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar)
+           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar),
+           coalesce(%(priority)s::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
+                    %(default_priority)s::smallint)
     FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key)
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS keyed

@@ -1,0 +1,230 @@
+"""Priorities and fair queues, decided in the claim: the highest priority
+first among due runs, then the time order; per-key concurrency limits with
+the keys taken in turn; bad inputs refused before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+
+import everystep
+import everystep.db
+from everystep import EverystepError
+from tests.apps.priority_workflows import plain, tenant_job, tenant_job_bounded, urgent
+from tests.support.engine import claim_hard, most_at_once
+from tests.support.processes import wait_for
+
+IMPORTS = ("tests.apps.workflows", "tests.apps.priority_workflows")
+PLAIN = plain.__everystep_workflow__
+URGENT = urgent.__everystep_workflow__
+TENANT = tenant_job.__everystep_workflow__
+BOUNDED = tenant_job_bounded.__everystep_workflow__
+
+
+def schedule(db, fn, *args, **options):
+    with db.connect() as conn, everystep.transaction(conn):
+        return everystep.schedule(fn, *args, **options)
+
+
+def end(conn, run: everystep.db.ClaimedRun, runner: str, claim: bool = False) -> list[everystep.db.ClaimedRun]:
+    return everystep.db.finish_run(conn, run.id, runner, run.token, "completed", "null", None, claim=claim).claimed
+
+
+def claim_ids(conn, runner: str, n: int, **options) -> list:
+    return [r.id for r in sorted(everystep.db.claim(conn, runner, n, **options), key=lambda r: r.id)]
+
+
+# ---------------------------------------------------------------- priorities
+
+
+def test_the_claim_takes_the_highest_priority_first_then_the_time_order(db):
+    backlog = db.schedule_many(plain, [("m", i) for i in range(5)])
+    low = schedule(db, plain, "m", 0, priority=-5)
+    high = schedule(db, plain, "m", 0, priority=50)
+    higher = schedule(db, plain, "m", 0, priority=100)
+    also_high = schedule(db, plain, "m", 0, priority=50)
+    with db.connect() as conn:
+        for unlimited_only in (True, False):  # the plain claim and the whole one order alike
+            got = [r.id for r in everystep.db.claim(conn, f"w{unlimited_only}", 1, unlimited_only=unlimited_only)]
+            everystep.db.requeue_claimer(conn, f"w{unlimited_only}")
+            assert got == [higher.id]
+        order = []
+        for _ in range(9):
+            (run,) = everystep.db.claim(conn, "w", 1)
+            order.append(run.id)
+            # The successor claim of an end orders alike.
+        assert order == [higher.id, high.id, also_high.id, *[r.id for r in backlog], low.id]
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'running'") == 9
+
+
+def test_the_successor_of_an_end_is_the_highest_priority_due_run(db):
+    first = schedule(db, plain, "m", 0)
+    db.schedule_many(plain, [("m", i) for i in range(3)])
+    high = schedule(db, plain, "m", 0, priority=3)
+    with db.connect() as conn:
+        (run,) = everystep.db.claim(conn, "w", 1, routes=everystep.db.routes_of([PLAIN]))
+        assert run.id == high.id
+        assert [r.id for r in end(conn, run, "w", claim=True)] == [first.id]
+        low = schedule(db, plain, "m", 0, priority=-1)
+        nxt = everystep.db.claim(conn, "w", 3)
+        assert low.id not in [r.id for r in nxt]
+        assert [r.id for r in everystep.db.claim(conn, "w", 3)] == [low.id]
+
+
+def test_a_workflows_default_priority_from_the_decorator_and_the_workers_config(db):
+    run = schedule(db, urgent, "m", 0)
+    explicit = schedule(db, urgent, "m", 0, priority=-3)
+    assert db.value("SELECT priority FROM everystep_workflow WHERE id = %s", (run.id,)) == 7
+    assert db.value("SELECT priority FROM everystep_workflow WHERE id = %s", (explicit.id,)) == -3
+    with db.connect() as conn:  # as a worker writes its config's `workflows: {name: {priority: ...}}`
+        everystep.db.apply_limits(conn, {}, priorities={URGENT: 2, PLAIN: -4})
+        assert everystep.db.priorities(conn) == {URGENT: 2, PLAIN: -4}
+    runs = db.schedule_many(plain, [("m", 0)])
+    assert db.value("SELECT priority FROM everystep_workflow WHERE id = %s", (runs[0].id,)) == -4
+    assert db.value("SELECT priority FROM everystep_workflow WHERE id = %s", (schedule(db, urgent, "m", 0).id,)) == 2
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {}, priorities={URGENT: None})
+    assert db.value("SELECT priority FROM everystep_workflow WHERE id = %s", (schedule(db, urgent, "m", 0).id,)) == 7
+
+
+@pytest.mark.parametrize("bad", [101, -101, 1.5, "1", True, None.__class__])
+def test_a_bad_priority_is_refused_before_anything_is_written(db, bad):
+    with pytest.raises(EverystepError, match="priority"):
+        schedule(db, plain, "m", 0, priority=bad)
+    with pytest.raises(EverystepError, match="priority"):
+        db.schedule_many(plain, [])  # nothing to check: no error
+        with db.connect() as conn, everystep.transaction(conn):
+            everystep.schedule_many(plain, [("m", 0)], priority=bad)
+    with pytest.raises(EverystepError, match="priority"):
+        everystep.workflow(priority=bad)
+    assert db.value("SELECT count(*) FROM everystep_workflow") == 0
+
+
+@pytest.mark.parametrize("bad", ["", "k" * 256, 42, b"tenant"])
+def test_a_bad_concurrency_key_is_refused_before_anything_is_written(db, bad):
+    with pytest.raises(EverystepError, match="concurrency_key"):
+        schedule(db, tenant_job, "t", 0, concurrency_key=bad)
+    assert db.value("SELECT count(*) FROM everystep_workflow") == 0
+
+
+def test_the_decorator_refuses_a_bad_per_key_limit():
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(EverystepError, match="concurrency_per_key"):
+            everystep.workflow(concurrency_per_key=bad)
+
+
+# ---------------------------------------------------------------- fair queues
+
+
+def per_key(db, limits: dict) -> None:
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {}, per_key=limits)
+
+
+def test_a_key_is_admitted_up_to_its_limit_and_the_keys_in_turn(db):
+    per_key(db, {TENANT: 2})
+    big = [schedule(db, tenant_job, "big", 0, concurrency_key="big") for _ in range(6)]
+    small = [schedule(db, tenant_job, key, 0, concurrency_key=key) for key in ("a", "b") for _ in range(2)]
+    unkeyed = schedule(db, tenant_job, "none", 0)  # no key: no per-key limit
+    with db.connect() as conn:
+        got = claim_ids(conn, "w", 20)
+        assert set(got) == {*[r.id for r in big[:2]], *[r.id for r in small], unkeyed.id}
+        assert everystep.db.claim(conn, "w", 20) == []  # every key is at its limit
+        running = {r.id: r for r in everystep.db.reclaim_held(conn, "w")}
+        # Ending a big run frees room in its key only: the successor is big's next.
+        assert [r.id for r in end(conn, running[big[0].id], "w", claim=True)] == [big[2].id]
+        assert everystep.db.claim(conn, "w", 20) == []
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE concurrency_key = 'big' AND status = 'running'") == 2
+
+
+def test_round_robin_a_big_key_does_not_starve_the_small_ones(db):
+    """One claim at a time with room for one run per key: every key in turn,
+    least recently claimed first, whatever its backlog."""
+    per_key(db, {TENANT: 1})
+    with db.connect() as conn, everystep.transaction(conn):
+        for i in range(30):
+            everystep.schedule(tenant_job, "big", i, concurrency_key="big")
+        for key in ("a", "b", "c"):
+            everystep.schedule(tenant_job, key, 0, concurrency_key=key)
+            everystep.schedule(tenant_job, key, 1, concurrency_key=key)
+    order = []
+    with db.connect() as conn:
+        (run,) = everystep.db.claim(conn, "w", 1)
+        while run is not None:
+            order.append(db.value("SELECT concurrency_key FROM everystep_workflow WHERE id = %s", (run.id,)))
+            following = end(conn, run, "w", claim=True)
+            run = following[0] if following else None
+            if len(order) == 8:
+                break
+    assert sorted(order[:4]) == ["a", "b", "big", "c"]
+    assert sorted(order[4:8]) == ["a", "b", "big", "c"]
+
+
+def test_a_workflow_limit_bounds_every_key_together(db):
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {BOUNDED: 3}, per_key={BOUNDED: 1})
+    for key in "abcdef":
+        schedule(db, tenant_job_bounded, key, 0, concurrency_key=key)
+        schedule(db, tenant_job_bounded, key, 0, concurrency_key=key)
+    with db.connect() as conn:
+        got = everystep.db.claim(conn, "w", 10)
+        assert len(got) == 3
+        keys = {db.value("SELECT concurrency_key FROM everystep_workflow WHERE id = %s", (r.id,)) for r in got}
+        assert len(keys) == 3
+        assert everystep.db.claim(conn, "w", 10) == []
+        assert len(end(conn, got[0], "w", claim=True)) == 1
+
+
+def test_setting_a_per_key_limit_moves_the_keyed_runs_into_their_lane(db):
+    runs = [schedule(db, tenant_job, "t", 0, concurrency_key="t") for _ in range(3)]
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE keyed") == 0
+    per_key(db, {TENANT: 1})
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE keyed AND limited") == 3
+    with db.connect() as conn:
+        assert len(everystep.db.claim(conn, "w", 5)) == 1
+        assert everystep.db.key_limits(conn) == {TENANT: 1}
+    per_key(db, {TENANT: None})
+    assert db.value("SELECT count(*) FROM everystep_workflow"
+                    " WHERE status IN ('scheduled', 'waiting') AND (keyed OR limited)") == 0
+    with db.connect() as conn:
+        assert len(everystep.db.claim(conn, "w", 5)) == 2
+    assert len(runs) == 3
+
+
+def test_concurrent_claimers_never_exceed_a_keys_limit(db):
+    """8 claimers claiming and ending keyed runs (with successor claims) as
+    fast as they can while an observer counts each key's running runs."""
+    limit = 2
+    per_key(db, {TENANT: limit})
+    with db.connect() as conn, everystep.transaction(conn):
+        for i in range(200):
+            everystep.schedule(tenant_job, "big", i, concurrency_key="big")
+        for key in "abcd":
+            for i in range(20):
+                everystep.schedule(tenant_job, key, i, concurrency_key=key)
+    seen = claim_hard(db, "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM everystep_workflow"
+                          " WHERE status = 'running' GROUP BY concurrency_key) AS k")
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'") == 0
+    assert max(seen) <= limit
+    assert len(seen) > 20
+
+
+def test_eight_worker_processes_keep_each_keys_limit_and_starve_no_key(db, start_worker):
+    """The per-key limit from the step rows' started/finished times, with 8
+    worker processes; the small keys finish before the big key's first 60."""
+    per_key(db, {TENANT: 2})
+    with db.connect() as conn, everystep.transaction(conn):
+        big = [everystep.schedule(tenant_job, "big", 0.02, concurrency_key="big") for _ in range(200)]
+        small = {key: [everystep.schedule(tenant_job, key, 0.02, concurrency_key=key) for _ in range(5)]
+                 for key in ("k1", "k2", "k3", "k4", "k5")}
+    for i in range(8):
+        start_worker(f"w{i}", threads=4, imports=IMPORTS)
+    every = big + [run for runs in small.values() for run in runs]
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == len(every),
+             180, what="every run completed")
+    for runs in (big, *small.values()):
+        assert most_at_once(db, runs) <= 2
+    assert most_at_once(db, big) == 2  # the limit admits in parallel, not one at a time
+    big_done = sorted(db.value("SELECT completed_at FROM everystep_workflow WHERE id = %s", (r.id,)) for r in big)
+    small_last = max(db.value("SELECT completed_at FROM everystep_workflow WHERE id = %s", (r.id,))
+                     for runs in small.values() for r in runs)
+    assert small_last <= big_done[59]
