@@ -219,7 +219,7 @@ class HeldRun:
             self.lent.pool.putconn(self._conn)
             self._conn = self._cursor = None
 
-    def take_token(self, name: str) -> tuple[float, float] | None:
+    def take_token(self, name: str) -> db.TokenTake | None:
         """One token of rate limit `name` (see db.take_token); not fenced: a
         token taken by an execution that lost its claim is merely spent."""
         with self.cursor() as cur:

@@ -567,9 +567,9 @@ class Replay:
         args_json = serde.dumps(list(args))
         kwargs_json = serde.dumps(kwargs)
         while True:
-            if rate_limit is not None:
-                yield from self._take_token(scope, step_id, name, rate_limit)
             started = (time.perf_counter(), time.time())
+            if rate_limit is not None:  # the step starts when it has its token, by the server's clock
+                started = (time.perf_counter(), (yield from self._take_token(scope, step_id, name, rate_limit)))
             if unsafe:
                 yield from self._record(step_id, name, args_json, kwargs_json, StepStatus.STARTED, None, None,
                                         rerun_started, started)
@@ -624,18 +624,18 @@ class Replay:
     def _take_token(self, scope: Scope, step_id: str, name: str, rate_limit: str) -> Rules:
         """A token of the step's rate limit, each attempt: none there, the run
         waits until the next is due (parked, its slot given back, when that
-        is more than a moment away) and tries again."""
+        is more than a moment away) and tries again. Returns when it was
+        taken (the server's clock, epoch seconds)."""
         while True:
             token = yield _Io(self.held.take_token, (rate_limit,))
             if token is None:
                 raise EverystepError(f"step {step_id!r} ({name}) has rate_limit={rate_limit!r}, which is not "
                                      "defined: add it to the config's `rate_limits:` or call "
                                      f"everystep.rate_limit({rate_limit!r}, rate=...)")
-            wait, now = token
-            if wait <= 0:
-                return
+            if token.taken_at is not None:
+                return token.taken_at
             metrics.RATE_LIMITED.labels(self.workflow_name, rate_limit).inc()
-            yield from self._wait(scope, now + wait, now)
+            yield from self._wait(scope, token.now + token.wait, token.now)
             yield from self._deliver_cancel(step_id, name, update=step_id in self.recorded)
 
     def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,

@@ -102,6 +102,7 @@ from everystep.db.rows import (
     StepRow,
     StepState,
     StepWrite,
+    TokenTake,
     TracedExecution,
     Wait,
     Written,
@@ -187,7 +188,7 @@ __all__ = [
     "Attempt", "BatchEnd", "CancelOutcome", "Claim", "ClaimedRun", "EndWrite", "Ended", "EndedRuns", "EventValue",
     "Executor", "Parking", "QueueStats", "ResolveRefused", "RunFilter", "ScheduleRefused", "Scheduled", "Sent",
     "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
-    "Written",
+    "TokenTake", "Written",
     # session, migrations
     "listen", "migrate", "missing_migrations", "ping", "prepare_claiming_session", "prepare_control_session",
     "prepare_session",

@@ -24,6 +24,7 @@ from everystep.db.rows import (
     EndWrite,
     StepRow,
     StepWrite,
+    TokenTake,
     Written,
 )
 from everystep.db.session import Executor
@@ -164,14 +165,13 @@ def rate_limits(conn: Executor) -> dict[str, tuple[float, float, int]]:
             for name, rate, per, burst in conn.execute(queries.get("rate_limits"), {}).fetchall()}
 
 
-def take_token(conn: Executor, name: str) -> tuple[float, float] | None:
-    """Take one token of rate limit `name`: (0.0, now) if taken, else (the
-    seconds until the next one is due, now), now being the database's time
-    (epoch seconds); None if there is no such rate limit."""
+def take_token(conn: Executor, name: str) -> TokenTake | None:
+    """Take one token of rate limit `name` (see TokenTake); None if there is
+    no such rate limit."""
     row = conn.execute(queries.get("take_token"), {"name": name}).fetchone()
     if row is None:
         return None
-    return (0.0 if row[0] else float(row[1])), float(row[2])
+    return TokenTake(0.0 if row[0] else float(row[1]), float(row[2]), None if row[3] is None else float(row[3]))
 
 
 # ---------------------------------------------------------------- what a runner holds

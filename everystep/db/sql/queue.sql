@@ -410,10 +410,12 @@ FROM everystep_priority
 ORDER BY name;
 
 -- name: put_rate_limits
--- Rate limits as configured: a new bucket starts full (`burst` tokens); a
--- changed one keeps its tokens, at most the new burst.
+-- Rate limits as configured: a new bucket starts empty (its first token
+-- comes `per`/`rate` seconds on: a fleet started with a backlog keeps to
+-- the rate from its first call); a changed one keeps its tokens, at most
+-- the new burst.
 INSERT INTO everystep_rate_limit (name, rate, per, burst, tokens)
-SELECT name, rate, per, burst, burst
+SELECT name, rate, per, burst, 0
 FROM unnest(%(names)s::text[], %(rates)s::float8[], %(pers)s::float8[], %(bursts)s::int[])
     AS r(name, rate, per, burst)
 ON CONFLICT (name) DO UPDATE
@@ -431,32 +433,40 @@ ORDER BY name;
 -- One token of a rate limit, if one is there, in one statement (the row
 -- lock orders the takers fleet-wide): the bucket refilled to now (`rate`
 -- tokens every `per` seconds, at most `burst`) has one, and the `burst`-th
--- last take is at least `per` seconds ago. Rows: (true, 0) taken; (false,
--- seconds) none, the next one due in that many seconds; none at all: no
--- such rate limit.
+-- last take is at least `per` seconds ago. "Now" is the engine's clock at
+-- the moment the row is locked: everystep_now() plus the time since the
+-- transaction began (clock_timestamp() less transaction_timestamp(), which
+-- is now(): the wait for the lock, mostly), so that takers queued behind
+-- each other do not all take at the moment they started to wait. Rows: (true, 0, now, the
+-- same moment by the server's clock rather than the engine's) taken;
+-- (false, seconds, now, NULL) none, the next one due in that many seconds
+-- (epoch seconds); none at all: no such rate limit.
 WITH took AS (
     UPDATE everystep_rate_limit r
-    SET tokens = least(r.burst, r.tokens + greatest(extract(epoch FROM everystep_now() - r.refilled_at)::float8, 0)
+    SET tokens = least(r.burst, r.tokens + greatest(extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())) - r.refilled_at)::float8, 0)
                                            * r.rate / r.per) - 1,
-        refilled_at = greatest(r.refilled_at, everystep_now()),
-        takes = (r.takes || everystep_now())[greatest(1, cardinality(r.takes) + 2 - r.burst):]
+        refilled_at = greatest(r.refilled_at, (everystep_now() + (clock_timestamp() - transaction_timestamp()))),
+        takes = (r.takes || (everystep_now() + (clock_timestamp() - transaction_timestamp())))[greatest(1, cardinality(r.takes) + 2 - r.burst):]
     WHERE r.name = %(name)s
-      AND least(r.burst, r.tokens + greatest(extract(epoch FROM everystep_now() - r.refilled_at)::float8, 0)
+      AND least(r.burst, r.tokens + greatest(extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())) - r.refilled_at)::float8, 0)
                                     * r.rate / r.per) >= 1
       AND (cardinality(r.takes) < r.burst
-           OR r.takes[cardinality(r.takes) + 1 - r.burst] <= everystep_now() - make_interval(secs => r.per))
-    RETURNING r.name
+           OR r.takes[cardinality(r.takes) + 1 - r.burst] <= (everystep_now() + (clock_timestamp() - transaction_timestamp())) - make_interval(secs => r.per))
+    RETURNING extract(epoch FROM r.takes[cardinality(r.takes)])::float8 AS at,
+              extract(epoch FROM r.takes[cardinality(r.takes)] - everystep_now() + transaction_timestamp())::float8
+                  AS real_at
 )
-SELECT true, 0::float8, extract(epoch FROM everystep_now())::float8 FROM took
+SELECT true, 0::float8, at, real_at FROM took
 UNION ALL
 SELECT false, greatest(
-    (1 - least(r.burst, r.tokens + greatest(extract(epoch FROM everystep_now() - r.refilled_at)::float8, 0)
+    (1 - least(r.burst, r.tokens + greatest(extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())) - r.refilled_at)::float8, 0)
                                    * r.rate / r.per)) * r.per / r.rate,
     CASE WHEN cardinality(r.takes) >= r.burst
          THEN extract(epoch FROM r.takes[cardinality(r.takes) + 1 - r.burst] + make_interval(secs => r.per)
-                                 - everystep_now())::float8
+                                 - (everystep_now() + (clock_timestamp() - transaction_timestamp())))::float8
          ELSE 0 END,
-    0.001), extract(epoch FROM everystep_now())::float8
+    0.001), extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())))::float8,
+    NULL::float8
 FROM everystep_rate_limit r
 WHERE r.name = %(name)s AND NOT EXISTS (SELECT FROM took);
 
