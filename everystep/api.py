@@ -386,15 +386,17 @@ def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: 
 
 def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
                   idempotency_keys: Sequence[str | None] | None = None,
-                  conn: Any = None, priority: int | None = None) -> list[ScheduledRun]:
+                  conn: Any = None, priority: int | None = None,
+                  concurrency_key: str | None = None) -> list[ScheduledRun]:
     """Insert one run of `workflow_fn(*args)` per element of `args_list` (a
     tuple or list of positional arguments each) into the caller's
     transaction, in one statement: for bulk. The same checks as `schedule()`,
     all made before anything is inserted; `idempotency_keys`, when given, has
-    one key (or None) per run; `priority` as for `schedule()`, for every run.
+    one key (or None) per run; `priority` and `concurrency_key` as for
+    `schedule()`, the same for every run.
     Returns the runs in input order."""
     name, args_jsons, keys = _many_args("schedule_many()", workflow_fn, args_list, idempotency_keys)
-    flow = _flow_args("schedule_many()", workflow_fn, priority, None)[:2]
+    flow = _flow_args("schedule_many()", workflow_fn, priority, concurrency_key)
     conn = transaction_connection(conn, "schedule_many()")
     if not args_jsons:
         return []
@@ -405,10 +407,11 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
 
 async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
                          idempotency_keys: Sequence[str | None] | None = None,
-                         conn: Any = None, priority: int | None = None) -> list[ScheduledRun]:
+                         conn: Any = None, priority: int | None = None,
+                         concurrency_key: str | None = None) -> list[ScheduledRun]:
     """`schedule_many()` for asyncio (`conn` as for `aschedule()`)."""
     name, args_jsons, keys = _many_args("aschedule_many()", workflow_fn, args_list, idempotency_keys)
-    flow = _flow_args("aschedule_many()", workflow_fn, priority, None)[:2]
+    flow = _flow_args("aschedule_many()", workflow_fn, priority, concurrency_key)
     aconn = await async_connection(conn, "aschedule_many()")
     if not args_jsons:
         return []

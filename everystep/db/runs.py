@@ -76,6 +76,7 @@ def _insert_run(run_id: uuid.UUID, name: str, args_json: str, idempotency_key: s
 def insert_runs(
     conn: psycopg.Connection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
     idempotency_keys: list[str | None], priority: int | None = None, default_priority: int = 0,
+    concurrency_key: str | None = None,
 ) -> list[Scheduled]:
     """Insert many scheduled runs of one workflow in one statement (one
     notification at most). Returns them in input order; a key that exists
@@ -84,22 +85,22 @@ def insert_runs(
     server to parse), and only the ids of created runs with a key come back."""
     binary = isinstance(conn, psycopg.Connection)
     return queries.run(conn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, binary,
-                                          (priority, default_priority)))
+                                          (priority, default_priority, concurrency_key)))
 
 
 async def ainsert_runs(aconn: psycopg.AsyncConnection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
                        idempotency_keys: list[str | None], priority: int | None = None,
-                       default_priority: int = 0) -> list[Scheduled]:
+                       default_priority: int = 0, concurrency_key: str | None = None) -> list[Scheduled]:
     """insert_runs on an AsyncConnection."""
     return await queries.arun(aconn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, True,
-                                                  (priority, default_priority)))
+                                                  (priority, default_priority, concurrency_key)))
 
 
 def _insert_runs(name: str, run_ids: list[uuid.UUID], args_jsons: list[str], idempotency_keys: list[str | None],
-                 binary: bool, flow: tuple[int | None, int]) -> Plan:
+                 binary: bool, flow: tuple[int | None, int, str | None]) -> Plan:
     keyed_created = (yield Query("insert_runs" if binary else "insert_runs_text", {
         "name": name, "ids": run_ids, "args": args_jsons, "keys": idempotency_keys,
-        "priority": flow[0], "default_priority": flow[1]}))[0]
+        "priority": flow[0], "default_priority": flow[1], "ckey": flow[2]}))[0]
     if not keyed_created and all(key is None for key in idempotency_keys):
         return [Scheduled(run_id, True) for run_id in run_ids]
     created = set(keyed_created)

@@ -77,35 +77,53 @@ WHERE name = %(name)s AND idempotency_key = %(key)s;
 -- Many scheduled runs of one workflow in one statement (one notification at
 -- most). The arrays go in binary (no array literal for the server to
 -- parse); only the ids of created runs with a key come back. Their
--- priority as for insert_run.
-WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority)
+-- priority, and their concurrency key (one for all), as for insert_run.
+WITH opt AS (
+    SELECT %(ckey)b::varchar IS NOT NULL
+               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)b::varchar) AS keyed
+), ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority, concurrency_key,
+                                    keyed)
     SELECT id, %(name)b::varchar, args::jsonb, key, 'scheduled',
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar),
+           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar),
            coalesce(%(priority)b::smallint,
                     (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)b::varchar),
-                    %(default_priority)b::smallint)
-    FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key)
+                    %(default_priority)b::smallint),
+           %(ckey)b::varchar, opt.keyed
+    FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key), opt
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, idempotency_key IS NOT NULL AS keyed
+    RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
+), key_row AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT %(name)b::varchar, %(ckey)b::varchar WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
+    ON CONFLICT DO NOTHING
 )
-SELECT ARRAY(SELECT id FROM ins WHERE keyed), everystep_wake();
+SELECT ARRAY(SELECT id FROM ins WHERE with_key), everystep_wake();
 
 -- name: insert_runs_text
 -- insert_runs with its parameters in text, for the connections that bind
 -- parameters on the client (Django's cursor), which cannot send binary ones.
-WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority)
+WITH opt AS (
+    SELECT %(ckey)s::varchar IS NOT NULL
+               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
+), ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority, concurrency_key,
+                                    keyed)
     SELECT id, %(name)s::varchar, args::jsonb, key, 'scheduled',
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar),
+           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar),
            coalesce(%(priority)s::smallint,
                     (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
-                    %(default_priority)s::smallint)
-    FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key)
+                    %(default_priority)s::smallint),
+           %(ckey)s::varchar, opt.keyed
+    FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key), opt
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, idempotency_key IS NOT NULL AS keyed
+    RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
+), key_row AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT %(name)s::varchar, %(ckey)s::varchar WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
+    ON CONFLICT DO NOTHING
 )
-SELECT ARRAY(SELECT id FROM ins WHERE keyed), everystep_wake();
+SELECT ARRAY(SELECT id FROM ins WHERE with_key), everystep_wake();
 
 -- name: keyed_runs
 -- The runs these idempotency keys made before.
