@@ -249,7 +249,7 @@ def test_runs_show_json(db):
         "id": str(run.id), "name": "tests.apps.cli_workflows.greet", "args": ["ada"], "idempotency_key": None,
         "status": "completed", "claimed_by": "test-runner", "result": "hello ADA", "error": None,
         "created_at": "2026-01-02T03:04:05+00:00", "completed_at": "2026-01-02T03:04:06+00:00",
-        "cancel_requested_at": None, "cancel_reason": None, "parent_id": None,
+        "cancel_requested_at": None, "cancel_reason": None, "parent_id": None, "priority": 0, "concurrency_key": None,
         "steps": [{"step_id": "1", "name": "tests.apps.cli_workflows.shout", "args": ["ada"], "kwargs": {},
                    "status": "done", "result": "ADA", "error": None, "attempts": None}],
         "children": [], "messages": [], "events": [],

@@ -4,6 +4,8 @@ the keys taken in turn; bad inputs refused before anything is written."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import everystep
@@ -228,3 +230,33 @@ def test_eight_worker_processes_keep_each_keys_limit_and_starve_no_key(db, start
     small_last = max(db.value("SELECT completed_at FROM everystep_workflow WHERE id = %s", (r.id,))
                      for runs in small.values() for r in runs)
     assert small_last <= big_done[59]
+
+
+# ---------------------------------------------------------------- shown
+
+
+def test_runs_show_and_the_ui_show_priority_and_concurrency_key(db):
+    from tests.test_cli import cli, ok  # noqa: PLC0415
+
+    per_key(db, {TENANT: 3})
+    keyed = schedule(db, tenant_job, "t", 0, concurrency_key="tenant:42", priority=-7)
+    plain_run = schedule(db, plain, "m", 0)
+    out = ok(cli(db, "runs", "show", str(keyed.id)))
+    assert "priority        -7\n" in out and "concurrency key tenant:42\n" in out
+    assert "\npriority" not in ok(cli(db, "runs", "show", str(plain_run.id)))  # the default is not shown
+    shown = json.loads(ok(cli(db, "runs", "show", str(keyed.id), "-o", "json")))
+    assert (shown["priority"], shown["concurrency_key"]) == (-7, "tenant:42")
+    with db.connect() as conn:
+        found = everystep.db.ui_run(conn, keyed.id)
+    assert (found["priority"], found["concurrency_key"]) == (-7, "tenant:42")
+
+
+def test_schedule_many_takes_one_priority_and_one_concurrency_key_for_all(db):
+    per_key(db, {TENANT: 1})
+    with db.connect() as conn, everystep.transaction(conn):
+        runs = everystep.schedule_many(tenant_job, [("t", i) for i in range(3)], priority=4, concurrency_key="k")
+    rows = db.query("SELECT priority, concurrency_key, keyed FROM everystep_workflow WHERE id = ANY(%s)",
+                    ([r.id for r in runs],))
+    assert rows == [(4, "k", True)] * 3
+    with db.connect() as conn:
+        assert len(everystep.db.claim(conn, "w", 3)) == 1

@@ -106,6 +106,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         ("status", run["status"]),
         ("claimed by", run["claimed_by"] or "-"),
         ("idempotency key", run["idempotency_key"] or "-"),
+        *([("priority", str(run["priority"]))] if run.get("priority") else []),  # shown when not the default, 0
+        *([("concurrency key", run["concurrency_key"])] if run.get("concurrency_key") else []),
         ("created", utc(run["created_at"])),
         ("ended", utc(run["completed_at"])),
         ("args", _json_text(run["args"])),

@@ -217,7 +217,7 @@ WHERE w.id = %(run)s;
 
 -- name: load_run
 SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at,
-       due_at, cancel_requested_at, cancel_reason, parent_id
+       due_at, cancel_requested_at, cancel_reason, parent_id, priority, concurrency_key
 FROM everystep_workflow
 WHERE id = %(run)s;
 
