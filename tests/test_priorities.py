@@ -260,3 +260,18 @@ def test_schedule_many_takes_one_priority_and_one_concurrency_key_for_all(db):
     assert rows == [(4, "k", True)] * 3
     with db.connect() as conn:
         assert len(everystep.db.claim(conn, "w", 3)) == 1
+
+
+def test_a_worker_writes_the_configs_priorities_and_per_key_limits(db, start_worker, tmp_path):
+    """`everystep worker -c FILE` writes the decorators' defaults with the
+    file's overrides; an entry giving only a priority leaves the limits."""
+    config = tmp_path / "everystep.yaml"
+    config.write_text(f"workflows:\n  {PLAIN}:\n    priority: 3\n  {TENANT}:\n    concurrency_per_key: 1\n"
+                      f"  {BOUNDED}:\n    priority: -2\n")
+    start_worker("w-config", threads=2, imports=IMPORTS, config=config)
+    with db.connect() as conn:
+        wait_for(lambda: everystep.db.key_limits(conn) == {TENANT: 1, BOUNDED: 1}, 30, what="the per-key limits")
+        assert everystep.db.priorities(conn) == {PLAIN: 3, URGENT: 7, BOUNDED: -2}
+        assert everystep.db.limits(conn) == {BOUNDED: 3}
+    run = schedule(db, plain, "m", 0)
+    assert db.value("SELECT priority FROM everystep_workflow WHERE id = %s", (run.id,)) == 3
