@@ -53,7 +53,7 @@ GRANT USAGE ON SCHEMA {s} TO {producer}, {worker}, {operator};
 -- idempotency key needs. Cancelling (everystep.cancel) is the operator's.
 GRANT INSERT (id, name, args, idempotency_key, status, due_at, trace_context, limited, priority, concurrency_key,
               keyed) ON {workflow} TO {producer};
-GRANT SELECT (id, name, idempotency_key) ON {workflow} TO {producer};
+GRANT SELECT (id, name, idempotency_key, keyed) ON {workflow} TO {producer};  -- keyed: whose key gets a row
 GRANT INSERT ON {s}.everystep_audit TO {producer};
 GRANT SELECT ON {s}.everystep_waiting TO {producer};  -- scheduling notifies only when a worker waits
 GRANT SELECT ON {s}.everystep_limit TO {producer};  -- a run's lane: its workflow's limit (0011_lanes.sql)
