@@ -60,6 +60,7 @@ GRANT SELECT ON {s}.everystep_limit TO {producer};  -- a run's lane: its workflo
 -- A run's default priority, its lane by key, and its key's row (0014_priorities.sql).
 GRANT SELECT ON {s}.everystep_priority, {s}.everystep_key_limit TO {producer};
 GRANT SELECT, INSERT ON {s}.everystep_key TO {producer};
+GRANT UPDATE (ready) ON {s}.everystep_key TO {producer};  -- a key idle since the last sweep is ready again
 -- send(): a message, counted on its run (which a wait parked on it wakes
 -- from); get_event(): what a run published.
 GRANT INSERT ON {s}.everystep_message TO {producer};

@@ -275,3 +275,26 @@ def test_a_worker_writes_the_configs_priorities_and_per_key_limits(db, start_wor
         assert everystep.db.limits(conn) == {BOUNDED: 3}
     run = schedule(db, plain, "m", 0)
     assert db.value("SELECT priority FROM everystep_workflow WHERE id = %s", (run.id,)) == 3
+
+
+def test_an_idle_key_is_out_of_the_claims_way_until_its_next_run(db):
+    """The sweep marks the keys with nothing claimable nor running idle (the
+    claims read only ready keys); a run scheduled for an idle key makes it
+    ready again, and the sweep makes ready a key whose runs a producer left
+    behind an idle row."""
+    per_key(db, {TENANT: 1})
+    done = schedule(db, tenant_job, "t", 0, concurrency_key="gone")
+    waiting = schedule(db, tenant_job, "t", 0, concurrency_key="later")
+    with db.connect() as conn:
+        run = next(r for r in everystep.db.claim(conn, "w", 5) if r.id == done.id)
+        end(conn, run, "w")
+        everystep.db.requeue_claimer(conn, "w")  # the other one back to scheduled
+        assert everystep.db.sweep_keys(conn) == (1, 0)
+    assert dict(db.query("SELECT key, ready FROM everystep_key")) == {"gone": False, "later": True}
+    again = schedule(db, tenant_job, "t", 0, concurrency_key="gone")
+    assert db.value("SELECT ready FROM everystep_key WHERE key = 'gone'") is True
+    # A producer that found its key ready as the sweep made it idle: the next sweep makes it ready.
+    db.query("UPDATE everystep_key SET ready = false WHERE key = 'gone' RETURNING key")
+    with db.connect() as conn:
+        assert everystep.db.sweep_keys(conn) == (0, 1)
+        assert {r.id for r in everystep.db.claim(conn, "w", 5)} == {again.id, waiting.id}

@@ -79,6 +79,7 @@ from everystep.db.queue import (
     running_claimers,
     sort_lanes,
     stop_waiting,
+    sweep_keys,
     take_token,
     wait_for_runs,
 )
@@ -197,7 +198,7 @@ __all__ = [
     "any_limit", "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims",
     "limits", "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer",
     "requeue_from_dead_claimers", "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting",
-    "wait_for_runs", "key_limits", "priorities", "put_rate_limits", "rate_limits", "take_token",
+    "wait_for_runs", "key_limits", "priorities", "put_rate_limits", "rate_limits", "sweep_keys", "take_token",
     # fenced
     "begin_wait", "cancel_reason", "complete_started_step", "park_run", "park_waiting", "record_attempt",
     "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child", "take_message",

@@ -127,6 +127,24 @@ def sort_lanes(conn: psycopg.Connection) -> int:
     return len(moved)
 
 
+def sweep_keys(conn: psycopg.Connection) -> tuple[int, int]:
+    """The maintenance child's sweep of the fair queues' keys: those with no
+    claimable nor running run are not ready any more (the claims skip them),
+    and every key with claimable runs is ready. Returns how many keys went
+    idle, and how many were made ready (a run whose key a producer found
+    ready just as it went idle), waking the claimers then."""
+    with conn.transaction():
+        idle = conn.execute(queries.get("idle_keys"), {}).fetchall()
+    try:
+        with conn.transaction():
+            ready = conn.execute(queries.get("ready_keys"), {}).fetchall()
+            if ready:
+                conn.execute(queries.get("notify"), {})
+    except errors.ForeignKeyViolation:  # the per-key limit was removed meanwhile: its runs are sorted out of the lane
+        ready = []
+    return len(idle), len(ready)
+
+
 def any_limit(conn: psycopg.Connection) -> bool:
     """Whether any workflow has a concurrency limit."""
     return conn.execute(queries.get("any_limit"), {}, prepare=True).fetchone()[0]

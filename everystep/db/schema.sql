@@ -244,9 +244,13 @@ CREATE TABLE everystep_key (
     run_id     uuid,                                    -- a run the last claim through it took
     token      bigint,                                  -- that claim's execution token
     claimed_at timestamptz,                             -- when; NULL: never
+    -- false: the key had no claimable nor running run at the last sweep, and
+    -- the claims do not read it; the next keyed run scheduled makes it true
+    ready      boolean NOT NULL DEFAULT true,
     PRIMARY KEY (name, key)
 );
-CREATE INDEX everystep_key_round ON everystep_key (claimed_at NULLS FIRST, name, key);
+-- The keys in turn: the ready ones, least recently claimed first.
+CREATE INDEX everystep_key_round ON everystep_key (claimed_at NULLS FIRST, name, key) WHERE ready;
 
 -- Rate limits: a token bucket per name, `rate` tokens every `per` seconds,
 -- at most `burst` saved up, and never more than `burst` taken in any `per`

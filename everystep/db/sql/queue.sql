@@ -94,7 +94,7 @@ WITH free AS (
                 WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
                   AND r.name = k.name AND r.concurrency_key = k.key) AS n
     FROM everystep_key k
-    WHERE (SELECT count(*) FROM everystep_workflow h
+    WHERE k.ready AND (SELECT count(*) FROM everystep_workflow h
            WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
       AND EXISTS (SELECT 1 FROM everystep_workflow w
                   WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
@@ -278,7 +278,7 @@ RETURNING w.id, w.name, w.args,
 -- waited for (a claim is one short statement): claimed meanwhile, it is not
 -- claimable any more and stays as it is. Locked in id order, so that two
 -- sorts at once wait for each other rather than deadlock. A run that becomes
--- keyed gets its key's row.
+-- keyed gets its key's row, ready.
 WITH wrong AS (
     SELECT w.id
     FROM everystep_workflow w
@@ -325,9 +325,45 @@ WITH wrong AS (
 ), key_rows AS (
     INSERT INTO everystep_key (name, key)
     SELECT DISTINCT name, concurrency_key FROM moved WHERE keyed
-    ON CONFLICT DO NOTHING
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
 SELECT id FROM moved;
+
+
+-- name: idle_keys
+-- The keys with no claimable and no running run are not ready any more: the
+-- claims do not read them (a tenant gone for good costs nothing). Keys a
+-- claim or a producer holds are skipped. A producer whose run this sweep's
+-- snapshot missed, of a key it found ready, leaves its run to ready_keys.
+WITH idle AS (
+    SELECT k.name, k.key
+    FROM everystep_key k
+    WHERE k.ready
+      AND NOT EXISTS (SELECT FROM everystep_workflow w
+                      WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+                        AND w.name = k.name AND w.concurrency_key = k.key)
+      AND NOT EXISTS (SELECT FROM everystep_workflow r
+                      WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
+                        AND r.name = k.name AND r.concurrency_key = k.key)
+    FOR UPDATE OF k SKIP LOCKED
+)
+UPDATE everystep_key k
+SET ready = false
+FROM idle
+WHERE k.name = idle.name AND k.key = idle.key
+RETURNING k.key;
+
+-- name: ready_keys
+-- Every key with claimable keyed runs ready, its row made if it has none
+-- (the maintenance child's sweep, after idle_keys): reads the keyed lane.
+INSERT INTO everystep_key (name, key)
+SELECT DISTINCT w.name, w.concurrency_key
+FROM everystep_workflow w
+WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+  AND EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name)
+  AND NOT EXISTS (SELECT FROM everystep_key k WHERE k.name = w.name AND k.key = w.concurrency_key AND k.ready)
+ON CONFLICT (name, key) DO UPDATE SET ready = true
+RETURNING key;
 
 
 -- name: no_jit_in_transaction
@@ -626,7 +662,7 @@ WITH i AS (
                   AND NOT EXISTS (SELECT 1 FROM held WHERE held.run = r.id)) AS n
     FROM everystep_key k
     WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-      AND (SELECT count(*) FROM everystep_workflow h
+      AND k.ready AND (SELECT count(*) FROM everystep_workflow h
            WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
       AND EXISTS (SELECT 1 FROM everystep_workflow w
                   WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
@@ -916,7 +952,7 @@ WHERE EXISTS (SELECT 1 FROM everystep_slot s
                               AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
                             OFFSET 0))
    OR EXISTS (SELECT 1 FROM everystep_key k
-              WHERE (SELECT count(*) FROM everystep_workflow h
+              WHERE k.ready AND (SELECT count(*) FROM everystep_workflow h
                      WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
                 AND EXISTS (SELECT 1 FROM everystep_workflow w
                             WHERE w.status IN ('scheduled', 'waiting') AND w.keyed

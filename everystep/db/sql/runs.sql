@@ -13,7 +13,9 @@
 -- back. Its priority: %(priority)s, else its workflow's default as the
 -- workers wrote it (everystep_priority), else %(default_priority)s (the
 -- decorator's). With a concurrency key of a workflow with a per-key limit,
--- the run is keyed (0014_priorities.sql) and its key has a row.
+-- the run is keyed (0014_priorities.sql) and its key has a row, ready (a
+-- key already ready is only read, not written: producers of one key do not
+-- queue on its row).
 WITH opt AS (
     SELECT coalesce(%(priority)s::smallint,
                     (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
@@ -31,8 +33,10 @@ WITH opt AS (
     RETURNING id, keyed
 ), key_row AS (
     INSERT INTO everystep_key (name, key)
-    SELECT %(name)s, %(ckey)s FROM ins WHERE ins.keyed
-    ON CONFLICT DO NOTHING
+    SELECT %(name)s, %(ckey)s FROM ins
+    WHERE ins.keyed AND NOT EXISTS (SELECT FROM everystep_key k
+                                    WHERE k.name = %(name)s::varchar AND k.key = %(ckey)s::varchar AND k.ready)
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
 SELECT id, everystep_wake()
 FROM ins;
@@ -61,8 +65,10 @@ WITH opt AS (
     RETURNING id, keyed
 ), key_row AS (
     INSERT INTO everystep_key (name, key)
-    SELECT %(name)s, %(ckey)s FROM ins WHERE ins.keyed
-    ON CONFLICT DO NOTHING
+    SELECT %(name)s, %(ckey)s FROM ins
+    WHERE ins.keyed AND NOT EXISTS (SELECT FROM everystep_key k
+                                    WHERE k.name = %(name)s::varchar AND k.key = %(ckey)s::varchar AND k.ready)
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
 SELECT id, everystep_wake()
 FROM ins;
@@ -95,8 +101,11 @@ WITH opt AS (
     RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
 ), key_row AS (
     INSERT INTO everystep_key (name, key)
-    SELECT %(name)b::varchar, %(ckey)b::varchar WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
-    ON CONFLICT DO NOTHING
+    SELECT %(name)b::varchar, %(ckey)b::varchar
+    WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
+      AND NOT EXISTS (SELECT FROM everystep_key k
+                      WHERE k.name = %(name)b::varchar AND k.key = %(ckey)b::varchar AND k.ready)
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
 SELECT ARRAY(SELECT id FROM ins WHERE with_key), everystep_wake();
 
@@ -120,8 +129,11 @@ WITH opt AS (
     RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
 ), key_row AS (
     INSERT INTO everystep_key (name, key)
-    SELECT %(name)s::varchar, %(ckey)s::varchar WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
-    ON CONFLICT DO NOTHING
+    SELECT %(name)s::varchar, %(ckey)s::varchar
+    WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
+      AND NOT EXISTS (SELECT FROM everystep_key k
+                      WHERE k.name = %(name)s::varchar AND k.key = %(ckey)s::varchar AND k.ready)
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
 SELECT ARRAY(SELECT id FROM ins WHERE with_key), everystep_wake();
 
