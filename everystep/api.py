@@ -79,8 +79,8 @@ def rate_limit(name: str, rate: float, per: float = 1.0, burst: int | None = Non
     @step(rate_limit=name) steps take a token of: `rate` tokens every `per`
     seconds, at most `burst` (default: `rate`, rounded up) saved up and taken
     in any `per` seconds. Written in the caller's transaction (`conn`, else
-    the bound connection), as the config's `rate_limits:` section is by
-    every worker that starts."""
+    the bound connection; in autocommit, at once), as the config's
+    `rate_limits:` section is by every worker that starts."""
     if not isinstance(name, str) or not name or len(name) > MAX_KEY:
         raise EverystepError(f"rate_limit() takes a name of 1 to {MAX_KEY} characters, not {name!r:.60}")
     for what, value in (("rate", rate), ("per", per)):
@@ -90,7 +90,8 @@ def rate_limit(name: str, rate: float, per: float = 1.0, burst: int | None = Non
         burst = max(1, math.ceil(rate))
     elif type(burst) is not int or burst < 1:
         raise EverystepError(f"rate_limit({name!r}): burst must be a whole number >= 1, not {burst!r}")
-    db.put_rate_limits(transaction_connection(conn, "rate_limit()"), {name: (float(rate), float(per), burst)})
+    conn = transaction_connection(conn, "rate_limit()", write=False)  # autocommit: written at once
+    db.put_rate_limits(conn, {name: (float(rate), float(per), burst)})
 
 
 def _check_concurrency_key(what: str, key: Any) -> None:

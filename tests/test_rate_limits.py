@@ -89,3 +89,13 @@ def test_eight_workers_keep_to_the_rate_from_the_config(db, start_worker, tmp_pa
     assert 17 <= rate <= 22  # generous on a loaded machine: the benchmark measures it (rate_limit)
     with db.connect() as conn:
         assert everystep.db.rate_limits(conn) == {"test-api": (20.0, 1.0, 20)}
+
+
+def test_rate_limit_from_code_writes_at_once_in_autocommit_and_changes_keep_the_tokens(db):
+    with db.connect() as conn:
+        everystep.rate_limit("api", rate=0.5, conn=conn)  # burst: the rate, rounded up
+        assert everystep.db.rate_limits(conn) == {"api": (0.5, 1.0, 1)}
+        conn.execute("UPDATE everystep_rate_limit SET tokens = 1")
+        everystep.rate_limit("api", rate=10, per=2, burst=5, conn=conn)
+        assert everystep.db.rate_limits(conn) == {"api": (10.0, 2.0, 5)}
+        assert db.value("SELECT tokens FROM everystep_rate_limit") == 1
