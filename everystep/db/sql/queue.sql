@@ -67,7 +67,33 @@ WHERE runner = %(runner)s;
 -- cannot know that everystep_limit is small) would read and sort every
 -- claimable run instead of walking the lane's index to its first unlocked
 -- entry.
-WITH free AS (
+WITH RECURSIVE high_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM high_levels lv
+    WHERE lv.priority IS NOT NULL
+), low_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM low_levels lv
+    WHERE lv.priority IS NOT NULL
+), free AS (
     SELECT s.name, s.slot
     FROM everystep_slot s
     WHERE (SELECT count(*) FROM everystep_workflow h
@@ -110,16 +136,21 @@ WITH free AS (
     FOR UPDATE OF k SKIP LOCKED
 ), high AS (
     SELECT w.id, w.name, w.due_at, w.priority
-    FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-      AND w.due_at <= everystep_now()
-      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.priority DESC, w.due_at, w.id
+    FROM high_levels lv CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT %(limit)s
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE lv.priority IS NOT NULL
     LIMIT %(limit)s
-    FOR UPDATE OF w SKIP LOCKED
 ), unlimited AS (
     SELECT w.id, w.name, w.due_at, w.priority
     FROM everystep_workflow w
@@ -134,16 +165,21 @@ WITH free AS (
     FOR UPDATE OF w SKIP LOCKED
 ), low AS (
     SELECT w.id, w.name, w.due_at, w.priority
-    FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-      AND w.due_at <= everystep_now()
-      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.priority DESC, w.due_at, w.id
+    FROM low_levels lv CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE lv.priority IS NOT NULL
     LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
-    FOR UPDATE OF w SKIP LOCKED
 ), limited AS (
     SELECT w.id, w.name, w.due_at, w.priority
     FROM room CROSS JOIN LATERAL (
@@ -221,16 +257,48 @@ RETURNING w.id, w.name, w.args,
 -- free slot: the head of the unlimited lane, nothing else. The NOT EXISTS
 -- skips a run inserted while its workflow's limit was being set (see
 -- 0011_lanes.sql): it is late at worst, never over its limit.
-WITH high AS (
+WITH RECURSIVE high_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM high_levels lv
+    WHERE lv.priority IS NOT NULL
+), low_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM low_levels lv
+    WHERE lv.priority IS NOT NULL
+), high AS (
     SELECT w.id
-    FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0 AND w.due_at <= everystep_now()
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.priority DESC, w.due_at, w.id
+    FROM high_levels lv CROSS JOIN LATERAL (
+        SELECT w.id
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT %(limit)s
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE lv.priority IS NOT NULL
     LIMIT %(limit)s
-    FOR UPDATE OF w SKIP LOCKED
 ), plain AS (
     SELECT w.id
     FROM everystep_workflow w
@@ -243,14 +311,20 @@ WITH high AS (
     FOR UPDATE OF w SKIP LOCKED
 ), low AS (
     SELECT w.id
-    FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0 AND w.due_at <= everystep_now()
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.priority DESC, w.due_at, w.id
+    FROM low_levels lv CROSS JOIN LATERAL (
+        SELECT w.id
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE lv.priority IS NOT NULL
     LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
-    FOR UPDATE OF w SKIP LOCKED
 ), picked AS MATERIALIZED (
     SELECT id, nextval('everystep_claim_token') AS token
     FROM (SELECT id FROM high UNION ALL SELECT id FROM plain UNION ALL SELECT id FROM low) AS head
@@ -614,7 +688,33 @@ JOIN w ON w.id = i.run;
 -- order); ('e', n, status) for the ends written; ('s', n) for the ends whose
 -- last step's row exists; ('n', ...) when it woke the claimers (a freed slot
 -- no successor took, or a parent made due).
-WITH i AS (
+WITH RECURSIVE high_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM high_levels lv
+    WHERE lv.priority IS NOT NULL
+), low_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM low_levels lv
+    WHERE lv.priority IS NOT NULL
+), i AS (
     SELECT *
     FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
                 %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
@@ -679,17 +779,21 @@ WITH i AS (
     FOR UPDATE OF k SKIP LOCKED
 ), high AS (
     SELECT w.id, w.name, w.due_at, w.priority
-    FROM everystep_workflow w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-      AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-      AND w.due_at <= everystep_now()
-      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.priority DESC, w.due_at, w.id
+    FROM high_levels lv CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
     LIMIT (SELECT count(*) FROM held WHERE held.claim)
-    FOR UPDATE OF w SKIP LOCKED
 ), unlimited AS (
     SELECT w.id, w.name, w.due_at, w.priority
     FROM everystep_workflow w
@@ -705,17 +809,21 @@ WITH i AS (
     FOR UPDATE OF w SKIP LOCKED
 ), low AS (
     SELECT w.id, w.name, w.due_at, w.priority
-    FROM everystep_workflow w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-      AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-      AND w.due_at <= everystep_now()
-      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.priority DESC, w.due_at, w.id
+    FROM low_levels lv CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
     LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
-    FOR UPDATE OF w SKIP LOCKED
 ), limited AS (
     SELECT w.id, w.name, w.due_at, w.priority
     FROM room CROSS JOIN LATERAL (
@@ -847,7 +955,33 @@ WHERE EXISTS (SELECT FROM ended
 -- the head of the unlimited lane. Rows as for `end_runs`, and ('l') when a
 -- limited workflow has a free slot and runs to claim: the caller goes back
 -- to `end_runs` then.
-WITH i AS (
+WITH RECURSIVE high_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM high_levels lv
+    WHERE lv.priority IS NOT NULL
+), low_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM low_levels lv
+    WHERE lv.priority IS NOT NULL
+), i AS (
     SELECT *
     FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
                 %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
@@ -866,15 +1000,20 @@ WITH i AS (
     SELECT * FROM fenced WHERE NOT step_exists
 ), high AS (
     SELECT w.id
-    FROM everystep_workflow w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-            AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0 AND w.due_at <= everystep_now()
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.priority DESC, w.due_at, w.id
+    FROM high_levels lv CROSS JOIN LATERAL (
+        SELECT w.id
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
     LIMIT (SELECT count(*) FROM held WHERE held.claim)
-    FOR UPDATE OF w SKIP LOCKED
 ), plain AS (
     SELECT w.id
     FROM everystep_workflow w
@@ -888,15 +1027,20 @@ WITH i AS (
     FOR UPDATE OF w SKIP LOCKED
 ), low AS (
     SELECT w.id
-    FROM everystep_workflow w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-            AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0 AND w.due_at <= everystep_now()
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.priority DESC, w.due_at, w.id
+    FROM low_levels lv CROSS JOIN LATERAL (
+        SELECT w.id
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
     LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
-    FOR UPDATE OF w SKIP LOCKED
 ), picked AS MATERIALIZED (
     SELECT id, nextval('everystep_claim_token') AS token
     FROM (SELECT id FROM high UNION ALL SELECT id FROM plain UNION ALL SELECT id FROM low) AS head
@@ -1005,13 +1149,30 @@ FROM q;
 
 -- name: next_due_in
 -- Seconds until the earliest waiting run is due (database time): a min()
--- on each lane's index (the priority lane's is ordered by priority first:
--- a scan of its runs, which only runs of another priority than 0 pay).
+-- on each lane's index; the priority lane's is ordered by priority first, so
+-- its min() is one probe per priority it holds (levels: a loose scan of its
+-- distinct priorities, one index probe each).
+WITH RECURSIVE levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority <> 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority <> 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM levels lv
+    WHERE lv.priority IS NOT NULL
+)
 SELECT extract(epoch FROM least(
     (SELECT min(due_at) FROM everystep_workflow
      WHERE status IN ('scheduled', 'waiting') AND NOT limited AND priority = 0 AND due_at > everystep_now()),
-    (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND priority <> 0 AND due_at > everystep_now()),
+    (SELECT min((SELECT min(w.due_at) FROM everystep_workflow w
+                 WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority <> 0
+                   AND w.priority = lv.priority AND w.due_at > everystep_now()))
+     FROM levels lv WHERE lv.priority IS NOT NULL),
     (SELECT min(due_at) FROM everystep_workflow
      WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND due_at > everystep_now()),
     (SELECT min(due_at) FROM everystep_workflow
