@@ -22,6 +22,18 @@
 --              Given a name, the planner cannot tell how many claimable runs
 --              are that workflow's; walking a (due_at) index for them would
 --              read every claimable run of every other workflow first.
+--   priority   (0014_priorities.sql) the unlimited lane's runs of priority 0
+--              only are in everystep_workflow_ready_unlimited; the others in
+--              everystep_workflow_ready_priority (priority DESC, due_at, id),
+--              read before (> 0) and after (< 0) them, one priority at a
+--              time: high_levels and low_levels are loose scans of the
+--              priorities there (one probe each), and per priority the range
+--              of its due runs is walked in time order.
+--   keyed      (0014) the runs with a concurrency key of a workflow with a
+--              per-key limit: `keyed` (and `limited`), in
+--              everystep_workflow_ready_keyed (name, concurrency_key, due_at,
+--              id), claimed through their key's everystep_key row: the ready
+--              keys with room, least recently claimed first (round robin).
 --   routed     (routes IS NULL OR w.name LIKE ANY(routes)): the workflows a
 --              claimer runs, as LIKE patterns (NULL: all).
 --   "running"  written as (status = 'running') IS TRUE in the fenced lookups
