@@ -12,6 +12,7 @@ import everystep
 import everystep.db
 from everystep import EverystepError
 from tests.apps.priority_workflows import plain, tenant_job, tenant_job_bounded, urgent
+from tests.apps.workflows import marks_of
 from tests.support.engine import claim_hard, most_at_once
 from tests.support.processes import wait_for
 
@@ -298,3 +299,17 @@ def test_an_idle_key_is_out_of_the_claims_way_until_its_next_run(db):
     with db.connect() as conn:
         assert everystep.db.sweep_keys(conn) == (0, 1)
         assert {r.id for r in everystep.db.claim(conn, "w", 5)} == {again.id, waiting.id}
+
+
+def test_a_worker_runs_the_highest_priority_first(db, marks, start_worker):
+    """One worker thread, a backlog scheduled before it starts: the runs go in
+    priority order, then in time order; the decorator's default counts."""
+    plain_runs = db.schedule_many(plain, [(marks, 0) for _ in range(3)])
+    low = schedule(db, plain, marks, 0, priority=-1)
+    by_default = schedule(db, urgent, marks, 0)  # @workflow(priority=7)
+    top = schedule(db, plain, marks, 0, priority=100)
+    start_worker("w0", threads=1, imports=IMPORTS)
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 6, 60,
+             what="every run completed")
+    order = [run for run, tag, _pid in marks_of(marks) if not tag.endswith(":end")]
+    assert order == [str(r.id) for r in (top, by_default, *plain_runs, low)]
