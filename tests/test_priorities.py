@@ -313,3 +313,24 @@ def test_a_worker_runs_the_highest_priority_first(db, marks, start_worker):
              what="every run completed")
     order = [run for run, tag, _pid in marks_of(marks) if not tag.endswith(":end")]
     assert order == [str(r.id) for r in (top, by_default, *plain_runs, low)]
+
+
+def test_aschedule_and_aschedule_many_take_priority_and_key(db):
+    import asyncio  # noqa: PLC0415
+
+    import psycopg  # noqa: PLC0415
+
+    per_key(db, {TENANT: 1})
+
+    async def scheduled() -> list:
+        async with await psycopg.AsyncConnection.connect(db.url) as aconn, everystep.atransaction(aconn):
+            one = await everystep.aschedule(tenant_job, "t", 0, priority=9, concurrency_key="a")
+            many = await everystep.aschedule_many(tenant_job, [("t", 0)], priority=-9, concurrency_key="b")
+            with pytest.raises(EverystepError):
+                await everystep.aschedule(tenant_job, "t", 0, priority=200)
+            return [one.id, many[0].id]
+
+    ids = asyncio.run(scheduled())
+    rows = db.query("SELECT priority, concurrency_key, keyed FROM everystep_workflow WHERE id = ANY(%s)"
+                    " ORDER BY priority", (ids,))
+    assert rows == [(-9, "b", True), (9, "a", True)]
