@@ -334,3 +334,15 @@ def test_aschedule_and_aschedule_many_take_priority_and_key(db):
     rows = db.query("SELECT priority, concurrency_key, keyed FROM everystep_workflow WHERE id = ANY(%s)"
                     " ORDER BY priority", (ids,))
     assert rows == [(-9, "b", True), (9, "a", True)]
+
+
+def test_the_cli_schedules_with_a_priority_and_a_key(db):
+    from tests.test_cli import cli, error_line, ok  # noqa: PLC0415
+
+    target = "tests.apps.priority_workflows:tenant_job"
+    out = ok(cli(db, "schedule", target, '"t"', "0", "--priority", "12", "--concurrency-key", "tenant:7"))
+    run_id = out.split()[2]
+    assert db.query("SELECT priority, concurrency_key FROM everystep_workflow WHERE id = %s", (run_id,)) == [
+        (12, "tenant:7")]
+    assert "priority" in error_line(cli(db, "schedule", target, '"t"', "0", "--priority", "101"), 2)
+    assert db.value("SELECT count(*) FROM everystep_workflow") == 1

@@ -62,6 +62,9 @@ def add_commands(commands: Any, add: Add) -> None:
     schedule.add_argument("values", type=json_value_argument, nargs="*", metavar="JSON",
                           help="each one positional argument, in everystep's JSON")
     schedule.add_argument("--idempotency-key", metavar="K", help="return the existing run of this workflow and key")
+    schedule.add_argument("--priority", type=int, metavar="N",
+                          help="-100..100, higher runs first (default: the workflow's, else 0)")
+    schedule.add_argument("--concurrency-key", metavar="K", help="its fair queue's key (concurrency_per_key)")
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
@@ -223,7 +226,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         try:
             with api.transaction(conn):
-                run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key)
+                run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key,
+                                   priority=args.priority, concurrency_key=args.concurrency_key)
                 if run.created:
                     audit(conn, "schedule", run.id, target=run.name, details={"args": serde.to_json(list(args.values)),
                                                                                "idempotency_key": args.idempotency_key})
