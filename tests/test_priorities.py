@@ -346,3 +346,24 @@ def test_the_cli_schedules_with_a_priority_and_a_key(db):
         (12, "tenant:7")]
     assert "priority" in error_line(cli(db, "schedule", target, '"t"', "0", "--priority", "101"), 2)
     assert db.value("SELECT count(*) FROM everystep_workflow") == 1
+
+
+def test_a_limited_workflows_slots_go_to_its_highest_priority_runs_first(db):
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {BOUNDED: 2})
+    older = [schedule(db, tenant_job_bounded, "t", 0) for _ in range(3)]
+    low = schedule(db, tenant_job_bounded, "t", 0, priority=-3)
+    high = schedule(db, tenant_job_bounded, "t", 0, priority=5)
+    higher = schedule(db, tenant_job_bounded, "t", 0, priority=9)
+    with db.connect() as conn:
+        first = everystep.db.claim(conn, "w", 5)
+        assert {r.id for r in first} == {higher.id, high.id}  # two slots, the two highest
+        running = {r.id: r for r in first}
+        assert [r.id for r in end(conn, running[higher.id], "w", claim=True)] == [older[0].id]  # its slot
+        assert everystep.db.claim(conn, "w", 5) == []
+        for run in everystep.db.reclaim_held(conn, "w"):
+            end(conn, run, "w")
+        assert {r.id for r in everystep.db.claim(conn, "w", 5)} == {older[1].id, older[2].id}
+        for run in everystep.db.reclaim_held(conn, "w"):
+            end(conn, run, "w")
+        assert [r.id for r in everystep.db.claim(conn, "w", 5)] == [low.id]

@@ -139,9 +139,12 @@ CREATE INDEX everystep_workflow_ready_unlimited ON everystep_workflow (due_at, i
 CREATE INDEX everystep_workflow_ready_priority ON everystep_workflow (priority DESC, due_at, id)
     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND priority <> 0;
 -- The limited lane, per workflow in claim order: the claim of a limited
--- workflow's earliest due runs, as far as it has free slots.
+-- workflow's earliest due runs, as far as it has free slots; its runs of
+-- another priority than 0 (0014) by workflow, highest first.
 CREATE INDEX everystep_workflow_ready_limited ON everystep_workflow (name, due_at, id)
-    WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed;
+    WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority = 0;
+CREATE INDEX everystep_workflow_ready_limited_priority ON everystep_workflow (name, priority DESC, due_at, id)
+    WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority <> 0;
 -- The keyed lane (0014): per workflow and key, in claim order.
 CREATE INDEX everystep_workflow_ready_keyed ON everystep_workflow (name, concurrency_key, due_at, id)
     WHERE status IN ('scheduled', 'waiting') AND keyed;

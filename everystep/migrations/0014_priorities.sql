@@ -22,7 +22,9 @@ CREATE INDEX everystep_workflow_ready_priority ON everystep_workflow (priority D
     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND priority <> 0;
 DROP INDEX everystep_workflow_ready_limited;
 CREATE INDEX everystep_workflow_ready_limited ON everystep_workflow (name, due_at, id)
-    WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed;
+    WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority = 0;
+CREATE INDEX everystep_workflow_ready_limited_priority ON everystep_workflow (name, priority DESC, due_at, id)
+    WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority <> 0;
 CREATE INDEX everystep_workflow_ready_keyed ON everystep_workflow (name, concurrency_key, due_at, id)
     WHERE status IN ('scheduled', 'waiting') AND keyed;
 -- The running runs of a key: what its limit counts.

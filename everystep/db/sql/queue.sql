@@ -112,10 +112,15 @@ WITH RECURSIVE high_levels(priority) AS (
            WHERE h.id = s.run_id
              AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
       AND (EXISTS (SELECT 1 FROM everystep_workflow w
-                   WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+                   WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
                      AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
                      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
                    OFFSET 0)
+           OR EXISTS (SELECT 1 FROM everystep_workflow w
+                      WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
+                        AND w.name = s.name AND w.due_at <= everystep_now()
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                      OFFSET 0)
            OR EXISTS (SELECT 1 FROM everystep_workflow w
                       WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
                         AND w.name = s.name AND w.due_at <= everystep_now()
@@ -192,15 +197,39 @@ WITH RECURSIVE high_levels(priority) AS (
     ) w
     WHERE lv.priority IS NOT NULL
     LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
+), limited_high AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority > 0
+          AND w.name = room.name AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.priority DESC, w.due_at, w.id
+        LIMIT least(room.n, %(limit)s)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
 ), limited AS (
     SELECT w.id, w.name, w.due_at, w.priority
     FROM room CROSS JOIN LATERAL (
         SELECT w.id, w.name, w.due_at, w.priority
         FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
           AND w.name = room.name AND (w.name, w.due_at) <= (room.name, everystep_now())
           AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
         ORDER BY w.due_at, w.id
+        LIMIT least(room.n, %(limit)s)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+), limited_low AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority < 0
+          AND w.name = room.name AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.priority DESC, w.due_at, w.id
         LIMIT least(room.n, %(limit)s)
         FOR UPDATE OF w SKIP LOCKED
     ) w
@@ -223,7 +252,11 @@ WITH RECURSIVE high_levels(priority) AS (
     UNION ALL
     SELECT id, name, due_at, priority, NULL, false, 1 FROM low
     UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_high
+    UNION ALL
     SELECT id, name, due_at, priority, NULL, true, 1 FROM limited
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_low
     UNION ALL
     SELECT id, name, due_at, priority, concurrency_key, EXISTS (SELECT FROM everystep_limit l WHERE l.name = keyed.name),
            row_number() OVER (PARTITION BY name, concurrency_key ORDER BY due_at, id)
@@ -368,7 +401,12 @@ RETURNING w.id, w.name, w.args,
 WITH wrong AS (
     SELECT w.id
     FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
+      AND NOT EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
+  UNION ALL
+    SELECT w.id
+    FROM everystep_workflow w
+    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
       AND NOT EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
   UNION ALL
     SELECT w.id
@@ -752,10 +790,15 @@ WITH RECURSIVE high_levels(priority) AS (
               AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
            OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot))
       AND (EXISTS (SELECT 1 FROM everystep_workflow w
-                   WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+                   WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
                      AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
                      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
                    OFFSET 0)
+           OR EXISTS (SELECT 1 FROM everystep_workflow w
+                      WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
+                        AND w.name = s.name AND w.due_at <= everystep_now()
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                      OFFSET 0)
            OR EXISTS (SELECT 1 FROM everystep_workflow w
                       WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
                         AND w.name = s.name AND w.due_at <= everystep_now()
@@ -836,15 +879,39 @@ WITH RECURSIVE high_levels(priority) AS (
     ) w
     WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
     LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
+), limited_high AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority > 0
+          AND w.name = room.name AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.priority DESC, w.due_at, w.id
+        LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
 ), limited AS (
     SELECT w.id, w.name, w.due_at, w.priority
     FROM room CROSS JOIN LATERAL (
         SELECT w.id, w.name, w.due_at, w.priority
         FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
           AND w.name = room.name AND (w.name, w.due_at) <= (room.name, everystep_now())
           AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
         ORDER BY w.due_at, w.id
+        LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+), limited_low AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority < 0
+          AND w.name = room.name AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.priority DESC, w.due_at, w.id
         LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
         FOR UPDATE OF w SKIP LOCKED
     ) w
@@ -867,7 +934,11 @@ WITH RECURSIVE high_levels(priority) AS (
     UNION ALL
     SELECT id, name, due_at, priority, NULL, false, 1 FROM low
     UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_high
+    UNION ALL
     SELECT id, name, due_at, priority, NULL, true, 1 FROM limited
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_low
     UNION ALL
     SELECT id, name, due_at, priority, concurrency_key, EXISTS (SELECT FROM everystep_limit l WHERE l.name = keyed.name),
            row_number() OVER (PARTITION BY name, concurrency_key ORDER BY due_at, id)
@@ -1103,10 +1174,15 @@ WHERE EXISTS (SELECT 1 FROM everystep_slot s
               WHERE (SELECT count(*) FROM everystep_workflow h
                      WHERE h.id = s.run_id
                        AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
-                AND EXISTS (SELECT 1 FROM everystep_workflow w
-                            WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
-                              AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                            OFFSET 0))
+                AND (EXISTS (SELECT 1 FROM everystep_workflow w
+                             WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+                               AND w.priority = 0
+                               AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
+                             OFFSET 0)
+                     OR EXISTS (SELECT 1 FROM everystep_workflow w
+                                WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+                                  AND w.priority <> 0 AND w.name = s.name AND w.due_at <= everystep_now()
+                                OFFSET 0)))
    OR EXISTS (SELECT 1 FROM everystep_key k
               WHERE k.ready AND (SELECT count(*) FROM everystep_workflow h
                      WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
@@ -1186,6 +1262,10 @@ SELECT extract(epoch FROM least(
                    AND w.priority = lv.priority AND w.due_at > everystep_now()))
      FROM levels lv WHERE lv.priority IS NOT NULL),
     (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND due_at > everystep_now()),
+     WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority = 0
+       AND due_at > everystep_now()),
+    (SELECT min(due_at) FROM everystep_workflow
+     WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority <> 0
+       AND due_at > everystep_now()),
     (SELECT min(due_at) FROM everystep_workflow
      WHERE status IN ('scheduled', 'waiting') AND keyed AND due_at > everystep_now())) - everystep_now());
