@@ -28,7 +28,11 @@
 --              read before (> 0) and after (< 0) them, one priority at a
 --              time: high_levels and low_levels are loose scans of the
 --              priorities there (one probe each), and per priority the range
---              of its due runs is walked in time order.
+--              of its due runs is walked in time order. A limited
+--              workflow's runs of another priority than 0 are in
+--              everystep_workflow_ready_limited_priority (name, priority
+--              DESC, due_at, id): limited_high and limited_low, beside
+--              limited, per workflow with free slots.
 --   keyed      (0014) the runs with a concurrency key of a workflow with a
 --              per-key limit: `keyed` (and `limited`), in
 --              everystep_workflow_ready_keyed (name, concurrency_key, due_at,
