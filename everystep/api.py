@@ -28,7 +28,7 @@ from everystep.context import SEGMENT, current_scope, run_branches
 from everystep.errors import EverystepError, RunFailed, StepFailure, WorkflowArgumentsError
 from everystep.ids import uuid7, uuid7_many
 from everystep.retries import Backoff, RetryPolicy
-from everystep.schema import MAX_KEY, MAX_NAME, RunStatus, StepStatus
+from everystep.schema import MAX_KEY, MAX_NAME, MAX_PRIORITY, MIN_PRIORITY, RunStatus, StepStatus
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,12 +36,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 @overload
 def workflow(fn: F) -> F: ...
 @overload
-def workflow(*, concurrency: int | None = None,
-             timeout: float | datetime.timedelta | None = None) -> Callable[[F], F]: ...
+def workflow(*, concurrency: int | None = None, timeout: float | datetime.timedelta | None = None,
+             priority: int | None = None, concurrency_per_key: int | None = None) -> Callable[[F], F]: ...
 
 
 def workflow(fn: Callable | None = None, *, concurrency: int | None = None,
-             timeout: float | datetime.timedelta | None = None) -> Any:
+             timeout: float | datetime.timedelta | None = None, priority: int | None = None,
+             concurrency_per_key: int | None = None) -> Any:
     """Mark a function as a workflow, registered under `module.qualname`.
     Called directly, it is a plain function call. `concurrency=N`: at most N
     runs of it running at once across every worker sharing the database (the
@@ -49,18 +50,29 @@ def workflow(fn: Callable | None = None, *, concurrency: int | None = None,
     `timeout`: seconds (> 0, or a timedelta) every run has from the time it
     is due (its schedule, or its delayed start): its deadline, unless
     schedule(deadline=) or its parent's is earlier; a run not finished by
-    then is cancelled with the reason 'deadline'."""
+    then is cancelled with the reason 'deadline'.
+    `priority=N` (-100..100, higher first): its runs' priority when
+    schedule() names none. `concurrency_per_key=N`: at most N of its runs
+    running at once per concurrency key (schedule(concurrency_key=...)),
+    the keys taken in turn."""
     if concurrency is not None and (type(concurrency) is not int or concurrency < 1):
         raise EverystepError(f"concurrency must be a whole number >= 1 or None, got {concurrency!r}")
+    if concurrency_per_key is not None and (type(concurrency_per_key) is not int or concurrency_per_key < 1):
+        raise EverystepError(f"concurrency_per_key must be a whole number >= 1 or None, got {concurrency_per_key!r}")
+    if priority is not None:
+        check_priority("@workflow(priority=...)", priority)
     timeout = None if timeout is None else _timeout("@workflow(timeout=...)", timeout)
     if fn is None:
-        return functools.partial(workflow, concurrency=concurrency, timeout=timeout)
+        return functools.partial(workflow, concurrency=concurrency, timeout=timeout, priority=priority,
+                                 concurrency_per_key=concurrency_per_key)
     if "<locals>" in getattr(fn, "__qualname__", ""):
         raise EverystepError(
             f"@workflow {fn.__qualname__} is defined inside a function: a worker finds a workflow by its "
             "module.qualname, which cannot import it; define it at the top level of a module")
     fn.__everystep_concurrency__ = concurrency  # type: ignore[attr-defined]
     fn.__everystep_timeout__ = timeout  # type: ignore[attr-defined]
+    fn.__everystep_priority__ = priority  # type: ignore[attr-defined]
+    fn.__everystep_concurrency_per_key__ = concurrency_per_key  # type: ignore[attr-defined]
     registry.register(fn)
     return fn
 
@@ -73,18 +85,53 @@ def _check_signature(caller: str, name: str, fn: Callable, args: Sequence[Any]) 
         raise WorkflowArgumentsError(f"{caller}: {name}{problem}")
 
 
+def check_priority(what: str, priority: Any) -> int:
+    """A run's priority: a whole number from -100 to 100 (higher runs first)."""
+    if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise EverystepError(f"{what} takes a whole number from {MIN_PRIORITY} to {MAX_PRIORITY} "
+                             f"(higher runs first), not {priority!r}")
+    return priority
+
+
+def rate_limit(name: str, rate: float, per: float = 1.0, burst: int | None = None, conn: Any = None) -> None:
+    """Set (or change) the fleet-wide rate limit `name`, which
+    @step(rate_limit=name) steps take a token of: `rate` tokens every `per`
+    seconds, at most `burst` (default: `rate`, rounded up) saved up and taken
+    in any `per` seconds. Written in the caller's transaction (`conn`, else
+    the bound connection; in autocommit, at once), as the config's
+    `rate_limits:` section is by every worker that starts."""
+    if not isinstance(name, str) or not name or len(name) > MAX_KEY:
+        raise EverystepError(f"rate_limit() takes a name of 1 to {MAX_KEY} characters, not {name!r:.60}")
+    for what, value in (("rate", rate), ("per", per)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise EverystepError(f"rate_limit({name!r}): {what} must be a number > 0, not {value!r}")
+    if burst is None:
+        burst = max(1, math.ceil(rate))
+    elif type(burst) is not int or burst < 1:
+        raise EverystepError(f"rate_limit({name!r}): burst must be a whole number >= 1, not {burst!r}")
+    conn = transaction_connection(conn, "rate_limit()", write=False)  # autocommit: written at once
+    db.put_rate_limits(conn, {name: (float(rate), float(per), burst)})
+
+
+def _check_concurrency_key(what: str, key: Any) -> None:
+    if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_KEY):
+        raise EverystepError(f"{what} takes a non-empty string of at most {MAX_KEY} characters, not {key!r:.60}")
+
+
 @overload
 def step(fn: F) -> F: ...
 @overload
 def step(*, unsafe_to_repeat: bool = False, retries: int = 0, backoff: float | Backoff | None = None,
          retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
-         timeout: float | datetime.timedelta | None = None) -> Callable[[F], F]: ...
+         timeout: float | datetime.timedelta | None = None,
+         rate_limit: str | None = None) -> Callable[[F], F]: ...
 
 
 def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries: int = 0,
          backoff: float | Backoff | None = None,
          retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
-         timeout: float | datetime.timedelta | None = None) -> Any:
+         timeout: float | datetime.timedelta | None = None,
+         rate_limit: str | None = None) -> Any:
     """Mark a unit of durable work. Inside a running workflow each call is
     recorded (or served from the record on replay); outside, a plain call.
 
@@ -103,12 +150,20 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     returns an awaitable (`await charge(...)`), whatever the step's kind; a
     sync step's function runs on a thread then. In a sync workflow every step
     call returns the step's value (an async step's function runs on an
-    event loop of its own). Outside a workflow a step is the plain function."""
+    event loop of its own). Outside a workflow a step is the plain function.
+
+    `rate_limit="name"`: each attempt first takes a token of that fleet-wide
+    rate limit (config `rate_limits:`, or everystep.rate_limit()); with none
+    left the run waits for the next (parked, its slot given back, when that
+    is more than a moment away)."""
     retry = _retry_policy(retries, backoff, retry_on)
     timeout = None if timeout is None else _timeout("@step(timeout=...)", timeout)
+    if rate_limit is not None and (not isinstance(rate_limit, str) or not rate_limit or len(rate_limit) > MAX_KEY):
+        raise EverystepError(f"rate_limit must be the name of a rate limit (1 to {MAX_KEY} characters), "
+                             f"not {rate_limit!r:.60}")
     if fn is None:
         return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat, retries=retries, backoff=backoff,
-                                 retry_on=retry_on, timeout=timeout)
+                                 retry_on=retry_on, timeout=timeout, rate_limit=rate_limit)
     name = registry.qualified_name(fn)
     if len(name) > MAX_NAME:
         raise EverystepError(f"step name {name[:60]}... is longer than {MAX_NAME} characters")
@@ -118,7 +173,11 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
         scope = current_scope.get()
         if scope is None:
             return fn(*args, **kwargs)
-        return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry, timeout)
+        if rate_limit is None:
+            return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry,
+                                         timeout)
+        return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry,
+                                     timeout, rate_limit=rate_limit)
 
     if inspect.iscoroutinefunction(fn) and hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+
         inspect.markcoroutinefunction(call)
@@ -126,6 +185,7 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     call.unsafe_to_repeat = unsafe_to_repeat  # type: ignore[attr-defined]
     call.retry = retry  # type: ignore[attr-defined]
     call.timeout = timeout  # type: ignore[attr-defined]
+    call.rate_limit = rate_limit  # type: ignore[attr-defined]
     return call
 
 
@@ -293,7 +353,8 @@ def _reading(conn: Any, caller: str) -> Any:
 def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
              conn: Any = None, at: datetime.datetime | None = None,
              after: float | datetime.timedelta | None = None,
-             deadline: float | datetime.timedelta | datetime.datetime | None = None) -> ScheduledRun:
+             deadline: float | datetime.timedelta | datetime.datetime | None = None, priority: int | None = None,
+             concurrency_key: str | None = None) -> ScheduledRun:
     """Insert a run of `workflow_fn(*args)` into the caller's transaction
     (`conn`: a psycopg connection or a SQLAlchemy Session or Connection;
     else the bound one, else Django's). Nothing runs now; workers claim the
@@ -302,12 +363,17 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     database's clock. `deadline`: seconds from now (or a timedelta), or an
     aware datetime, by which the run must be finished, else it is cancelled
     with the reason 'deadline' (the earlier of it and the workflow's
-    timeout counts)."""
+    timeout counts). `priority` (-100..100, higher first; default: the
+    workflow's, else 0): among due runs the claim takes the highest first.
+    `concurrency_key` (a tenant, say): with @workflow(concurrency_per_key=N),
+    at most N runs per key at once, the keys taken in turn."""
     name, args_json, at, after, limit = _run_args("schedule()", workflow_fn, args, idempotency_key, at, after,
                                                   deadline)
+    flow = _flow_args("schedule()", workflow_fn, priority, concurrency_key)
     conn = transaction_connection(conn, "schedule()")
     with tracing.scheduling(name) as span:
-        scheduled = db.insert_run(conn, uuid7(), name, args_json, idempotency_key, span.context, at, after, limit)
+        scheduled = db.insert_run(conn, uuid7(), name, args_json, idempotency_key, span.context, at, after, limit,
+                                  *flow)
         span.scheduled(*scheduled)
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
@@ -315,18 +381,30 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
 async def aschedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
                     conn: Any = None, at: datetime.datetime | None = None,
                     after: float | datetime.timedelta | None = None,
-                    deadline: float | datetime.timedelta | datetime.datetime | None = None) -> ScheduledRun:
+                    deadline: float | datetime.timedelta | datetime.datetime | None = None,
+                    priority: int | None = None, concurrency_key: str | None = None) -> ScheduledRun:
     """`schedule()` for asyncio: the run is inserted in the transaction of
     `conn`, a psycopg AsyncConnection or a SQLAlchemy AsyncSession or
     AsyncConnection (else the one bound by `everystep.atransaction`)."""
     name, args_json, at, after, limit = _run_args("aschedule()", workflow_fn, args, idempotency_key, at, after,
                                                   deadline)
+    flow = _flow_args("aschedule()", workflow_fn, priority, concurrency_key)
     aconn = await async_connection(conn, "aschedule()")
     with tracing.scheduling(name) as span:
         scheduled = await db.ainsert_run(aconn, uuid7(), name, args_json, idempotency_key, span.context, at, after,
-                                         limit)
+                                         limit, *flow)
         span.scheduled(*scheduled)
     return ScheduledRun(scheduled.id, name, scheduled.created)
+
+
+def _flow_args(caller: str, workflow_fn: Callable, priority: Any,
+               concurrency_key: Any) -> tuple[int | None, int, str | None]:
+    """schedule()'s priority (None: the workflow's default), the decorator's
+    default priority, and the concurrency key, checked."""
+    if priority is not None:
+        check_priority(f"{caller.removesuffix('()')}(priority=...)", priority)
+    _check_concurrency_key(f"{caller.removesuffix('()')}(concurrency_key=...)", concurrency_key)
+    return priority, getattr(workflow_fn, "__everystep_priority__", None) or 0, concurrency_key
 
 
 def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: str | None, at: Any,
@@ -361,34 +439,40 @@ def _deadline(what: str, deadline: Any, workflow_fn: Callable) -> db.Deadline:
 
 def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
                   idempotency_keys: Sequence[str | None] | None = None,
-                  conn: Any = None) -> list[ScheduledRun]:
+                  conn: Any = None, priority: int | None = None,
+                  concurrency_key: str | None = None) -> list[ScheduledRun]:
     """Insert one run of `workflow_fn(*args)` per element of `args_list` (a
     tuple or list of positional arguments each) into the caller's
     transaction, in one statement: for bulk. The same checks as `schedule()`,
     all made before anything is inserted; `idempotency_keys`, when given, has
-    one key (or None) per run. Returns the runs in input order."""
+    one key (or None) per run; `priority` and `concurrency_key` as for
+    `schedule()`, the same for every run.
+    Returns the runs in input order."""
     name, args_jsons, keys = _many_args("schedule_many()", workflow_fn, args_list, idempotency_keys)
+    flow = _flow_args("schedule_many()", workflow_fn, priority, concurrency_key)
     conn = transaction_connection(conn, "schedule_many()")
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
     timeout = getattr(workflow_fn, "__everystep_timeout__", None)
     return [ScheduledRun(run_id, name, created)
-            for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys, timeout)]
+            for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys, timeout, *flow)]
 
 
 async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
                          idempotency_keys: Sequence[str | None] | None = None,
-                         conn: Any = None) -> list[ScheduledRun]:
+                         conn: Any = None, priority: int | None = None,
+                         concurrency_key: str | None = None) -> list[ScheduledRun]:
     """`schedule_many()` for asyncio (`conn` as for `aschedule()`)."""
     name, args_jsons, keys = _many_args("aschedule_many()", workflow_fn, args_list, idempotency_keys)
+    flow = _flow_args("aschedule_many()", workflow_fn, priority, concurrency_key)
     aconn = await async_connection(conn, "aschedule_many()")
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
     timeout = getattr(workflow_fn, "__everystep_timeout__", None)
     return [ScheduledRun(run_id, name, created)
-            for run_id, created in await db.ainsert_runs(aconn, name, ids, args_jsons, keys, timeout)]
+            for run_id, created in await db.ainsert_runs(aconn, name, ids, args_jsons, keys, timeout, *flow)]
 
 
 def _many_args(caller: str, workflow_fn: Callable, args_list: Any,

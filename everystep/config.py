@@ -139,8 +139,21 @@ class UiUser:
 
 @dataclass(frozen=True)
 class WorkflowConfig:
-    """Settings of one workflow by name, overriding its decorator's."""
+    """Settings of one workflow by name, overriding its decorator's (each
+    only when its key is given; an entry with none of them: no limit)."""
     concurrency: int | None = None  # runs at once across the fleet; None (null): no limit
+    priority: int | None = None  # its runs' default priority, -100..100; None (null): the decorator's
+    concurrency_per_key: int | None = None  # runs at once per concurrency key; None (null): no limit
+    given: frozenset[str] = field(default=frozenset({"concurrency"}),  # the keys the entry has (not a key itself)
+                                  metadata={"internal": True})
+
+
+@dataclass(frozen=True)
+class RateLimitConfig:
+    """A fleet-wide token bucket (`rate_limits: {name: ...}`) for @step(rate_limit=name)."""
+    rate: float  # tokens every `per` seconds
+    per: float = 1.0
+    burst: int | None = None  # at most this many saved up (and taken in any `per` seconds); None: rate, rounded up
 
 
 # The manifest's entries are the engine's schedule definitions.
@@ -163,6 +176,7 @@ class Config:
     sentry: SentryConfig = field(default_factory=SentryConfig)
     ui: UiConfig | None = None  # None: no `ui:` section, no UI served
     workflows: dict[str, WorkflowConfig] = field(default_factory=dict)
+    rate_limits: dict[str, RateLimitConfig] = field(default_factory=dict)
 
 
 # Room left after the base name for "-<index>" within the 255 characters of
@@ -227,10 +241,17 @@ def worker_options(config: Config | None) -> dict[str, Any]:
     workers = config.workers if config is not None else WorkersConfig()
     recovery = config.recovery if config is not None else RecoveryConfig()
     workflows = config.workflows if config is not None else {}
+    rate_limits = config.rate_limits if config is not None else {}
     return {"threads": workers.threads, "async_slots": workers.async_slots, "poll": workers.poll,
             "drain": workers.drain, "grace": recovery.grace,
             "max_crashes": recovery.max_crashes, "workflows": workers.workflows,
-            "limits": {name: settings.concurrency for name, settings in workflows.items()}}
+            "limits": {name: settings.concurrency for name, settings in workflows.items()
+                       if "concurrency" in settings.given},
+            "per_key_limits": {name: settings.concurrency_per_key for name, settings in workflows.items()
+                               if "concurrency_per_key" in settings.given},
+            "priorities": {name: settings.priority for name, settings in workflows.items()
+                           if "priority" in settings.given},
+            "rate_limits": {name: (limit.rate, limit.per, limit.burst) for name, limit in rate_limits.items()}}
 
 
 def maintenance_options(config: Config | None) -> dict[str, Any]:
@@ -301,6 +322,7 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         sentry=SentryConfig(enabled=_switch(sentry, "sentry", "sentry_sdk")),
         ui=_ui(file, top.raw),
         workflows=_workflows(file, top.raw.get("workflows")),
+        rate_limits=_rate_limits(file, top.raw.get("rate_limits")),
     )
 
 
@@ -333,8 +355,35 @@ def _workflows(file: str, raw: Any) -> dict[str, WorkflowConfig]:
             raise ConfigError(f"{file}: workflows: the key {_show(name)} must be the module.qualname of an @workflow")
         section = _Section(file, f"workflows.{name}", entry, WorkflowConfig)
         concurrency = None if section.get("concurrency") is None else section.integer("concurrency", minimum=1)
-        workflows[name] = WorkflowConfig(concurrency=concurrency)
+        per_key = (None if section.get("concurrency_per_key") is None
+                   else section.integer("concurrency_per_key", minimum=1))
+        priority = None if section.get("priority") is None else section.integer("priority", -100, 100)
+        given = frozenset(key for key in ("concurrency", "priority", "concurrency_per_key") if key in section.raw)
+        workflows[name] = WorkflowConfig(concurrency=concurrency, priority=priority, concurrency_per_key=per_key,
+                                         given=given or frozenset({"concurrency"}))
     return workflows
+
+
+def _rate_limits(file: str, raw: Any) -> dict[str, RateLimitConfig]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: rate_limits: must be a mapping of rate limit names, e.g. "
+                          f"{{stripe: {{rate: 20, per: 1}}}}, got {_show(raw)}")
+    limits = {}
+    for name, entry in raw.items():
+        if not isinstance(name, str) or not name or len(name) > 255:
+            raise ConfigError(f"{file}: rate_limits: the key {_show(name)} must be a name of 1 to 255 characters")
+        section = _Section(file, f"rate_limits.{name}", entry, RateLimitConfig)
+        if section.raw.get("rate") is None:
+            raise section.error("rate", "is required: the tokens given every `per` seconds")
+        rate = section.number("rate", above=0)
+        per = section.number("per", above=0)
+        burst = None if section.get("burst") is None else section.integer("burst", minimum=1)
+        if burst is None:
+            burst = max(1, math.ceil(rate))  # the rate (rounded up to a whole token)
+        limits[name] = RateLimitConfig(rate=float(rate), per=float(per), burst=burst)
+    return limits
 
 
 def _switch(section: _Section, extra: str, *modules: str) -> bool:
@@ -596,7 +645,8 @@ class _Section:
         if not isinstance(raw, dict):
             raise ConfigError(f"{file}: {path}: must be a mapping, got {_show(raw)}")
         self.raw = raw
-        self.fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "path"}
+        self.fields = {f.name: f for f in dataclasses.fields(cls)
+                       if f.name != "path" and not f.metadata.get("internal")}
         for key in raw:
             if key not in self.fields:
                 raise self.error(str(key), _unknown_key_problem(str(key), list(self.fields)))

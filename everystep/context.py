@@ -42,7 +42,8 @@ class Recorder(Protocol):
     """What records and serves a run's steps: the runner's replay of it."""
 
     def step(self, scope: Scope, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
-             everystep_id: str | None, retry: RetryPolicy | None = None, timeout: float | None = None) -> Any: ...
+             everystep_id: str | None, retry: RetryPolicy | None = None, timeout: float | None = None,
+             rate_limit: str | None = None) -> Any: ...
 
     def sleep(self, scope: Scope, seconds: float | None, until: Any) -> None: ...
 

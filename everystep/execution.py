@@ -219,6 +219,12 @@ class HeldRun:
             self.lent.pool.putconn(self._conn)
             self._conn = self._cursor = None
 
+    def take_token(self, name: str) -> db.TokenTake | None:
+        """One token of rate limit `name` (see db.take_token); not fenced: a
+        token taken by an execution that lost its claim is merely spent."""
+        with self.cursor() as cur:
+            return db.take_token(cur, name)
+
     def cancel_reason(self) -> str | None:
         with self.cursor() as cur:
             return db.cancel_reason(cur, self.claim.id)

@@ -259,7 +259,9 @@ class _Checking(Replay):
             raise self.held.stop_with(WorkflowCodeError(self.divergence.message))
 
     def step(self, scope: Scope, fn: Any, name: str, unsafe: bool, args: tuple, kwargs: dict,
-             everystep_id: str | None, retry: Any = None, timeout: float | None = None) -> Any:
+             everystep_id: str | None, retry: Any = None, timeout: float | None = None,
+             rate_limit: str | None = None) -> Any:
+        # A check of the recorded history takes no token (rate_limit unused).
         self._call.what = (name, serde.encode(list(args)), serde.encode(kwargs))
 
         def never(*_args: Any, **_kwargs: Any) -> Any:

@@ -62,6 +62,7 @@ class Maintenance:
                     if time.monotonic() >= next_sweep:
                         self.sweep.sweep(conn)
                         db.sort_lanes(conn)  # a run inserted while a limit changed (0011_lanes.sql)
+                        db.sweep_keys(conn)  # the fair queues' idle keys out of the claims' way (0014)
                         next_sweep = time.monotonic() + self.sweep.next_probe_in(self.interval)
                     scheduler.tick(conn)  # logs what it fires
                     outage.over()

@@ -86,6 +86,10 @@ ABANDONED_STEP_THREADS = Gauge(
     "result will be ignored): a step that never returns leaks one per timed-out attempt.", ["workflow"],
     multiprocess_mode="livesum"
 )
+RATE_LIMITED = Counter(
+    "everystep_rate_limit_waits", "Step attempts that found no token of their rate limit (@step(rate_limit=)) "
+    "and waited for the next.", ["workflow", "rate_limit"]
+)
 
 # Recovery (the maintenance child's sweep and the workers' catchup).
 RECOVERED = Counter("everystep_recovered_runs", "Runs requeued from dead claimers by the sweep.")

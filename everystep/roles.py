@@ -51,12 +51,16 @@ GRANT USAGE ON SCHEMA {s} TO {producer}, {worker}, {operator};
 -- producer: schedule() only. It inserts runs (only as scheduled, or waiting
 -- for a delayed start, see the policy below) and reads back the columns an
 -- idempotency key needs. Cancelling (everystep.cancel) is the operator's.
-GRANT INSERT (id, name, args, idempotency_key, status, due_at, trace_context, limited, deadline_at) ON {workflow}
-    TO {producer};
-GRANT SELECT (id, name, idempotency_key) ON {workflow} TO {producer};
+GRANT INSERT (id, name, args, idempotency_key, status, due_at, trace_context, limited, deadline_at, priority,
+              concurrency_key, keyed) ON {workflow} TO {producer};
+GRANT SELECT (id, name, idempotency_key, keyed) ON {workflow} TO {producer};  -- keyed: whose key gets a row
 GRANT INSERT ON {s}.everystep_audit TO {producer};
 GRANT SELECT ON {s}.everystep_waiting TO {producer};  -- scheduling notifies only when a worker waits
 GRANT SELECT ON {s}.everystep_limit TO {producer};  -- a run's lane: its workflow's limit (0011_lanes.sql)
+-- A run's default priority, its lane by key, and its key's row (0014_priorities.sql).
+GRANT SELECT ON {s}.everystep_priority, {s}.everystep_key_limit TO {producer};
+GRANT SELECT, INSERT ON {s}.everystep_key TO {producer};
+GRANT UPDATE (ready) ON {s}.everystep_key TO {producer};  -- a key idle since the last sweep is ready again
 -- send(): a message, counted on its run (which a wait parked on it wakes
 -- from); get_event(): what a run published.
 GRANT INSERT ON {s}.everystep_message TO {producer};
@@ -76,6 +80,9 @@ GRANT SELECT, UPDATE ON {s}.everystep_message TO {worker};
 GRANT SELECT, INSERT, UPDATE ON {s}.everystep_event, {s}.everystep_slot, {s}.everystep_route TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_limit TO {worker};
 GRANT DELETE ON {s}.everystep_slot TO {worker};
+-- priorities, per-key limits and their keys, rate limits (0014_priorities.sql).
+GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_priority, {s}.everystep_key_limit, {s}.everystep_key,
+    {s}.everystep_rate_limit TO {worker};
 GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers while a slot is free
 
 -- operator: the CLI's and the UI's actions, and reading everything.
@@ -83,7 +90,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash,
     TO {operator};
 GRANT SELECT, INSERT ON {s}.everystep_audit TO {operator};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_message, {s}.everystep_event, {s}.everystep_limit,
-    {s}.everystep_slot, {s}.everystep_route TO {operator};
+    {s}.everystep_slot, {s}.everystep_route, {s}.everystep_priority, {s}.everystep_key_limit, {s}.everystep_key,
+    {s}.everystep_rate_limit TO {operator};
 GRANT SELECT ON {s}.everystep_migration TO {operator};
 GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
 GRANT pg_read_all_stats TO {operator};

@@ -549,12 +549,13 @@ class Replay:
     # -------------------------------------------------------------- steps
 
     def step(self, scope: Scope, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
-             everystep_id: str | None, retry: RetryPolicy | None = None, timeout: float | None = None) -> Any:
+             everystep_id: str | None, retry: RetryPolicy | None = None, timeout: float | None = None,
+             rate_limit: str | None = None) -> Any:
         step_id = self._next_id(scope, everystep_id)
-        return self._perform(self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry, timeout))
+        return self._perform(self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry, timeout, rate_limit))
 
     def _step(self, scope: Scope, step_id: str, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
-              retry: RetryPolicy | None, timeout: float | None = None) -> Rules:
+              retry: RetryPolicy | None, timeout: float | None = None, rate_limit: str | None = None) -> Rules:
         recorded = self.recorded.get(step_id)
         rerun_started = False
         attempts: list = []
@@ -585,6 +586,8 @@ class Replay:
         kwargs_json = serde.dumps(kwargs)
         while True:
             started = (time.perf_counter(), time.time())
+            if rate_limit is not None:  # the step starts when it has its token, by the server's clock
+                started = (time.perf_counter(), (yield from self._take_token(scope, step_id, name, rate_limit)))
             if unsafe:
                 yield from self._record(step_id, name, args_json, kwargs_json, StepStatus.STARTED, None, None,
                                         rerun_started, started)
@@ -644,6 +647,23 @@ class Replay:
             if isinstance(failure, Terminal):
                 raise self.held.stop_with(failure)
             raise failure
+
+    def _take_token(self, scope: Scope, step_id: str, name: str, rate_limit: str) -> Rules:
+        """A token of the step's rate limit, each attempt: none there, the run
+        waits until the next is due (parked, its slot given back, when that
+        is more than a moment away) and tries again. Returns when it was
+        taken (the server's clock, epoch seconds)."""
+        while True:
+            token = yield _Io(self.held.take_token, (rate_limit,))
+            if token is None:
+                raise EverystepError(f"step {step_id!r} ({name}) has rate_limit={rate_limit!r}, which is not "
+                                     "defined: add it to the config's `rate_limits:` or call "
+                                     f"everystep.rate_limit({rate_limit!r}, rate=...)")
+            if token.taken_at is not None:
+                return token.taken_at
+            metrics.RATE_LIMITED.labels(self.workflow_name, rate_limit).inc()
+            yield from self._wait(scope, token.now + token.wait, token.now)
+            yield from self._deliver_cancel(step_id, name, update=step_id in self.recorded)
 
     def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,
                 result: Any, error: dict | None, update: bool, started: tuple[float, float]) -> Rules:

@@ -30,4 +30,5 @@ TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.
 
 MAX_NAME = 300  # a workflow's or a step's module.qualname
 MAX_STEP_ID = 300  # a step id, the whole dotpath
-MAX_KEY = 255  # an idempotency key, a runner name (claimed_by)
+MAX_KEY = 255  # an idempotency key, a runner name (claimed_by), a concurrency key, a rate limit's name
+MIN_PRIORITY, MAX_PRIORITY = -100, 100  # a run's priority (Django's tasks API's range): higher runs first

@@ -116,6 +116,9 @@ class Worker(Successors):
         workflows: Sequence[str] | None = None,
         limits: Mapping[str, int | None] | None = None,
         direct_url: str | None = None,
+        per_key_limits: Mapping[str, int | None] | None = None,
+        priorities: Mapping[str, int | None] | None = None,
+        rate_limits: Mapping[str, tuple[float, float, int]] | None = None,
     ):
         """`direct_url`: when `database_url` goes through a pooler in
         transaction mode (PgBouncer), a URL straight to PostgreSQL for the
@@ -139,6 +142,9 @@ class Worker(Successors):
         self.workflows = None if workflows is None else tuple(workflows)
         self.routes = db.routes_of(self.workflows)  # (Successors.) as LIKE patterns
         self.limits = dict(limits or {})  # concurrency overrides by workflow name (config)
+        self.per_key_limits = dict(per_key_limits or {})  # concurrency_per_key overrides (config)
+        self.priorities = dict(priorities or {})  # default priority overrides (config)
+        self.rate_limits = dict(rate_limits or {})  # (rate, per, burst) by name (config `rate_limits:`)
 
         self.fence = WorkerFence()
         self._stopping = False
@@ -253,7 +259,8 @@ class Worker(Successors):
                     self._conn = conn
                     self._waiting = False
                     if catchup:
-                        db.apply_limits(conn, self.concurrency_limits())
+                        db.apply_limits(conn, self.concurrency_limits(), *self.flow_options())
+                        db.put_rate_limits(conn, self.rate_limits)
                         self._catchup(conn)
                     else:
                         self._after_relock(conn)
@@ -282,6 +289,16 @@ class Worker(Successors):
         limits = {name: getattr(fn, "__everystep_concurrency__", None) for name, fn in registry.WORKFLOWS.items()}
         limits.update(self.limits)
         return limits
+
+    def flow_options(self) -> tuple[dict[str, int | None], dict[str, int | None]]:
+        """The per-key limit and the default priority of every workflow this
+        process knows, as for `concurrency_limits`."""
+        per_key = {name: getattr(fn, "__everystep_concurrency_per_key__", None)
+                   for name, fn in registry.WORKFLOWS.items()}
+        per_key.update(self.per_key_limits)
+        priorities = {name: getattr(fn, "__everystep_priority__", None) for name, fn in registry.WORKFLOWS.items()}
+        priorities.update(self.priorities)
+        return per_key, priorities
 
     def _abandon_after_grace(self, since: float) -> None:
         """A worker whose lock has been held by another session for the grace

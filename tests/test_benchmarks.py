@@ -42,6 +42,11 @@ FIGURES = {
              "unlimited_runs_per_s", "limited_16_runs_per_s", "limited_16_vs_unlimited", "limited_4_runs_per_s",
              "not_completed", "leftover"},
     "claim_cost": {"runs_per_s_empty", "runs_per_s_with_features", "ratio", "target"},
+    "priority": {"backlog", "probes", "backlog_left_min", "pickup_ms_p50", "pickup_ms_max", "target_ms"},
+    "fairness": {"big_key_runs", "small_keys", "per_key_limit", "big_completed_before_small_done",
+                 "target_big_completed_before", "small_keys_done_s", "most_running_per_key"},
+    "rate_limit": {"steps", "workers", "rate_per_s", "burst", "observed_per_s", "observed_over_rate",
+                   "max_in_any_1s"},
 }
 
 

@@ -16,6 +16,7 @@ import django
 import pytest
 
 import everystep
+import everystep.db
 from tests.support.processes import ROOT, WorkerProcess, wait_for
 from tests.support.supervisor_process import config
 
@@ -83,3 +84,14 @@ def test_a_worker_runs_a_django_projects_tasks(db, tmp_path, command, monkeypatc
         assert everystep.ScheduledRun(ids[0], "", True).result(conn=db.connect()) == 42
     finally:
         worker.close()
+
+
+def test_a_tasks_priority_is_its_runs(db):
+    """Django's task priority (-100..100, higher first, default 0) goes to
+    schedule(priority=...): the claim takes the higher first."""
+    urgent, plain, late = _enqueue(db, "t.add.using(priority=9).enqueue(1, 2).id", "t.add.enqueue(1, 2).id",
+                                   "t.add.using(priority=-100).enqueue(1, 2).id")
+    priorities = dict(db.query("SELECT id::text, priority FROM everystep_workflow"))
+    assert (priorities[urgent], priorities[plain], priorities[late]) == (9, 0, -100)
+    with db.connect() as conn:
+        assert [str(r.id) for r in everystep.db.claim(conn, "w", 1)] == [urgent]

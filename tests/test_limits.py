@@ -4,8 +4,6 @@ workflows are not held back by limited ones."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 import everystep
@@ -13,7 +11,7 @@ import everystep.db
 from everystep import EverystepError
 from tests.apps.flow_workflows import limited, unlimited
 from tests.apps.workflows import marks_of
-from tests.support.engine import most_at_once
+from tests.support.engine import claim_hard, most_at_once
 from tests.support.processes import wait_for
 
 IMPORTS = ("tests.apps.workflows", "tests.apps.flow_workflows")
@@ -108,43 +106,7 @@ def test_concurrent_claims_never_over_admit(db):
         everystep.db.apply_limits(conn, {LIMITED: limit})
     db.schedule_many(limited, [("m", i) for i in range(300)])
     db.schedule_many(unlimited, [("m", i) for i in range(100)])
-    seen: list[int] = []
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def observe() -> None:
-        with db.connect() as conn:
-            while not done.is_set():
-                seen.append(conn.execute(
-                    "SELECT count(*) FROM everystep_workflow WHERE name = %s AND status = 'running'", (LIMITED,)
-                ).fetchone()[0])
-
-    def claimer(i: int) -> None:
-        name = f"w{i}"
-        try:
-            with db.connect() as conn:
-                everystep.db.prepare_session(conn)
-                idle = 0
-                while idle < 20:
-                    runs = everystep.db.claim(conn, name, 2)
-                    idle = 0 if runs else idle + 1
-                    while runs:
-                        run = runs.pop()
-                        runs += everystep.db.finish_run(conn, run.id, name, run.token, "completed", "null", None,
-                                                 claim=not runs).claimed
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-
-    observer = threading.Thread(target=observe)
-    observer.start()
-    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    done.set()
-    observer.join()
-    assert not errors, errors
+    seen = claim_hard(db, f"SELECT count(*) FROM everystep_workflow WHERE name = '{LIMITED}' AND status = 'running'")
     assert db.value("SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'") == 0
     assert max(seen) <= limit
     assert len(seen) > 50

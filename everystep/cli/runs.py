@@ -66,6 +66,9 @@ def add_commands(commands: Any, add: Add) -> None:
     schedule.add_argument("--idempotency-key", metavar="K", help="return the existing run of this workflow and key")
     schedule.add_argument("--deadline", type=seconds_argument(zero=False), metavar="SECONDS",
                           help="cancel the run (reason: deadline) if not finished this many seconds from now")
+    schedule.add_argument("--priority", type=int, metavar="N",
+                          help="-100..100, higher runs first (default: the workflow's, else 0)")
+    schedule.add_argument("--concurrency-key", metavar="K", help="its fair queue's key (concurrency_per_key)")
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
@@ -126,6 +129,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         ("status", run["status"]),
         ("claimed by", run["claimed_by"] or "-"),
         ("idempotency key", run["idempotency_key"] or "-"),
+        *([("priority", str(run["priority"]))] if run.get("priority") else []),  # shown when not the default, 0
+        *([("concurrency key", run["concurrency_key"])] if run.get("concurrency_key") else []),
         ("created", utc(run["created_at"])),
         ("ended", utc(run["completed_at"])),
         ("args", _json_text(run["args"])),
@@ -284,7 +289,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         try:
             with api.transaction(conn):
                 run = api.schedule(workflow_fn, *args.values, idempotency_key=args.idempotency_key,
-                                   deadline=args.deadline)
+                                   deadline=args.deadline, priority=args.priority,
+                                   concurrency_key=args.concurrency_key)
                 if not run.created:
                     _same_arguments(conn, run, args)
                 if run.created:

@@ -74,8 +74,12 @@ from everystep.db.queue import (
     end_runs,
     finish_run,
     held_claims,
+    key_limits,
     limits,
     next_due_in,
+    priorities,
+    put_rate_limits,
+    rate_limits,
     reclaim_held,
     record_step,
     record_steps,
@@ -86,6 +90,8 @@ from everystep.db.queue import (
     running_claimers,
     sort_lanes,
     stop_waiting,
+    sweep_keys,
+    take_token,
     wait_for_runs,
 )
 from everystep.db.rows import (
@@ -111,6 +117,7 @@ from everystep.db.rows import (
     StepRow,
     StepState,
     StepWrite,
+    TokenTake,
     TracedExecution,
     Wait,
     Written,
@@ -197,7 +204,7 @@ __all__ = [
     "EndWrite", "Ended", "EndedRuns", "EventValue",
     "Executor", "Parking", "QueueStats", "ResolveRefused", "RunFilter", "ScheduleRefused", "Scheduled", "Sent",
     "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
-    "Written",
+    "TokenTake", "Written",
     # session, migrations
     "listen", "migrate", "missing_migrations", "ping", "prepare_claiming_session", "prepare_control_session",
     "prepare_session",
@@ -206,7 +213,7 @@ __all__ = [
     "any_limit", "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims",
     "limits", "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer",
     "requeue_from_dead_claimers", "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting",
-    "wait_for_runs",
+    "wait_for_runs", "key_limits", "priorities", "put_rate_limits", "rate_limits", "sweep_keys", "take_token",
     # fenced
     "begin_wait", "cancel_reason", "complete_started_step", "deliver_cancel", "park_run", "park_waiting",
     "record_attempt", "record_sleep", "set_event", "start_child", "start_traced_execution", "step_row", "take_child",

@@ -24,6 +24,7 @@ from everystep.db.rows import (
     EndWrite,
     StepRow,
     StepWrite,
+    TokenTake,
     Written,
 )
 from everystep.db.session import Executor
@@ -81,10 +82,14 @@ def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] |
     return runs
 
 
-def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None]) -> None:
+def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None],
+                 per_key: dict[str, int | None] | None = None,
+                 priorities: dict[str, int | None] | None = None) -> None:
     """Write the concurrency limit of each workflow (None: no limit), in one
     transaction: its row and its slots 1..N. Lowering a limit drops the slots
-    above it; a run still running in one finishes."""
+    above it; a run still running in one finishes. `per_key`: the per-key
+    limits (concurrency_per_key) of the workflows it names (None: none);
+    `priorities`: their default priorities (None: 0, no row)."""
     limited = {name: n for name, n in limits.items() if n is not None}
     with conn.transaction():
         conn.execute(queries.get("drop_limits"), {"names": [name for name, n in limits.items() if n is None]})
@@ -94,6 +99,18 @@ def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None]) -> Non
             conn.execute(queries.get("drop_slots_above"), params)
             conn.execute(queries.get("add_slots"), params)
             conn.execute(queries.get("notify"), {})  # a raised limit may make runs claimable
+        if per_key:
+            keyed = {name: n for name, n in per_key.items() if n is not None}
+            conn.execute(queries.get("drop_key_limits"), {"names": [name for name, n in per_key.items() if n is None]})
+            if keyed:
+                conn.execute(queries.get("put_key_limits"), {"names": list(keyed), "counts": list(keyed.values())})
+                conn.execute(queries.get("notify"), {})
+        if priorities:
+            given = {name: p for name, p in priorities.items() if p is not None}
+            conn.execute(queries.get("drop_priorities"),
+                         {"names": [name for name, p in priorities.items() if p is None]})
+            if given:
+                conn.execute(queries.get("put_priorities"), {"names": list(given), "priorities": list(given.values())})
         sort_lanes(conn)
 
 
@@ -110,6 +127,24 @@ def sort_lanes(conn: psycopg.Connection) -> int:
     return len(moved)
 
 
+def sweep_keys(conn: psycopg.Connection) -> tuple[int, int]:
+    """The maintenance child's sweep of the fair queues' keys: those with no
+    claimable nor running run are not ready any more (the claims skip them),
+    and every key with claimable runs is ready. Returns how many keys went
+    idle, and how many were made ready (a run whose key a producer found
+    ready just as it went idle), waking the claimers then."""
+    with conn.transaction():
+        idle = conn.execute(queries.get("idle_keys"), {}).fetchall()
+    try:
+        with conn.transaction():
+            ready = conn.execute(queries.get("ready_keys"), {}).fetchall()
+            if ready:
+                conn.execute(queries.get("notify"), {})
+    except errors.ForeignKeyViolation:  # the per-key limit was removed meanwhile: its runs are sorted out of the lane
+        ready = []
+    return len(idle), len(ready)
+
+
 def any_limit(conn: psycopg.Connection) -> bool:
     """Whether any workflow has a concurrency limit."""
     return conn.execute(queries.get("any_limit"), {}, prepare=True).fetchone()[0]
@@ -118,6 +153,43 @@ def any_limit(conn: psycopg.Connection) -> bool:
 def limits(conn: psycopg.Connection) -> dict[str, int]:
     """The concurrency limits in force, by workflow name."""
     return dict(conn.execute(queries.get("limits"), {}).fetchall())
+
+
+def key_limits(conn: psycopg.Connection) -> dict[str, int]:
+    """The per-key concurrency limits in force, by workflow name."""
+    return dict(conn.execute(queries.get("key_limits"), {}).fetchall())
+
+
+def priorities(conn: psycopg.Connection) -> dict[str, int]:
+    """The default priorities the workers wrote, by workflow name."""
+    return dict(conn.execute(queries.get("priorities"), {}).fetchall())
+
+
+# ---------------------------------------------------------------- rate limits
+
+
+def put_rate_limits(conn: Executor, limits: dict[str, tuple[float, float, int]]) -> None:
+    """Write rate limits by name: (rate, per, burst). A new bucket starts
+    full; a changed one keeps its tokens (at most the new burst)."""
+    if limits:
+        conn.execute(queries.get("put_rate_limits"), {
+            "names": list(limits), "rates": [float(r) for r, _, _ in limits.values()],
+            "pers": [float(p) for _, p, _ in limits.values()], "bursts": [int(b) for _, _, b in limits.values()]})
+
+
+def rate_limits(conn: Executor) -> dict[str, tuple[float, float, int]]:
+    """The rate limits in force: (rate, per, burst) by name."""
+    return {name: (rate, per, burst)
+            for name, rate, per, burst in conn.execute(queries.get("rate_limits"), {}).fetchall()}
+
+
+def take_token(conn: Executor, name: str) -> TokenTake | None:
+    """Take one token of rate limit `name` (see TokenTake); None if there is
+    no such rate limit."""
+    row = conn.execute(queries.get("take_token"), {"name": name}).fetchone()
+    if row is None:
+        return None
+    return TokenTake(0.0 if row[0] else float(row[1]), float(row[2]), None if row[3] is None else float(row[3]))
 
 
 # ---------------------------------------------------------------- what a runner holds

@@ -208,3 +208,10 @@ class Server(NamedTuple):
     system_identifier: int  # the cluster's (a physical standby shares its primary's)
     started_at: datetime.datetime  # the postmaster's start: differs between servers, and across restarts
     timeline: int | None  # the WAL timeline of a primary (a promotion starts a new one); None: in recovery
+
+
+class TokenTake(NamedTuple):
+    """A rate limit's answer to a step asking for a token."""
+    wait: float  # 0.0: taken; else the seconds until the next one is due
+    now: float  # the engine's time then (epoch seconds)
+    taken_at: float | None  # when it was taken, by the server's clock (epoch seconds); None: not taken

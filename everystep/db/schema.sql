@@ -101,7 +101,15 @@ CREATE TABLE everystep_workflow (
     limited             boolean NOT NULL DEFAULT false,
     -- 0013: when it must be finished by (engine's clock), else it is
     -- cancelled with the reason 'deadline'; NULL: no deadline
-    deadline_at         timestamptz
+    deadline_at         timestamptz,
+    -- 0014: -100..100, higher first among due runs
+    priority            smallint NOT NULL DEFAULT 0
+        CONSTRAINT everystep_workflow_priority CHECK (priority BETWEEN -100 AND 100),
+    -- 0014: the key of a fair queue (a tenant), as scheduled
+    concurrency_key     varchar(255),
+    -- 0014: claimed through its key's row (its workflow has a per-key limit);
+    -- limited too, so out of the unlimited lane
+    keyed               boolean NOT NULL DEFAULT false
 );
 
 -- What makes schedule()'s idempotency key safe under concurrency.
@@ -126,12 +134,26 @@ CREATE INDEX everystep_workflow_parent ON everystep_workflow (parent_id) WHERE p
 -- The two lanes of claimable runs (0011). The unlimited lane in claim order,
 -- (due_at, id): a claim's range scan never reads a run not due yet nor a run
 -- of a limited workflow, and stops at the first unlocked one.
+-- Only the default priority's runs are in it (0014).
 CREATE INDEX everystep_workflow_ready_unlimited ON everystep_workflow (due_at, id)
-    WHERE status IN ('scheduled', 'waiting') AND NOT limited;
+    WHERE status IN ('scheduled', 'waiting') AND NOT limited AND priority = 0;
+-- The priority lane (0014): unlimited runs of another priority than 0,
+-- highest first, then in due order.
+CREATE INDEX everystep_workflow_ready_priority ON everystep_workflow (priority DESC, due_at, id)
+    WHERE status IN ('scheduled', 'waiting') AND NOT limited AND priority <> 0;
 -- The limited lane, per workflow in claim order: the claim of a limited
--- workflow's earliest due runs, as far as it has free slots.
+-- workflow's earliest due runs, as far as it has free slots; its runs of
+-- another priority than 0 (0014) by workflow, highest first.
 CREATE INDEX everystep_workflow_ready_limited ON everystep_workflow (name, due_at, id)
-    WHERE status IN ('scheduled', 'waiting') AND limited;
+    WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority = 0;
+CREATE INDEX everystep_workflow_ready_limited_priority ON everystep_workflow (name, priority DESC, due_at, id)
+    WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority <> 0;
+-- The keyed lane (0014): per workflow and key, in claim order.
+CREATE INDEX everystep_workflow_ready_keyed ON everystep_workflow (name, concurrency_key, due_at, id)
+    WHERE status IN ('scheduled', 'waiting') AND keyed;
+-- The running runs of a key: what its limit counts.
+CREATE INDEX everystep_workflow_running_keyed ON everystep_workflow (name, concurrency_key)
+    WHERE status = 'running' AND concurrency_key IS NOT NULL;
 
 -- Execution tokens: every claim of a run (first claim, catchup, successor
 -- claim, reclaim after a lost answer) takes a new one.
@@ -199,6 +221,56 @@ CREATE TABLE everystep_slot (
     run_id uuid,                                        -- the run that took it last (no FK: runs are pruned)
     token  bigint,                                      -- the execution token of that claim
     PRIMARY KEY (name, slot)
+);
+
+-- The default priority of a workflow (decorator, else config), written by
+-- the workers as they write the limits; a run scheduled without priority=
+-- takes it.
+CREATE TABLE everystep_priority (
+    name       varchar(300) PRIMARY KEY,
+    priority   smallint NOT NULL CHECK (priority BETWEEN -100 AND 100),
+    updated_at timestamptz NOT NULL DEFAULT everystep_now()
+);
+
+-- Per-key concurrency: at most per_key runs of the workflow per key at once.
+CREATE TABLE everystep_key_limit (
+    name       varchar(300) PRIMARY KEY,
+    per_key    integer NOT NULL CHECK (per_key >= 1),
+    updated_at timestamptz NOT NULL DEFAULT everystep_now()
+);
+
+-- One row per key of a workflow with a per-key limit, made when a keyed run
+-- is scheduled. The claim locks the rows of keys with room (SKIP LOCKED),
+-- least recently claimed first (round robin), and writes the claim's run,
+-- token and time on them: a claim that committed after a claimer's snapshot
+-- shows as a token newer than its run, and the key is busy for that claimer.
+CREATE TABLE everystep_key (
+    name       varchar(300) NOT NULL REFERENCES everystep_key_limit (name) ON DELETE CASCADE,
+    key        varchar(255) NOT NULL,
+    run_id     uuid,                                    -- a run the last claim through it took
+    token      bigint,                                  -- that claim's execution token
+    claimed_at timestamptz,                             -- when; NULL: never
+    -- false: the key had no claimable nor running run at the last sweep, and
+    -- the claims do not read it; the next keyed run scheduled makes it true
+    ready      boolean NOT NULL DEFAULT true,
+    PRIMARY KEY (name, key)
+);
+-- The keys in turn: the ready ones, least recently claimed first.
+CREATE INDEX everystep_key_round ON everystep_key (claimed_at NULLS FIRST, name, key) WHERE ready;
+
+-- Rate limits: a token bucket per name, `rate` tokens every `per` seconds,
+-- at most `burst` saved up, and never more than `burst` taken in any `per`
+-- seconds (the times of the last `burst` takes). A step takes a token in one
+-- statement, or learns when the next is due.
+CREATE TABLE everystep_rate_limit (
+    name        varchar(255) PRIMARY KEY,
+    rate        double precision NOT NULL CHECK (rate > 0),
+    per         double precision NOT NULL CHECK (per > 0),
+    burst       integer NOT NULL CHECK (burst >= 1),
+    tokens      double precision NOT NULL,              -- as of refilled_at
+    refilled_at timestamptz NOT NULL DEFAULT everystep_now(),
+    takes       timestamptz[] NOT NULL DEFAULT '{}',    -- the last `burst` takes, oldest first
+    updated_at  timestamptz NOT NULL DEFAULT everystep_now()
 );
 
 -- Routing: the workflows each worker runs (LIKE patterns; NULL: every

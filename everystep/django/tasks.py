@@ -9,7 +9,8 @@ Python 3.11) of the `django-tasks` backport (`django_tasks`, the same API).
   connection: inside `transaction.atomic()` the task commits or rolls back
   with the rows around it (no `on_commit` window in which a crash loses it);
   outside, Django's autocommit commits it at once. `run_after` is a delayed
-  start. The result's id is the run's id.
+  start; `priority` is the run's (schedule(priority=...): higher first).
+  The result's id is the run's id.
 - A task's function runs as the one step of its run (retried as a step:
   stack `@everystep.step(retries=..., backoff=..., unsafe_to_repeat=...)`
   under `@task` for its options). Stack `@everystep.workflow` under `@task`
@@ -91,6 +92,7 @@ class EverystepBackend(BaseTaskBackend):
     "default"), the Django database whose transaction enqueue joins."""
 
     supports_defer = True
+    supports_priority = True  # the run's priority (-100..100, higher first), as schedule(priority=...) takes it
     supports_async_task = True
     supports_get_result = True
 
@@ -121,7 +123,7 @@ class EverystepBackend(BaseTaskBackend):
             at = timezone.make_aware(at)
         conn = DjangoCursorConnection(connections[self.database])
         run = api.schedule(registry.WORKFLOWS[_name(task)], *positional, idempotency_key=_key.get(),
-                           conn=conn, at=at)
+                           conn=conn, at=at, priority=task.priority or None)  # 0: the workflow's default
         result = self._result(task, str(run.id), TaskResultStatus.READY, positional, timezone.now())
         if not run.created:
             result = self.get_result(str(run.id))

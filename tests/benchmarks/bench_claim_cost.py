@@ -2,7 +2,8 @@
 it. w1 (one-step runs drained by a real supervisor's 2 worker processes x 8
 threads) with, scheduled before the w1 runs, 1,000 due runs of a limited
 workflow whose only slot is taken (900 runs and the children of the next),
-100 parents waiting on those children, and 1,000 runs sleeping for an hour —
+100 parents waiting on those children, 1,000 runs sleeping for an hour, and
+1,000 runs of priorities 5 to 7 sleeping for an hour —
 divided by w1 on empty tables. Each repeat measures both, on schemas of
 their own, one right after the other; the figures are medians.
 
@@ -22,7 +23,7 @@ LIMITED = workflows.one_step_limited_1.__everystep_workflow__
 HOLDER = "claim-cost-holder"  # a live claimer (its lock held here) running the limited workflow's one run
 
 
-def features(db: harness.Database, due_limited: int, parents: int, sleeping: int):
+def features(db: harness.Database, due_limited: int, parents: int, sleeping: int, prioritized: int):
     """Fill the tables; returns the connection that holds the slot's claimer alive."""
     holder = db.connect()
     assert everystep.db.try_lock(holder, HOLDER)
@@ -35,6 +36,8 @@ def features(db: harness.Database, due_limited: int, parents: int, sleeping: int
         everystep.schedule_many(workflows.parent_of_limited, [(i,) for i in range(parents)])
         for i in range(sleeping):
             everystep.schedule(workflows.one_step, i, after=3600)
+        for i in range(prioritized):
+            everystep.schedule(workflows.one_step, i, after=3600, priority=5 + i % 3)
     return holder
 
 
@@ -73,9 +76,11 @@ def main() -> None:
     parser.add_argument("--due-limited", type=int, default=1000)
     parser.add_argument("--parents", type=int, default=100)
     parser.add_argument("--sleeping", type=int, default=1000)
+    parser.add_argument("--prioritized", type=int, default=1000, help="runs of priorities 5-7 sleeping for an hour")
     args = harness.arguments(parser, quick={"runs": 200, "repeat": 1, "due_limited": 50, "parents": 5,
-                                            "sleeping": 50})
-    sizes = {"due_limited": args.due_limited, "parents": args.parents, "sleeping": args.sleeping}
+                                            "sleeping": 50, "prioritized": 50})
+    sizes = {"due_limited": args.due_limited, "parents": args.parents, "sleeping": args.sleeping,
+             "prioritized": args.prioritized}
     empty, present, ratios = [], [], []
     for repeat in range(args.repeat):
         empty.append(drain_rate(args.runs, repeat, False, sizes))

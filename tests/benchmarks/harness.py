@@ -77,6 +77,13 @@ def schedule_all(db: Database, workflow: Callable, args_list: list[tuple]) -> fl
     return time.time()
 
 
+def schedule_in_with(db: Database, workflow: Callable, *args, **options) -> uuid.UUID:
+    """Schedule one run (schedule()'s options, e.g. priority=) in a
+    transaction of its own; returns its id."""
+    with db.connect(autocommit=False) as conn, everystep.transaction(conn):
+        return everystep.schedule(workflow, *args, **options).id
+
+
 def schedule_in(conn: psycopg.Connection, workflow: Callable, *args) -> uuid.UUID:
     """Schedule one run in a transaction of its own on `conn`; returns its id
     once the commit returned."""

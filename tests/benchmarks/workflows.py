@@ -84,3 +84,20 @@ def one_step_limited_1(i: int) -> int:
 def parent_of_limited(i: int) -> int:
     """Waits on a child queued behind a saturated limit (claim_cost)."""
     return everystep.call(one_step_limited_1, i)
+
+
+@workflow(concurrency_per_key=4)
+def one_step_keyed(i: int) -> int:
+    """one_step in a fair queue: at most 4 runs per concurrency key (fairness)."""
+    return noop(i)
+
+
+@step(rate_limit="bench-api")
+def paced() -> float:
+    return time.time()
+
+
+@workflow
+def rate_limited(i: int) -> float:
+    """One step that takes a token of the `bench-api` rate limit (rate_limit)."""
+    return paced()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import psycopg
 
 import everystep
+import everystep.db
 from everystep import schedule
 
 
@@ -17,6 +20,48 @@ def schedule_in(conn, fn, *args, **kw):
     """Schedule a run in a transaction of `conn` (an everystep_db connection)."""
     with everystep.transaction(conn):
         return schedule(fn, *args, **kw)
+
+
+def claim_hard(db, observed: str, claimers: int = 8) -> list[int]:
+    """`claimers` threads claiming and ending runs (with successor claims) as
+    fast as they can until the queue stays empty, while an observer runs the
+    query `observed` (one number) again and again; returns what it saw."""
+    seen: list[int] = []
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def observe() -> None:
+        with db.connect() as conn:
+            while not done.is_set():
+                seen.append(conn.execute(observed).fetchone()[0])
+
+    def claimer(i: int) -> None:
+        name = f"w{i}"
+        try:
+            with db.connect() as conn:
+                everystep.db.prepare_session(conn)
+                idle = 0
+                while idle < 20:
+                    runs = everystep.db.claim(conn, name, 2)
+                    idle = 0 if runs else idle + 1
+                    while runs:
+                        run = runs.pop()
+                        runs += everystep.db.finish_run(conn, run.id, name, run.token, "completed", "null", None,
+                                                        claim=not runs).claimed
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    observer = threading.Thread(target=observe)
+    observer.start()
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(claimers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    done.set()
+    observer.join()
+    assert not errors, errors
+    return seen
 
 
 def step_ids(db, run_id):

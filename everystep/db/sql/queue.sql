@@ -22,6 +22,22 @@
 --              Given a name, the planner cannot tell how many claimable runs
 --              are that workflow's; walking a (due_at) index for them would
 --              read every claimable run of every other workflow first.
+--   priority   (0014_priorities.sql) the unlimited lane's runs of priority 0
+--              only are in everystep_workflow_ready_unlimited; the others in
+--              everystep_workflow_ready_priority (priority DESC, due_at, id),
+--              read before (> 0) and after (< 0) them, one priority at a
+--              time: high_levels and low_levels are loose scans of the
+--              priorities there (one probe each), and per priority the range
+--              of its due runs is walked in time order. A limited
+--              workflow's runs of another priority than 0 are in
+--              everystep_workflow_ready_limited_priority (name, priority
+--              DESC, due_at, id): limited_high and limited_low, beside
+--              limited, per workflow with free slots.
+--   keyed      (0014) the runs with a concurrency key of a workflow with a
+--              per-key limit: `keyed` (and `limited`), in
+--              everystep_workflow_ready_keyed (name, concurrency_key, due_at,
+--              id), claimed through their key's everystep_key row: the ready
+--              keys with room, least recently claimed first (round robin).
 --   routed     (routes IS NULL OR w.name LIKE ANY(routes)): the workflows a
 --              claimer runs, as LIKE patterns (NULL: all).
 --   "running"  written as (status = 'running') IS TRUE in the fenced lookups
@@ -72,61 +88,216 @@ WHERE runner = %(runner)s;
 -- cannot know that everystep_limit is small) would read and sort every
 -- claimable run instead of walking the lane's index to its first unlocked
 -- entry.
-WITH free AS (
+WITH RECURSIVE high_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM high_levels lv
+    WHERE lv.priority IS NOT NULL
+), low_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM low_levels lv
+    WHERE lv.priority IS NOT NULL
+), free AS (
     SELECT s.name, s.slot
     FROM everystep_slot s
     WHERE (SELECT count(*) FROM everystep_workflow h
            WHERE h.id = s.run_id
              AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
-      AND EXISTS (SELECT 1 FROM everystep_workflow w
-                  WHERE w.status IN ('scheduled', 'waiting') AND w.limited
-                    AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-                  OFFSET 0)
+      AND (EXISTS (SELECT 1 FROM everystep_workflow w
+                   WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
+                     AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
+                     AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                   OFFSET 0)
+           OR EXISTS (SELECT 1 FROM everystep_workflow w
+                      WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
+                        AND w.name = s.name AND w.due_at <= everystep_now()
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                      OFFSET 0)
+           OR EXISTS (SELECT 1 FROM everystep_workflow w
+                      WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+                        AND w.name = s.name AND w.due_at <= everystep_now()
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                      OFFSET 0))
     LIMIT %(limit)s
     FOR UPDATE OF s SKIP LOCKED
 ), room AS (
     SELECT name, count(*) AS n FROM free GROUP BY name
+), keys AS (
+    SELECT k.name, k.key,
+           (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)
+             - (SELECT count(*) FROM everystep_workflow r
+                WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
+                  AND r.name = k.name AND r.concurrency_key = k.key) AS n
+    FROM everystep_key k
+    WHERE k.ready AND (SELECT count(*) FROM everystep_workflow h
+           WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
+      AND EXISTS (SELECT 1 FROM everystep_workflow w
+                  WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+                    AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
+                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                  OFFSET 0)
+      AND (SELECT count(*) FROM everystep_workflow r
+           WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
+             AND r.name = k.name AND r.concurrency_key = k.key)
+          < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)
+    ORDER BY k.claimed_at NULLS FIRST, k.name, k.key
+    LIMIT %(limit)s
+    FOR UPDATE OF k SKIP LOCKED
+), high AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM high_levels lv CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT %(limit)s
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE lv.priority IS NOT NULL
+    LIMIT %(limit)s
 ), unlimited AS (
-    SELECT w.id, w.name, w.due_at
+    SELECT w.id, w.name, w.due_at, w.priority
     FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.due_at <= everystep_now()
+    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0
+      AND w.due_at <= everystep_now()
       AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
       AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+      AND NOT (w.concurrency_key IS NOT NULL
+               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
     ORDER BY w.due_at, w.id
-    LIMIT %(limit)s
+    LIMIT %(limit)s - (SELECT count(*) FROM high)
     FOR UPDATE OF w SKIP LOCKED
-), limited AS (
-    SELECT w.id, w.name, w.due_at
-    FROM room CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at
+), low AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM low_levels lv CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
         FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE lv.priority IS NOT NULL
+    LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
+), limited_high AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority > 0
+          AND w.name = room.name AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.priority DESC, w.due_at, w.id
+        LIMIT least(room.n, %(limit)s)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+), limited AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
           AND w.name = room.name AND (w.name, w.due_at) <= (room.name, everystep_now())
           AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
         ORDER BY w.due_at, w.id
         LIMIT least(room.n, %(limit)s)
         FOR UPDATE OF w SKIP LOCKED
     ) w
+), limited_low AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority < 0
+          AND w.name = room.name AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.priority DESC, w.due_at, w.id
+        LIMIT least(room.n, %(limit)s)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+), keyed AS (
+    SELECT w.id, w.name, w.due_at, w.priority, w.concurrency_key
+    FROM keys CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority, w.concurrency_key
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+          AND w.name = keys.name AND w.concurrency_key = keys.key AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.due_at, w.id
+        LIMIT least(keys.n, %(limit)s)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+), candidate AS (
+    SELECT id, name, due_at, priority, NULL::varchar AS ckey, false AS slotted, 1::bigint AS round FROM high
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, false, 1 FROM unlimited
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, false, 1 FROM low
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_high
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_low
+    UNION ALL
+    SELECT id, name, due_at, priority, concurrency_key, EXISTS (SELECT FROM everystep_limit l WHERE l.name = keyed.name),
+           row_number() OVER (PARTITION BY name, concurrency_key ORDER BY due_at, id)
+    FROM keyed
 ), ranked AS (
-    SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k
-    FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate
+    SELECT id, name, due_at, priority, ckey, slotted, round,
+           row_number() OVER (PARTITION BY name ORDER BY priority DESC, round, due_at, id) AS k
+    FROM candidate
 ), numbered AS (
     SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k FROM free
 ), first AS (
-    SELECT r.id, f.name AS slot_name, f.slot
+    SELECT r.id, f.name AS slot_name, f.slot, r.name, r.ckey
     FROM ranked r LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
-    ORDER BY r.due_at, r.id
+    WHERE NOT r.slotted OR f.slot IS NOT NULL
+    ORDER BY r.priority DESC, r.round, r.due_at, r.id
     LIMIT %(limit)s
 ), picked AS MATERIALIZED (
-    SELECT id, slot_name, slot, nextval('everystep_claim_token') AS token FROM first
+    SELECT id, slot_name, slot, name, ckey, nextval('everystep_claim_token') AS token FROM first
 ), took AS (
     UPDATE everystep_slot s SET run_id = p.id, token = p.token
     FROM picked p
     WHERE s.name = p.slot_name AND s.slot = p.slot
+), took_keys AS (
+    UPDATE everystep_key k SET run_id = p.id, token = p.token, claimed_at = everystep_now()
+    FROM (SELECT DISTINCT ON (name, ckey) name, ckey, id, token
+          FROM picked WHERE ckey IS NOT NULL
+          ORDER BY name, ckey, token DESC) p
+    WHERE k.name = p.name AND k.key = p.ckey
 )
 UPDATE everystep_workflow w
-SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = p.slot
+SET status = 'running', claimed_by = %(runner)s, claim_token = p.token,
+    slot = CASE WHEN p.ckey IS NULL THEN p.slot ELSE coalesce(p.slot, 0) END
 FROM picked p
 WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING w.id, w.name, w.args,
@@ -140,15 +311,77 @@ RETURNING w.id, w.name, w.args,
 -- free slot: the head of the unlimited lane, nothing else. The NOT EXISTS
 -- skips a run inserted while its workflow's limit was being set (see
 -- 0011_lanes.sql): it is late at worst, never over its limit.
-WITH picked AS MATERIALIZED (
+WITH RECURSIVE high_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM high_levels lv
+    WHERE lv.priority IS NOT NULL
+), low_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM low_levels lv
+    WHERE lv.priority IS NOT NULL
+), high AS (
+    SELECT w.id
+    FROM high_levels lv CROSS JOIN LATERAL (
+        SELECT w.id
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT %(limit)s
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE lv.priority IS NOT NULL
+    LIMIT %(limit)s
+), plain AS (
+    SELECT w.id
+    FROM everystep_workflow w
+    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0 AND w.due_at <= everystep_now()
+      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+      AND NOT (w.concurrency_key IS NOT NULL
+               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+    ORDER BY w.due_at, w.id
+    LIMIT %(limit)s - (SELECT count(*) FROM high)
+    FOR UPDATE OF w SKIP LOCKED
+), low AS (
+    SELECT w.id
+    FROM low_levels lv CROSS JOIN LATERAL (
+        SELECT w.id
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE lv.priority IS NOT NULL
+    LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
+), picked AS MATERIALIZED (
     SELECT id, nextval('everystep_claim_token') AS token
-    FROM (SELECT w.id
-          FROM everystep_workflow w
-          WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.due_at <= everystep_now()
-            AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          ORDER BY w.due_at, w.id
-          LIMIT %(limit)s
-          FOR UPDATE OF w SKIP LOCKED) AS head
+    FROM (SELECT id FROM high UNION ALL SELECT id FROM plain UNION ALL SELECT id FROM low) AS head
 )
 UPDATE everystep_workflow w
 SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = NULL
@@ -162,20 +395,33 @@ RETURNING w.id, w.name, w.args,
 
 -- name: sort_lanes
 -- Every claimable run into the lane of its workflow as the limits stand (see
--- 0011_lanes.sql), reading only what may be in the wrong lane: the limited
--- lane's runs whose workflow has no limit any more (its own index), and the
--- claimable runs of the workflows that have a limit (by name: the OFFSET 0
--- keeps that a probe of everystep_workflow_due_by_name per limited workflow,
--- which a join would turn into a scan of the table), never the whole
--- backlog. A run a claim has locked is waited for (a claim is one short
--- statement): claimed meanwhile, it is not claimable any more and stays as it
--- is. Locked in id order, so that two sorts at once wait for each other
--- rather than deadlock.
+-- 0011_lanes.sql and 0014_priorities.sql: a run is `keyed` when it has a
+-- concurrency key and its workflow a per-key limit, and `limited` when its
+-- workflow has a limit or it is keyed), reading only what may be in the
+-- wrong lane: the limited and keyed lanes' runs whose workflow has no such
+-- limit any more (their own indexes), and the claimable runs of the
+-- workflows that have one (by name: the OFFSET 0 keeps that a probe of
+-- everystep_workflow_due_by_name per workflow, which a join would turn into
+-- a scan of the table), never the whole backlog. A run a claim has locked is
+-- waited for (a claim is one short statement): claimed meanwhile, it is not
+-- claimable any more and stays as it is. Locked in id order, so that two
+-- sorts at once wait for each other rather than deadlock. A run that becomes
+-- keyed gets its key's row, ready.
 WITH wrong AS (
     SELECT w.id
     FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND w.limited
+    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
       AND NOT EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
+  UNION ALL
+    SELECT w.id
+    FROM everystep_workflow w
+    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
+      AND NOT EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
+  UNION ALL
+    SELECT w.id
+    FROM everystep_workflow w
+    WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+      AND NOT EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name)
   UNION ALL
     SELECT w.id
     FROM everystep_limit l
@@ -183,19 +429,74 @@ WITH wrong AS (
                         FROM everystep_workflow w
                         WHERE w.name = l.name AND w.status IN ('scheduled', 'waiting') AND NOT w.limited
                         OFFSET 0) w
+  UNION ALL
+    SELECT w.id
+    FROM everystep_key_limit kl
+    CROSS JOIN LATERAL (SELECT w.id
+                        FROM everystep_workflow w
+                        WHERE w.name = kl.name AND w.status IN ('scheduled', 'waiting') AND NOT w.keyed
+                          AND w.concurrency_key IS NOT NULL
+                        OFFSET 0) w
 ), locked AS (
     SELECT w.id
     FROM everystep_workflow w
     WHERE w.id = ANY(ARRAY(SELECT id FROM wrong))
     ORDER BY w.id
     FOR UPDATE OF w
+), lane AS (
+    SELECT w.id,
+           w.concurrency_key IS NOT NULL AND EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name) AS keyed,
+           EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name) AS limited
+    FROM everystep_workflow w JOIN locked USING (id)
+), moved AS (
+    UPDATE everystep_workflow w
+    SET limited = lane.limited OR lane.keyed, keyed = lane.keyed
+    FROM lane
+    WHERE w.id = lane.id AND w.status IN ('scheduled', 'waiting')
+      AND (w.limited, w.keyed) IS DISTINCT FROM (lane.limited OR lane.keyed, lane.keyed)
+    RETURNING w.id, w.name, w.concurrency_key, w.keyed
+), key_rows AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT DISTINCT name, concurrency_key FROM moved WHERE keyed
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
-UPDATE everystep_workflow w
-SET limited = NOT w.limited
-FROM locked
-WHERE w.id = locked.id AND w.status IN ('scheduled', 'waiting')
-  AND w.limited <> EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
-RETURNING w.id;
+SELECT id FROM moved;
+
+
+-- name: idle_keys
+-- The keys with no claimable and no running run are not ready any more: the
+-- claims do not read them (a tenant gone for good costs nothing). Keys a
+-- claim or a producer holds are skipped. A producer whose run this sweep's
+-- snapshot missed, of a key it found ready, leaves its run to ready_keys.
+WITH idle AS (
+    SELECT k.name, k.key
+    FROM everystep_key k
+    WHERE k.ready
+      AND NOT EXISTS (SELECT FROM everystep_workflow w
+                      WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+                        AND w.name = k.name AND w.concurrency_key = k.key)
+      AND NOT EXISTS (SELECT FROM everystep_workflow r
+                      WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
+                        AND r.name = k.name AND r.concurrency_key = k.key)
+    FOR UPDATE OF k SKIP LOCKED
+)
+UPDATE everystep_key k
+SET ready = false
+FROM idle
+WHERE k.name = idle.name AND k.key = idle.key
+RETURNING k.key;
+
+-- name: ready_keys
+-- Every key with claimable keyed runs ready, its row made if it has none
+-- (the maintenance child's sweep, after idle_keys): reads the keyed lane.
+INSERT INTO everystep_key (name, key)
+SELECT DISTINCT w.name, w.concurrency_key
+FROM everystep_workflow w
+WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+  AND EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name)
+  AND NOT EXISTS (SELECT FROM everystep_key k WHERE k.name = w.name AND k.key = w.concurrency_key AND k.ready)
+ON CONFLICT (name, key) DO UPDATE SET ready = true
+RETURNING key;
 
 
 -- name: no_jit_in_transaction
@@ -207,7 +508,7 @@ SELECT set_config('jit', 'off', true);
 
 
 -- name: any_limit
-SELECT EXISTS (SELECT FROM everystep_limit);
+SELECT EXISTS (SELECT FROM everystep_limit) OR EXISTS (SELECT FROM everystep_key_limit);
 
 
 -- name: drop_limits
@@ -242,6 +543,101 @@ SELECT pg_notify('everystep:' || current_schema(), '');
 SELECT name, concurrency
 FROM everystep_limit
 ORDER BY name;
+
+-- name: drop_key_limits
+-- The workflows whose per-key limit was removed: their keys' rows go with
+-- them (FK cascade).
+DELETE FROM everystep_key_limit
+WHERE name = ANY(%(names)s);
+
+-- name: put_key_limits
+INSERT INTO everystep_key_limit (name, per_key)
+SELECT * FROM unnest(%(names)s::text[], %(counts)s::int[])
+ON CONFLICT (name) DO UPDATE
+SET per_key = EXCLUDED.per_key, updated_at = everystep_now()
+WHERE everystep_key_limit.per_key <> EXCLUDED.per_key;
+
+-- name: key_limits
+SELECT name, per_key
+FROM everystep_key_limit
+ORDER BY name;
+
+-- name: drop_priorities
+DELETE FROM everystep_priority
+WHERE name = ANY(%(names)s);
+
+-- name: put_priorities
+INSERT INTO everystep_priority (name, priority)
+SELECT * FROM unnest(%(names)s::text[], %(priorities)s::smallint[])
+ON CONFLICT (name) DO UPDATE
+SET priority = EXCLUDED.priority, updated_at = everystep_now()
+WHERE everystep_priority.priority <> EXCLUDED.priority;
+
+-- name: priorities
+SELECT name, priority
+FROM everystep_priority
+ORDER BY name;
+
+-- name: put_rate_limits
+-- Rate limits as configured: a new bucket starts empty (its first token
+-- comes `per`/`rate` seconds on: a fleet started with a backlog keeps to
+-- the rate from its first call); a changed one keeps its tokens, at most
+-- the new burst.
+INSERT INTO everystep_rate_limit (name, rate, per, burst, tokens)
+SELECT name, rate, per, burst, 0
+FROM unnest(%(names)s::text[], %(rates)s::float8[], %(pers)s::float8[], %(bursts)s::int[])
+    AS r(name, rate, per, burst)
+ON CONFLICT (name) DO UPDATE
+SET rate = EXCLUDED.rate, per = EXCLUDED.per, burst = EXCLUDED.burst,
+    tokens = least(everystep_rate_limit.tokens, EXCLUDED.burst), updated_at = everystep_now()
+WHERE (everystep_rate_limit.rate, everystep_rate_limit.per, everystep_rate_limit.burst)
+      IS DISTINCT FROM (EXCLUDED.rate, EXCLUDED.per, EXCLUDED.burst);
+
+-- name: rate_limits
+SELECT name, rate, per, burst
+FROM everystep_rate_limit
+ORDER BY name;
+
+-- name: take_token
+-- One token of a rate limit, if one is there, in one statement (the row
+-- lock orders the takers fleet-wide): the bucket refilled to now (`rate`
+-- tokens every `per` seconds, at most `burst`) has one, and the `burst`-th
+-- last take is at least `per` seconds ago. "Now" is the engine's clock at
+-- the moment the row is locked: everystep_now() plus the time since the
+-- transaction began (clock_timestamp() less transaction_timestamp(), which
+-- is now(): the wait for the lock, mostly), so that takers queued behind
+-- each other do not all take at the moment they started to wait. Rows: (true, 0, now, the
+-- same moment by the server's clock rather than the engine's) taken;
+-- (false, seconds, now, NULL) none, the next one due in that many seconds
+-- (epoch seconds); none at all: no such rate limit.
+WITH took AS (
+    UPDATE everystep_rate_limit r
+    SET tokens = least(r.burst, r.tokens + greatest(extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())) - r.refilled_at)::float8, 0)
+                                           * r.rate / r.per) - 1,
+        refilled_at = greatest(r.refilled_at, (everystep_now() + (clock_timestamp() - transaction_timestamp()))),
+        takes = (r.takes || (everystep_now() + (clock_timestamp() - transaction_timestamp())))[greatest(1, cardinality(r.takes) + 2 - r.burst):]
+    WHERE r.name = %(name)s
+      AND least(r.burst, r.tokens + greatest(extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())) - r.refilled_at)::float8, 0)
+                                    * r.rate / r.per) >= 1
+      AND (cardinality(r.takes) < r.burst
+           OR r.takes[cardinality(r.takes) + 1 - r.burst] <= (everystep_now() + (clock_timestamp() - transaction_timestamp())) - make_interval(secs => r.per))
+    RETURNING extract(epoch FROM r.takes[cardinality(r.takes)])::float8 AS at,
+              extract(epoch FROM r.takes[cardinality(r.takes)] - everystep_now() + transaction_timestamp())::float8
+                  AS real_at
+)
+SELECT true, 0::float8, at, real_at FROM took
+UNION ALL
+SELECT false, greatest(
+    (1 - least(r.burst, r.tokens + greatest(extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())) - r.refilled_at)::float8, 0)
+                                   * r.rate / r.per)) * r.per / r.rate,
+    CASE WHEN cardinality(r.takes) >= r.burst
+         THEN extract(epoch FROM r.takes[cardinality(r.takes) + 1 - r.burst] + make_interval(secs => r.per)
+                                 - (everystep_now() + (clock_timestamp() - transaction_timestamp())))::float8
+         ELSE 0 END,
+    0.001), extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())))::float8,
+    NULL::float8
+FROM everystep_rate_limit r
+WHERE r.name = %(name)s AND NOT EXISTS (SELECT FROM took);
 
 
 -- name: reclaim_held
@@ -352,7 +748,33 @@ JOIN w ON w.id = i.run;
 -- order); ('e', n, status) for the ends written; ('s', n) for the ends whose
 -- last step's row exists; ('n', ...) when it woke the claimers (a freed slot
 -- no successor took, or a parent made due).
-WITH i AS (
+WITH RECURSIVE high_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM high_levels lv
+    WHERE lv.priority IS NOT NULL
+), low_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM low_levels lv
+    WHERE lv.priority IS NOT NULL
+), i AS (
     SELECT *
     FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
                 %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
@@ -377,56 +799,188 @@ WITH i AS (
             WHERE h.id = s.run_id
               AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
            OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot))
-      AND EXISTS (SELECT 1 FROM everystep_workflow w
-                  WHERE w.status IN ('scheduled', 'waiting') AND w.limited
-                    AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
-                  OFFSET 0)
+      AND (EXISTS (SELECT 1 FROM everystep_workflow w
+                   WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
+                     AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
+                     AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                   OFFSET 0)
+           OR EXISTS (SELECT 1 FROM everystep_workflow w
+                      WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
+                        AND w.name = s.name AND w.due_at <= everystep_now()
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                      OFFSET 0)
+           OR EXISTS (SELECT 1 FROM everystep_workflow w
+                      WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+                        AND w.name = s.name AND w.due_at <= everystep_now()
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                      OFFSET 0))
     LIMIT (SELECT count(*) FROM held WHERE held.claim)
     FOR UPDATE OF s SKIP LOCKED
 ), room AS (
     SELECT name, count(*) AS n FROM free GROUP BY name
+), keys AS (
+    SELECT k.name, k.key,
+           (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)
+             - (SELECT count(*) FROM everystep_workflow r
+                WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
+                  AND r.name = k.name AND r.concurrency_key = k.key
+                  AND NOT EXISTS (SELECT 1 FROM held WHERE held.run = r.id)) AS n
+    FROM everystep_key k
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
+      AND k.ready AND (SELECT count(*) FROM everystep_workflow h
+           WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
+      AND EXISTS (SELECT 1 FROM everystep_workflow w
+                  WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+                    AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
+                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                  OFFSET 0)
+      AND (SELECT count(*) FROM everystep_workflow r
+           WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
+             AND r.name = k.name AND r.concurrency_key = k.key
+             AND NOT EXISTS (SELECT 1 FROM held WHERE held.run = r.id))
+          < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)
+    ORDER BY k.claimed_at NULLS FIRST, k.name, k.key
+    LIMIT (SELECT count(*) FROM held WHERE held.claim)
+    FOR UPDATE OF k SKIP LOCKED
+), high AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM high_levels lv CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
+    LIMIT (SELECT count(*) FROM held WHERE held.claim)
 ), unlimited AS (
-    SELECT w.id, w.name, w.due_at
+    SELECT w.id, w.name, w.due_at, w.priority
     FROM everystep_workflow w
     WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-      AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.due_at <= everystep_now()
+      AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0
+      AND w.due_at <= everystep_now()
       AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
       AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+      AND NOT (w.concurrency_key IS NOT NULL
+               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
     ORDER BY w.due_at, w.id
-    LIMIT (SELECT count(*) FROM held WHERE held.claim)
+    LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high)
     FOR UPDATE OF w SKIP LOCKED
-), limited AS (
-    SELECT w.id, w.name, w.due_at
-    FROM room CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at
+), low AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM low_levels lv CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
         FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
+    LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
+), limited_high AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority > 0
+          AND w.name = room.name AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.priority DESC, w.due_at, w.id
+        LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+), limited AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
           AND w.name = room.name AND (w.name, w.due_at) <= (room.name, everystep_now())
           AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
         ORDER BY w.due_at, w.id
         LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
         FOR UPDATE OF w SKIP LOCKED
     ) w
+), limited_low AS (
+    SELECT w.id, w.name, w.due_at, w.priority
+    FROM room CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority < 0
+          AND w.name = room.name AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.priority DESC, w.due_at, w.id
+        LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+), keyed AS (
+    SELECT w.id, w.name, w.due_at, w.priority, w.concurrency_key
+    FROM keys CROSS JOIN LATERAL (
+        SELECT w.id, w.name, w.due_at, w.priority, w.concurrency_key
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+          AND w.name = keys.name AND w.concurrency_key = keys.key AND w.due_at <= everystep_now()
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+        ORDER BY w.due_at, w.id
+        LIMIT least(keys.n, (SELECT count(*) FROM held WHERE held.claim))
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+), candidate AS (
+    SELECT id, name, due_at, priority, NULL::varchar AS ckey, false AS slotted, 1::bigint AS round FROM high
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, false, 1 FROM unlimited
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, false, 1 FROM low
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_high
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited
+    UNION ALL
+    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_low
+    UNION ALL
+    SELECT id, name, due_at, priority, concurrency_key, EXISTS (SELECT FROM everystep_limit l WHERE l.name = keyed.name),
+           row_number() OVER (PARTITION BY name, concurrency_key ORDER BY due_at, id)
+    FROM keyed
 ), ranked AS (
-    SELECT id, name, due_at, row_number() OVER (PARTITION BY name ORDER BY due_at, id) AS k
-    FROM (SELECT * FROM unlimited UNION ALL SELECT * FROM limited) AS candidate
+    SELECT id, name, due_at, priority, ckey, slotted, round,
+           row_number() OVER (PARTITION BY name ORDER BY priority DESC, round, due_at, id) AS k
+    FROM candidate
 ), numbered AS (
     SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k FROM free
 ), first AS (
-    SELECT r.id, f.name AS slot_name, f.slot
+    SELECT r.id, f.name AS slot_name, f.slot, r.name, r.ckey
     FROM ranked r LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
-    ORDER BY r.due_at, r.id
+    WHERE NOT r.slotted OR f.slot IS NOT NULL
+    ORDER BY r.priority DESC, r.round, r.due_at, r.id
     LIMIT (SELECT count(*) FROM held WHERE held.claim)
 ), picked AS MATERIALIZED (
-    SELECT id, slot_name, slot, nextval('everystep_claim_token') AS token FROM first
+    SELECT id, slot_name, slot, name, ckey, nextval('everystep_claim_token') AS token FROM first
 ), took AS (
     UPDATE everystep_slot s SET run_id = p.id, token = p.token
     FROM picked p
     WHERE s.name = p.slot_name AND s.slot = p.slot
+), took_keys AS (
+    UPDATE everystep_key k SET run_id = p.id, token = p.token, claimed_at = everystep_now()
+    FROM (SELECT DISTINCT ON (name, ckey) name, ckey, id, token
+          FROM picked WHERE ckey IS NOT NULL
+          ORDER BY name, ckey, token DESC) p
+    WHERE k.name = p.name AND k.key = p.ckey
 ), claimed AS (
     UPDATE everystep_workflow w
-    SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = p.slot
+    SET status = 'running', claimed_by = %(runner)s, claim_token = p.token,
+        slot = CASE WHEN p.ckey IS NULL THEN p.slot ELSE coalesce(p.slot, 0) END
     FROM picked p
     WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING w.id, w.name, w.args,
@@ -498,7 +1052,33 @@ WHERE EXISTS (SELECT FROM ended
 -- the head of the unlimited lane. Rows as for `end_runs`, and ('l') when a
 -- limited workflow has a free slot and runs to claim: the caller goes back
 -- to `end_runs` then.
-WITH i AS (
+WITH RECURSIVE high_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM high_levels lv
+    WHERE lv.priority IS NOT NULL
+), low_levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM low_levels lv
+    WHERE lv.priority IS NOT NULL
+), i AS (
     SELECT *
     FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
                 %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
@@ -515,16 +1095,52 @@ WITH i AS (
       AND w.claim_token = i.token
 ), held AS (
     SELECT * FROM fenced WHERE NOT step_exists
+), high AS (
+    SELECT w.id
+    FROM high_levels lv CROSS JOIN LATERAL (
+        SELECT w.id
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
+    LIMIT (SELECT count(*) FROM held WHERE held.claim)
+), plain AS (
+    SELECT w.id
+    FROM everystep_workflow w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
+            AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0 AND w.due_at <= everystep_now()
+      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+      AND NOT (w.concurrency_key IS NOT NULL
+               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+    ORDER BY w.due_at, w.id
+    LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high)
+    FOR UPDATE OF w SKIP LOCKED
+), low AS (
+    SELECT w.id
+    FROM low_levels lv CROSS JOIN LATERAL (
+        SELECT w.id
+        FROM everystep_workflow w
+        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
+          AND w.priority = lv.priority AND w.due_at <= everystep_now()
+          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+          AND NOT (w.concurrency_key IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+        ORDER BY w.due_at, w.id
+        LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
+        FOR UPDATE OF w SKIP LOCKED
+    ) w
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
+    LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
 ), picked AS MATERIALIZED (
     SELECT id, nextval('everystep_claim_token') AS token
-    FROM (SELECT w.id
-          FROM everystep_workflow w
-          WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-            AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.due_at <= everystep_now()
-            AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          ORDER BY w.due_at, w.id
-          LIMIT (SELECT count(*) FROM held WHERE held.claim)
-          FOR UPDATE OF w SKIP LOCKED) AS head
+    FROM (SELECT id FROM high UNION ALL SELECT id FROM plain UNION ALL SELECT id FROM low) AS head
 ), claimed AS (
     UPDATE everystep_workflow w
     SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = NULL
@@ -575,10 +1191,26 @@ WHERE EXISTS (SELECT 1 FROM everystep_slot s
               WHERE (SELECT count(*) FROM everystep_workflow h
                      WHERE h.id = s.run_id
                        AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
+                AND (EXISTS (SELECT 1 FROM everystep_workflow w
+                             WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+                               AND w.priority = 0
+                               AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
+                             OFFSET 0)
+                     OR EXISTS (SELECT 1 FROM everystep_workflow w
+                                WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+                                  AND w.priority <> 0 AND w.name = s.name AND w.due_at <= everystep_now()
+                                OFFSET 0)))
+   OR EXISTS (SELECT 1 FROM everystep_key k
+              WHERE k.ready AND (SELECT count(*) FROM everystep_workflow h
+                     WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
                 AND EXISTS (SELECT 1 FROM everystep_workflow w
-                            WHERE w.status IN ('scheduled', 'waiting') AND w.limited
-                              AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                            OFFSET 0));
+                            WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+                              AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
+                            OFFSET 0)
+                AND (SELECT count(*) FROM everystep_workflow r
+                     WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
+                       AND r.name = k.name AND r.concurrency_key = k.key)
+                    < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name));
 
 
 -- name: requeue_held
@@ -622,9 +1254,35 @@ FROM q;
 
 -- name: next_due_in
 -- Seconds until the earliest waiting run is due (database time): a min()
--- on each lane's index, one index probe each.
+-- on each lane's index; the priority lane's is ordered by priority first, so
+-- its min() is one probe per priority it holds (levels: a loose scan of its
+-- distinct priorities, one index probe each).
+WITH RECURSIVE levels(priority) AS (
+    (SELECT w.priority FROM everystep_workflow w
+     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority <> 0
+     ORDER BY w.priority DESC
+     LIMIT 1)
+  UNION ALL
+    SELECT (SELECT w.priority FROM everystep_workflow w
+            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority <> 0
+              AND w.priority < lv.priority
+            ORDER BY w.priority DESC
+            LIMIT 1)
+    FROM levels lv
+    WHERE lv.priority IS NOT NULL
+)
 SELECT extract(epoch FROM least(
     (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND due_at > everystep_now()),
+     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND priority = 0 AND due_at > everystep_now()),
+    (SELECT min((SELECT min(w.due_at) FROM everystep_workflow w
+                 WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority <> 0
+                   AND w.priority = lv.priority AND w.due_at > everystep_now()))
+     FROM levels lv WHERE lv.priority IS NOT NULL),
     (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND limited AND due_at > everystep_now())) - everystep_now());
+     WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority = 0
+       AND due_at > everystep_now()),
+    (SELECT min(due_at) FROM everystep_workflow
+     WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority <> 0
+       AND due_at > everystep_now()),
+    (SELECT min(due_at) FROM everystep_workflow
+     WHERE status IN ('scheduled', 'waiting') AND keyed AND due_at > everystep_now())) - everystep_now());

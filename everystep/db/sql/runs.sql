@@ -10,13 +10,33 @@
 -- name: insert_run
 -- A run due at once (due_at takes its default, everystep_now()). With an
 -- idempotency key that exists already, nothing is inserted and no row comes
--- back.
-WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, limited)
-    VALUES (%(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb,
-            EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar))
+-- back. Its priority: %(priority)s, else its workflow's default as the
+-- workers wrote it (everystep_priority), else %(default_priority)s (the
+-- decorator's). With a concurrency key of a workflow with a per-key limit,
+-- the run is keyed (0014_priorities.sql) and its key has a row, ready (a
+-- key already ready is only read, not written: producers of one key do not
+-- queue on its row).
+WITH opt AS (
+    SELECT coalesce(%(priority)s::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
+                    %(default_priority)s::smallint) AS priority,
+           %(ckey)s::varchar IS NOT NULL
+               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
+), ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, limited, priority,
+                                    concurrency_key, keyed)
+    SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb,
+           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), opt.priority,
+           %(ckey)s, opt.keyed
+    FROM opt
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id
+    RETURNING id, keyed
+), key_row AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT %(name)s, %(ckey)s FROM ins
+    WHERE ins.keyed AND NOT EXISTS (SELECT FROM everystep_key k
+                                    WHERE k.name = %(name)s::varchar AND k.key = %(ckey)s::varchar AND k.ready)
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
 SELECT id, everystep_wake()
 FROM ins;
@@ -26,20 +46,35 @@ FROM ins;
 -- clock (neither: now): `waiting` until then (`scheduled` if the time has
 -- come already). Its deadline (0013_timeouts.sql) is the earliest of
 -- `deadline`, `deadline_in` seconds from now and `timeout` seconds from its
--- due time (all NULL: none); it is due at its deadline at the latest.
-WITH ins AS (
+-- due time (all NULL: none); it is due at its deadline at the latest. Its
+-- priority and key as for insert_run.
+WITH opt AS (
+    SELECT coalesce(%(priority)s::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
+                    %(default_priority)s::smallint) AS priority,
+           %(ckey)s::varchar IS NOT NULL
+               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
+), ins AS (
     INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at, limited,
-                                    deadline_at)
+                                    deadline_at, priority, concurrency_key, keyed)
     SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,
            CASE WHEN least(due.at, due.deadline) > everystep_now() THEN 'waiting' ELSE 'scheduled' END,
            %(trace)s::jsonb, greatest(least(due.at, due.deadline), everystep_now()),
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), due.deadline
+           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), due.deadline,
+           opt.priority, %(ckey)s, opt.keyed
     FROM (SELECT a.at, least(%(deadline)s::timestamptz, everystep_now() + make_interval(secs => %(deadline_in)s::float8),
                              greatest(a.at, everystep_now()) + make_interval(secs => %(timeout)s::float8)) AS deadline
           FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8),
-                                everystep_now()) AS at) AS a) AS due
+                                everystep_now()) AS at) AS a) AS due,
+         opt
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id
+    RETURNING id, keyed
+), key_row AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT %(name)s, %(ckey)s FROM ins
+    WHERE ins.keyed AND NOT EXISTS (SELECT FROM everystep_key k
+                                    WHERE k.name = %(name)s::varchar AND k.key = %(ckey)s::varchar AND k.ready)
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
 SELECT id, everystep_wake()
 FROM ins;
@@ -55,31 +90,60 @@ WHERE name = %(name)s AND idempotency_key = %(key)s;
 -- most). The arrays go in binary (no array literal for the server to
 -- parse); only the ids of created runs with a key come back. `timeout`:
 -- their workflow's (@workflow(timeout=)), their deadline that many seconds
--- from now (NULL: none).
-WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, deadline_at)
+-- from now (NULL: none). Their priority, and their concurrency key (one
+-- for all), as for insert_run.
+WITH opt AS (
+    SELECT %(ckey)b::varchar IS NOT NULL
+               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)b::varchar) AS keyed
+), ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority, concurrency_key,
+                                    keyed, deadline_at)
     SELECT id, %(name)b::varchar, args::jsonb, key, 'scheduled',
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar),
-           everystep_now() + make_interval(secs => %(timeout)b::float8)
-    FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key)
+           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar),
+           coalesce(%(priority)b::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)b::varchar),
+                    %(default_priority)b::smallint),
+           %(ckey)b::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)b::float8)
+    FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key), opt
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, idempotency_key IS NOT NULL AS keyed
+    RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
+), key_row AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT %(name)b::varchar, %(ckey)b::varchar
+    WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
+      AND NOT EXISTS (SELECT FROM everystep_key k
+                      WHERE k.name = %(name)b::varchar AND k.key = %(ckey)b::varchar AND k.ready)
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
-SELECT ARRAY(SELECT id FROM ins WHERE keyed), everystep_wake();
+SELECT ARRAY(SELECT id FROM ins WHERE with_key), everystep_wake();
 
 -- name: insert_runs_text
 -- insert_runs with its parameters in text, for the connections that bind
 -- parameters on the client (Django's cursor), which cannot send binary ones.
-WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, deadline_at)
+WITH opt AS (
+    SELECT %(ckey)s::varchar IS NOT NULL
+               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
+), ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority, concurrency_key,
+                                    keyed, deadline_at)
     SELECT id, %(name)s::varchar, args::jsonb, key, 'scheduled',
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar),
-           everystep_now() + make_interval(secs => %(timeout)s::float8)
-    FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key)
+           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar),
+           coalesce(%(priority)s::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
+                    %(default_priority)s::smallint),
+           %(ckey)s::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)s::float8)
+    FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key), opt
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, idempotency_key IS NOT NULL AS keyed
+    RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
+), key_row AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT %(name)s::varchar, %(ckey)s::varchar
+    WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
+      AND NOT EXISTS (SELECT FROM everystep_key k
+                      WHERE k.name = %(name)s::varchar AND k.key = %(ckey)s::varchar AND k.ready)
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
 )
-SELECT ARRAY(SELECT id FROM ins WHERE keyed), everystep_wake();
+SELECT ARRAY(SELECT id FROM ins WHERE with_key), everystep_wake();
 
 -- name: keyed_runs
 -- The runs these idempotency keys made before.
@@ -173,7 +237,7 @@ WHERE w.id = %(run)s;
 
 -- name: load_run
 SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at,
-       due_at, cancel_requested_at, cancel_reason, parent_id, deadline_at
+       due_at, cancel_requested_at, cancel_reason, parent_id, deadline_at, priority, concurrency_key
 FROM everystep_workflow
 WHERE id = %(run)s;
 

@@ -148,8 +148,9 @@ WITH
         FOR UPDATE
     ),
     ins AS (
-        INSERT INTO everystep_workflow (id, name, args, status, limited)
-        SELECT %(id)s, workflow, args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = s.workflow)
+        INSERT INTO everystep_workflow (id, name, args, status, limited, priority)
+        SELECT %(id)s, workflow, args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = s.workflow),
+               coalesce((SELECT p.priority FROM everystep_priority p WHERE p.name = s.workflow), 0)
         FROM s
         RETURNING id
     ),

@@ -155,10 +155,12 @@ WHERE EXISTS (
 ORDER BY c.name;
 
 -- name: ui_reschedule
--- A new run of the same workflow with the same args (no idempotency key).
+-- A new run of the same workflow with the same args and priority (no
+-- idempotency key, no concurrency key).
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, status, limited)
-    SELECT %(id)s, w.name, w.args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
+    INSERT INTO everystep_workflow (id, name, args, status, limited, priority)
+    SELECT %(id)s, w.name, w.args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name),
+           w.priority
     FROM everystep_workflow w
     WHERE w.id = %(run)s
     RETURNING id

@@ -363,7 +363,9 @@ async function showRun(quiet) {
     run.resolve ? resolvePanel(run) : null,
     actions,
     h("dl", {}, field("workflow", h("span", { class: "mono" }, run.name)), field("claimed by", run.claimed_by || "-"),
-      field("idempotency key", run.idempotency_key || "-"), field("scheduled", when(run.created_at)),
+      field("idempotency key", run.idempotency_key || "-"),
+      field("priority", run.priority === undefined ? "-" : String(run.priority)),
+      field("concurrency key", run.concurrency_key || "-"), field("scheduled", when(run.created_at)),
       field("finished", when(run.completed_at)), run.crashes ? field("crashes", run.crashes) : null,
       run.deadline_at ? field("deadline", h("span", { id: "run-deadline" }, when(run.deadline_at))) : null,
       run.cancel_requested_at || run.cancel_reason
