@@ -53,7 +53,16 @@ from everystep.db.observe import (
     set_statement_timeout,
     unserved_runs,
 )
-from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunable, prune_batch, resolve_step
+from everystep.db.ops import (
+    ResolveRefused,
+    audit,
+    audit_records,
+    count_prunable,
+    insert_rerun,
+    prune_batch,
+    rerun_source,
+    resolve_step,
+)
 from everystep.db.queue import (
     any_limit,
     apply_limits,
@@ -213,4 +222,6 @@ __all__ = [
     "unserved_runs",
     "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",
     "ui_workflow_names",
+    # the console: re-runs, execution history, charts
+    "insert_rerun", "rerun_source",
 ]

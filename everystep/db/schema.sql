@@ -98,7 +98,10 @@ CREATE TABLE everystep_workflow (
     parent_id           uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL,
     -- 0011: its workflow had a concurrency limit when it became claimable:
     -- the lane it is claimed from
-    limited             boolean NOT NULL DEFAULT false
+    limited             boolean NOT NULL DEFAULT false,
+    -- 0016: the run this one re-runs from a step (everystep.rerun); no
+    -- foreign key: a re-run outlives its pruned original
+    rerun_of            uuid
 );
 
 -- What makes schedule()'s idempotency key safe under concurrency.
@@ -129,6 +132,9 @@ CREATE INDEX everystep_workflow_ready_unlimited ON everystep_workflow (due_at, i
 -- workflow's earliest due runs, as far as it has free slots.
 CREATE INDEX everystep_workflow_ready_limited ON everystep_workflow (name, due_at, id)
     WHERE status IN ('scheduled', 'waiting') AND limited;
+
+-- The re-runs of a run (0016); only re-runs are in it.
+CREATE INDEX everystep_workflow_rerun_of ON everystep_workflow (rerun_of) WHERE rerun_of IS NOT NULL;
 
 -- Execution tokens: every claim of a run (first claim, catchup, successor
 -- claim, reclaim after a lost answer) takes a new one.
@@ -170,6 +176,42 @@ CREATE TABLE everystep_crash (
     workflow_id uuid PRIMARY KEY REFERENCES everystep_workflow (id) ON DELETE CASCADE,
     crashes     integer NOT NULL,
     steps_seen  integer NOT NULL                        -- step rows when last counted
+);
+
+-- 0016: the executions of a run that ended other than by the run ending or
+-- parking, written only by the rare statements that end them, in the same
+-- statement: a drain's requeue, the dead-claimer sweep, an operator's
+-- requeue, a runner's catchup after its crash, a claim whose answer was
+-- lost, a shutdown. The current or last execution is the run row's
+-- (claimed_by, claim_token); those that parked the run are its step rows'
+-- claim_token. The claim path writes nothing here.
+CREATE TABLE everystep_execution (
+    id       bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    run_id   uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    token    bigint,                                     -- the execution token of the claim that ended
+    claimer  varchar(255),                               -- the runner that held it
+    ended_at timestamptz NOT NULL DEFAULT everystep_now(),
+    outcome  varchar(16) NOT NULL                        -- drained swept requeued crashed lost shutdown
+);
+CREATE INDEX everystep_execution_run ON everystep_execution (run_id, id);
+
+-- 0016: the charts' figures per minute and workflow, kept by the
+-- maintenance child: the runs that ended in the minute by status, and at the
+-- minute's end the runs due and not claimed (the backlog), how long the
+-- oldest of them had waited (the pickup latency), and the runs blocked. A
+-- chart reads at most (minutes x workflows) rows, whatever the size of the
+-- runs' history; rows older than two days are deleted by the same child.
+CREATE TABLE everystep_minute (
+    minute          timestamptz NOT NULL,
+    workflow        varchar(300) NOT NULL,
+    completed       integer NOT NULL DEFAULT 0,
+    failed          integer NOT NULL DEFAULT 0,
+    cancelled       integer NOT NULL DEFAULT 0,
+    stopped         integer NOT NULL DEFAULT 0,
+    blocked         integer,                             -- sampled: the runs blocked at the minute's end
+    due             integer,                             -- sampled: the runs due and not claimed
+    oldest_due_s    double precision,                    -- sampled: the wait of the oldest of them, seconds
+    PRIMARY KEY (minute, workflow)
 );
 
 -- The workers waiting for runs (a free slot, waiting on their LISTEN): only

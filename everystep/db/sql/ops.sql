@@ -63,3 +63,44 @@ FROM everystep_audit
 WHERE (%(run)s::uuid IS NULL OR run_id = %(run)s) AND (%(before)s::bigint IS NULL OR id < %(before)s)
 ORDER BY id DESC
 LIMIT %(limit)s;
+
+-- name: rerun_source
+-- The run a re-run copies from: its status, locked against a change while
+-- the re-run is written, and every recorded step of it (what the copy
+-- chooses from).
+SELECT w.status,
+       to_json(ARRAY(SELECT json_build_object('id', s.id, 'step_id', s.step_id, 'name', s.name, 'status', s.status,
+                                              'started_at', s.started_at, 'finished_at', s.finished_at)
+                     FROM everystep_step s
+                     WHERE s.workflow_id = w.id
+                     ORDER BY s.id))
+FROM everystep_workflow w
+WHERE w.id = %(run)s
+FOR SHARE;
+
+-- name: insert_rerun
+-- The re-run: a new run of the same workflow and args (no idempotency key,
+-- no parent), linked back to the run it re-runs, and the recorded outcomes
+-- of the steps `step_ids` copied from that run, in their recorded order, so
+-- that replay serves them. Notifies the claimers.
+WITH ins AS (
+    INSERT INTO everystep_workflow (id, name, args, status, limited, rerun_of)
+    SELECT %(id)s, w.name, w.args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name), w.id
+    FROM everystep_workflow w
+    WHERE w.id = %(run)s
+    RETURNING id
+)
+SELECT id, pg_notify('everystep:' || current_schema(), '')
+FROM ins;
+
+-- name: copy_rerun_steps
+-- The recorded outcomes of `step_ids` of run `run`, copied to the re-run `id`
+-- in their recorded order (the execution token is not: no execution of the
+-- re-run wrote them).
+INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, started_at, finished_at,
+                            attempts)
+SELECT %(id)s, s.step_id, s.name, s.args, s.kwargs, s.status, s.result, s.error, s.started_at, s.finished_at,
+       s.attempts
+FROM everystep_step s
+WHERE s.workflow_id = %(run)s AND s.step_id = ANY(%(step_ids)s::text[])
+ORDER BY s.id;
