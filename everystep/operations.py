@@ -277,12 +277,28 @@ def rerun_many(conn: psycopg.Connection, actor: Actor, runs: Iterable[uuid.UUID]
             try:
                 new, copied = reruns.rerun_in(conn, run, from_step, actor.name, actor.source)
             except reruns.RerunRefused as why:
-                refused.append(Refusal(run, None if isinstance(why, reruns.NoSuchRun) else "refused", str(why)))
+                refused.append(Refusal(run, None if isinstance(why, reruns.RerunNotFound) else "refused", str(why)))
                 continue
             done.append(Rerun(run, new, from_step, copied))
         if refused and all_or_nothing:
             raise psycopg.Rollback(transaction)
     return Reruns([] if refused and all_or_nothing else done, refused)
+
+
+# ---------------------------------------------------------------- send a message
+
+def send_message(conn: psycopg.Connection, actor: Actor, run: uuid.UUID, topic: str, payload: Any) -> None:
+    """Send a message to a run (everystep.send: its wait_for(topic) returns
+    it), audited (`send`, with the topic and the payload). Refused, writing
+    nothing, for an unknown or finished run or a bad topic."""
+    with conn.transaction():
+        try:
+            api.send(run, topic, payload, conn=conn)
+        except EverystepError as refused:
+            text = str(refused).removeprefix("send(): ")
+            raise (NotFound if text.startswith("no run") else Refused)(text) from None
+        db.audit(conn, actor.name, actor.source, "send", run=run, target=topic,
+                 details={"topic": topic, "payload": serde.to_json(payload)})
 
 
 # ---------------------------------------------------------------- recurring schedules

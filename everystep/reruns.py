@@ -49,10 +49,6 @@ class RerunNotFound(RerunRefused):
     """The run, or its step, does not exist."""
 
 
-class NoSuchRun(RerunNotFound):
-    """The run does not exist."""
-
-
 def _path(step_id: str) -> list[str]:
     return step_id.split(".")
 
@@ -124,7 +120,7 @@ def rerun_in(conn: psycopg.Connection, run: uuid.UUID, from_step: str, actor: st
         raise RerunRefused("from_step must be a step id, e.g. 3 or charge or fan.0.1")
     found = db.rerun_source(conn, run)
     if found is None:
-        raise NoSuchRun(f"no run {run}")
+        raise RerunNotFound(f"no run {run}")
     status, steps = found
     if status not in TERMINAL:
         raise RerunRefused(f"run {run} is {status}, still in flight: a run is re-run once it has ended "

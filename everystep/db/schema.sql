@@ -211,7 +211,7 @@ CREATE TABLE everystep_minute (
     blocked         integer,                             -- sampled: the runs blocked at the minute's end
     due             integer,                             -- sampled: the runs due and not claimed
     oldest_due_s    double precision,                    -- sampled: the wait of the oldest of them, seconds
-    PRIMARY KEY (minute, workflow)
+    PRIMARY KEY (workflow, minute)                       -- workflow '*': every workflow's
 );
 
 -- The workers waiting for runs (a free slot, waiting on their LISTEN): only
