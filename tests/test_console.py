@@ -153,6 +153,7 @@ def test_the_charts_figures_per_minute(db, console):
     assert names["tests.apps.console_workflows.deliver"]["steps"] == 3
     assert names["tests.apps.console_workflows.deliver"]["failed"] == 1
     assert "everystep.sleep" not in names and names["tests.apps.console_workflows.ship"]["p50"] >= 0
+    assert {type(v) for v in names["tests.apps.console_workflows.ship"].values()} <= {str, int, float}  # JSON
     with pytest.raises(Problem, match="window must be one of hour, day"):
         console.charts({"window": "year"})
     with db.connect() as conn:

@@ -190,8 +190,10 @@ def run_filter(query: Mapping[str, str]) -> db.RunFilter:
         at, _, last = query["before"].partition("|")
         moment = _time(at, "before")
         before = (moment, _run_id(last))
-    return db.RunFilter(status=status, workflow=query.get("workflow") or None,
-                           since=_time(query.get("since"), "since"), until=_time(query.get("until"), "until"),
+    since, until = _time(query.get("since"), "since"), _time(query.get("until"), "until")
+    if since is not None and until is not None and since > until:
+        raise Problem(400, f"since ({plain(since)}) is after until ({plain(until)}): nothing can match")
+    return db.RunFilter(status=status, workflow=query.get("workflow") or None, since=since, until=until,
                            run_id=run_id, idempotency_key=key, args_contain=args, before=before)
 
 

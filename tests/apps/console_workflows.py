@@ -4,11 +4,20 @@ message, one whose step is retried."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from everystep import parallel, step, wait_for, workflow
 from everystep.retries import Backoff
 
 calls: list[str] = []  # which step bodies ran, in order
-BUG = {"on": True}  # deliver() fails while the bug is "deployed"
+BUG = {"on": True}  # deliver() fails while the bug is "deployed" (in this process)
+FIXED = "EVERYSTEP_TEST_FIX_FILE"  # a file whose existence says the fix is deployed (in a worker process too)
+
+
+def bug_deployed() -> bool:
+    fixed = os.environ.get(FIXED)
+    return BUG["on"] and not (fixed and Path(fixed).exists())
 
 
 @step
@@ -32,7 +41,7 @@ def note(what: str) -> str:
 @step
 def deliver(order: str) -> str:
     calls.append("deliver")
-    if BUG["on"]:
+    if bug_deployed():
         raise ValueError(f"no address for {order}")
     return f"delivered {order}"
 

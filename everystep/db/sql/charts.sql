@@ -104,7 +104,7 @@ SELECT s.name, count(*) AS steps, count(*) FILTER (WHERE s.status = 'failed') AS
        percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at)) AS p50,
        percentile_cont(0.9) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at)) AS p90,
        percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at)) AS p99,
-       max(extract(epoch FROM s.finished_at - s.started_at)) AS max
+       max(extract(epoch FROM s.finished_at - s.started_at))::float8 AS max
 FROM r
 JOIN everystep_step s ON s.workflow_id = r.id
 WHERE s.started_at IS NOT NULL AND s.finished_at IS NOT NULL AND s.name NOT LIKE 'everystep.%%'
