@@ -76,6 +76,10 @@ GRANT SELECT, INSERT, UPDATE ON {s}.everystep_event, {s}.everystep_slot, {s}.eve
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_limit TO {worker};
 GRANT DELETE ON {s}.everystep_slot TO {worker};
 GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers while a slot is free
+-- the console (0016): the executions a requeue or a reclaim ends, and the
+-- charts' per-minute figures the maintenance child keeps.
+GRANT INSERT ON {s}.everystep_execution TO {worker};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_minute TO {worker};
 
 -- operator: the CLI's and the UI's actions, and reading everything.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash, {s}.everystep_schedule
@@ -85,6 +89,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_message, {s}.everystep_eve
     {s}.everystep_slot, {s}.everystep_route TO {operator};
 GRANT SELECT ON {s}.everystep_migration TO {operator};
 GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
+GRANT SELECT, INSERT ON {s}.everystep_execution TO {operator};
+GRANT SELECT ON {s}.everystep_minute, {s}.everystep_schedule_run TO {operator};
 GRANT pg_read_all_stats TO {operator};
 
 -- Rows: a worker changes only runs that are scheduled, waiting or running

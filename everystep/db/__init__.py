@@ -26,6 +26,7 @@ migrations leave, for reading; tests/test_schema.py keeps it true.
 """
 
 from everystep.db.charts import (
+    CHART_DUE_CAP,
     CHART_LOOKBACK_S,
     chart_minutes,
     chart_schedule_fires,
@@ -233,6 +234,6 @@ __all__ = [
     "ui_workflow_names",
     # the console: re-runs, execution history, charts
     "insert_rerun", "rerun_source",
-    "CHART_LOOKBACK_S", "chart_minutes", "chart_schedule_fires", "chart_step_durations", "prune_minutes",
-    "roll_up_minutes",
+    "CHART_DUE_CAP", "CHART_LOOKBACK_S", "chart_minutes", "chart_schedule_fires", "chart_step_durations",
+    "prune_minutes", "roll_up_minutes",
 ]

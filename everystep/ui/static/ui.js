@@ -739,7 +739,8 @@ function timeline(run) {
     });
     if (st.started_at) {
       const a = Date.parse(st.started_at), b = st.finished_at ? Date.parse(st.finished_at) : a;
-      if (!attempts.length || st.status !== "retrying") bars.push({ step: st, kind: st.status, a, b, n: attempts.length + 1, open: !st.finished_at,
+      const kind = st.status === "started" && st.name.startsWith(ENGINE) ? "waiting" : st.status;  // a wait, not an unknown outcome
+      if (!attempts.length || st.status !== "retrying") bars.push({ step: st, kind, a, b, n: attempts.length + 1, open: !st.finished_at,
         title: `${st.step_id}${attempts.length ? ` attempt ${attempts.length + 1}` : ""}: ${b - a} ms` });
     }
   }
