@@ -68,6 +68,22 @@ def test_rerun_a_failed_run_from_its_failing_step(db, browser, ui_url, fix_file)
     page.click("#rerun-of a")
     expect(page.locator("#reruns")).to_contain_text(new[:8])
     assert db.value("SELECT action FROM everystep_audit") == "rerun"
+    # On a selection of the list: each selected run re-run from the step asked for.
+    fix_file.unlink()
+    more = db.schedule_many(console_workflows.pay_then_deliver, [("o-8",), ("o-9",)])
+    for each in more:
+        assert ended(db, each.id)["status"] == "failed"
+    fix_file.write_text("deployed")
+    page.goto(f"{ui_url}/#?status=failed")
+    expect(page.locator("#runs tr[data-run]")).to_have_count(3)
+    for each in more:
+        page.check(f"tr[data-run='{each.id}'] input[type=checkbox]")
+    page.evaluate("window.prompt = () => '4'")
+    page.click("button:text('Re-run selected from a step')")
+    expect(page.locator("#flash")).to_contain_text("re-ran 2 run(s) from step 4")
+    reruns = wait_for(lambda: (rows := db.query("SELECT id FROM everystep_workflow WHERE rerun_of = ANY(%s)",
+                                                ([each.id for each in more],))) and len(rows) == 2 and rows, 10)
+    assert {ended(db, row[0])["status"] for row in reruns} == {"completed"}
     page.close()
 
 
@@ -98,6 +114,8 @@ def test_send_a_message_to_a_waiting_run_from_its_page(db, browser, ui_url):  # 
     page = open_page(browser, ui_url, OPERATOR)
     page.goto(f"{ui_url}/#run/{run.id}")
     expect(page.locator("g.node[data-step='1']")).to_have_attribute("data-state", "waiting")  # not "uncertain"
+    page.locator("g.node[data-step='1']").click()
+    expect(page.locator("#step-deadline")).to_contain_text(re.compile(r"approval until \d{4}-\d\d-\d\d \d\d:"))
     expect(page.locator("#waiting-on")).to_have_text("message:approval")
     expect(page.locator("#due-at")).to_contain_text(re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ"))  # a date
     expect(page.locator("#send-form input[name=topic]")).to_have_value("approval")

@@ -718,6 +718,11 @@ function showStep(detail, step, state) {
     step.started_at ? h("p", {}, `started ${whenMs(step.started_at)}, finished ${whenMs(step.finished_at)}`) : null,
     h("h5", {}, "args"), h("pre", { class: "value" }, readable(step.args)),
     step.kwargs && Object.keys(step.kwargs).length ? [h("h5", {}, "kwargs"), h("pre", { class: "value" }, readable(step.kwargs))] : null,
+    // The engine's rows keep times as epoch seconds: shown as dates.
+    step.name === "everystep.sleep" && typeof step.result === "number" ? h("p", { id: "step-wake" }, `sleeps until ${epochWhen(step.result)}`) : null,
+    step.result && typeof step.result === "object" && typeof step.result.deadline === "number"
+      ? h("p", { id: "step-deadline" }, `waits${step.result.topic ? ` for a message on ${step.result.topic}` : ""} until ${epochWhen(step.result.deadline)} at the latest`) : null,
+    (step.attempts || []).map((a) => h("p", { class: "attempt error" }, `attempt ${a.attempt} failed at ${epochWhen(a.at)} (${describeError(a.error)}); retried at ${epochWhen(a.retry_at)}`)),
     step.status === "done" ? [h("h5", {}, "result"), h("pre", { class: "value", id: "step-result" }, readable(step.result))] : null,
     step.error ? [h("h5", {}, "error"), h("pre", { class: "value error" }, describeError(step.error))] : null,
     step.status === "started" ? h("p", {}, "started; outcome not recorded") : null);
