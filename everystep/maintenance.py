@@ -27,7 +27,8 @@ log = logging.getLogger("everystep")
 
 SCHEDULER_TICK = 1.0  # seconds between looks at the recurring schedules
 RETRY_CEILING = 10.0  # seconds: the longest wait between attempts to reach the database
-ROLLUP_INTERVAL = 10.0  # seconds between two updates of the charts' per-minute figures
+ROLLUP_INTERVAL = 10.0  # seconds between two updates of the charts' per-minute figures (the runs ended)
+SAMPLE_INTERVAL = 60.0  # seconds between two samples of the backlog into them (and at every new minute)
 PRUNE_MINUTES_INTERVAL = 3600.0  # seconds between two deletions of the figures past their days
 
 
@@ -56,7 +57,7 @@ class Maintenance:
         """Sweep and tick until stopped."""
         outage = Outage("maintenance", first_wait=SCHEDULER_TICK)
         conn = None
-        next_sweep = next_rollup = next_prune = time.monotonic()
+        next_sweep = next_rollup = next_sample = next_prune = time.monotonic()
         try:
             while not self._stopped.is_set():
                 try:
@@ -68,8 +69,10 @@ class Maintenance:
                         next_sweep = time.monotonic() + self.sweep.next_probe_in(self.interval)
                     scheduler.tick(conn)  # logs what it fires
                     if time.monotonic() >= next_rollup:
-                        db.roll_up_minutes(conn)
+                        sample = time.monotonic() >= next_sample
+                        db.roll_up_minutes(conn, sample_backlog=sample)
                         next_rollup = time.monotonic() + ROLLUP_INTERVAL
+                        next_sample = time.monotonic() + SAMPLE_INTERVAL if sample else next_sample
                         if time.monotonic() >= next_prune:
                             db.prune_minutes(conn)
                             next_prune = time.monotonic() + PRUNE_MINUTES_INTERVAL

@@ -17,16 +17,23 @@ CHART_DUE_CAP = 10_000  # due runs counted per workflow, at most
 CHART_KEEP_DAYS = 2  # the figures kept
 
 
-def roll_up_minutes(conn: psycopg.Connection) -> datetime.datetime:
+def roll_up_minutes(conn: psycopg.Connection, sample_backlog: bool = True) -> datetime.datetime:
     """Bring the per-minute figures up to now, in one transaction: the runs
     that ended since the last minute rolled up (that minute again, as it may
-    have been incomplete; the first time, the last hour), and the backlog
-    now into the current minute. Returns the minute the rollup started at."""
+    have been incomplete; the first time, the last hour), and, with
+    `sample_backlog`, the backlog now into the current minute. Returns the
+    minute the rollup started at. No JIT: the statements read a bounded
+    part of the table, but their estimates on a big one pass jit_above_cost,
+    and compiling them took longer than running them."""
     with conn.transaction():
+        conn.execute(queries.get("no_jit_in_transaction"), {})
         last, now = conn.execute(queries.get("last_minute_rolled_up"), {}).fetchone()
         since = max(last or now - CHART_FIRST_WINDOW, now - datetime.timedelta(days=1))
-        conn.execute(queries.get("roll_up_minutes"), {"since": since, "lookback_s": CHART_LOOKBACK_S})
-        conn.execute(queries.get("sample_queue"), {"cap": CHART_DUE_CAP})
+        # Planned with its values (prepare=False): a generic plan cannot see
+        # how narrow the creation-time range is.
+        conn.execute(queries.get("roll_up_minutes"), {"since": since, "lookback_s": CHART_LOOKBACK_S}, prepare=False)
+        if sample_backlog or last is None or last < now.replace(second=0, microsecond=0):
+            conn.execute(queries.get("sample_queue"), {"cap": CHART_DUE_CAP})
     return since
 
 

@@ -34,8 +34,8 @@ SELECT (SELECT max(minute) FROM everystep_minute WHERE workflow = '*'), everyste
 -- name: sample_queue
 -- The backlog now, into the current minute's figures: per workflow the runs
 -- due and not claimed (counted up to `cap`), how long the oldest of them has
--- waited since it was due, and the runs blocked; '*' their totals (the
--- longest wait). The workflows with runs scheduled or waiting are found by
+-- waited since it was due, and the runs blocked (`cap` of them at most, in
+-- all); '*' their totals (the longest wait). The workflows with runs scheduled or waiting are found by
 -- a loose scan of everystep_workflow_due_by_name (one probe per name), each
 -- one's due runs in the same index; the blocked ones in the status index.
 WITH RECURSIVE names(name) AS (
@@ -56,8 +56,7 @@ WITH RECURSIVE names(name) AS (
     WHERE n.name IS NOT NULL
 ), blocked AS (
     SELECT name, count(*) AS blocked
-    FROM everystep_workflow
-    WHERE status = 'blocked'
+    FROM (SELECT name FROM everystep_workflow WHERE status = 'blocked' LIMIT %(cap)s) b
     GROUP BY name
 ), each AS (
     SELECT coalesce(d.name, b.name) AS workflow, coalesce(d.due, 0) AS due, d.oldest,
