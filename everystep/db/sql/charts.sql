@@ -37,7 +37,9 @@ SELECT (SELECT max(minute) FROM everystep_minute WHERE workflow = '*'), everyste
 -- waited since it was due, and the runs blocked (`cap` of them at most, in
 -- all); '*' their totals (the longest wait). The workflows with runs scheduled or waiting are found by
 -- a loose scan of everystep_workflow_due_by_name (one probe per name), each
--- one's due runs in the same index; the blocked ones in the status index.
+-- one's due runs in the same index, walked in its order (an index-only scan
+-- that stops at the cap; a bitmap scan would visit every match's heap page
+-- first); the blocked ones in the status index.
 WITH RECURSIVE names(name) AS (
     (SELECT name FROM everystep_workflow WHERE status IN ('scheduled', 'waiting') ORDER BY name LIMIT 1)
   UNION ALL
@@ -46,9 +48,10 @@ WITH RECURSIVE names(name) AS (
     FROM names WHERE names.name IS NOT NULL
 ), due AS (
     SELECT n.name,
-           (SELECT count(*) FROM (SELECT 1 FROM everystep_workflow w
+           (SELECT count(*) FROM (SELECT w.due_at FROM everystep_workflow w
                                   WHERE w.status IN ('scheduled', 'waiting') AND w.name = n.name
                                     AND w.due_at <= everystep_now()
+                                  ORDER BY w.due_at
                                   LIMIT %(cap)s) c) AS due,
            (SELECT extract(epoch FROM everystep_now() - min(w.due_at)) FROM everystep_workflow w
             WHERE w.status IN ('scheduled', 'waiting') AND w.name = n.name AND w.due_at <= everystep_now()) AS oldest
