@@ -42,6 +42,8 @@ FIGURES = {
              "unlimited_runs_per_s", "limited_16_runs_per_s", "limited_16_vs_unlimited", "limited_4_runs_per_s",
              "not_completed", "leftover"},
     "claim_cost": {"runs_per_s_empty", "runs_per_s_with_features", "ratio", "target"},
+    "charts": {"runs", "rollup_first_hour_ms", "rollup_steady_ms", "rollup_with_backlog_sample_ms", "chart_hour_ms",
+               "chart_day_ms", "chart_day_one_workflow_ms", "schedule_fires_ms"},
 }
 
 
