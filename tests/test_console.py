@@ -100,6 +100,7 @@ def test_send_a_message_to_a_waiting_run_from_its_page(db, console):
     page = console.run(str(run))
     assert page["status"] == "waiting" and page["waiting_on"] == "message:approval"
     assert page["execution_history"][-1]["outcome"] == "parked"
+    assert [(e["key"], e["value"]) for e in page["events"]] == [("stage", "awaiting approval")]
     answer = console.act(OPERATOR, "send", {"run": str(run), "topic": "approval", "payload": '{"by": "ada"}'})
     assert answer["done"] == [run]
     assert db.query("SELECT actor, action, target FROM everystep_audit") == [("operator", "send", "approval")]

@@ -113,8 +113,9 @@ def test_send_a_message_to_a_waiting_run_from_its_page(db, browser, ui_url):  # 
     wait_for(lambda: db.run(run.id)["status"] == "waiting", 30, what="the run to wait")
     page = open_page(browser, ui_url, OPERATOR)
     page.goto(f"{ui_url}/#run/{run.id}")
-    expect(page.locator("g.node[data-step='1']")).to_have_attribute("data-state", "waiting")  # not "uncertain"
-    page.locator("g.node[data-step='1']").click()
+    expect(page.locator("g.node[data-step='2']")).to_have_attribute("data-state", "waiting")  # not "uncertain"
+    expect(page.locator("#events")).to_contain_text("awaiting approval")
+    page.locator("g.node[data-step='2']").click()
     expect(page.locator("#step-deadline")).to_contain_text(re.compile(r"approval until \d{4}-\d\d-\d\d \d\d:"))
     expect(page.locator("#waiting-on")).to_have_text("message:approval")
     expect(page.locator("#due-at")).to_contain_text(re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ"))  # a date

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from everystep import parallel, step, wait_for, workflow
+from everystep import parallel, set_event, step, wait_for, workflow
 from everystep.retries import Backoff
 
 calls: list[str] = []  # which step bodies ran, in order
@@ -63,7 +63,8 @@ def pay_then_deliver(order: str) -> str:
 
 @workflow
 def waits_for_approval(order: str) -> str:
-    approval = wait_for("approval", timeout=3600)
+    set_event("stage", "awaiting approval")  # step 1
+    approval = wait_for("approval", timeout=3600)  # step 2
     return f"{order}: {approval}"
 
 
