@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, TypeVar, overload
 
 import psycopg
 
-from everystep import aio, db, registry, serde, tracing
+from everystep import aio, db, registry, reruns, serde, tracing
 from everystep.connections import (  # noqa: F401  (atransaction, transaction, use: the API's, from there)
     async_connection,
     atransaction,
@@ -819,3 +819,26 @@ def resolve_step(conn: psycopg.Connection, run_id: uuid.UUID | str, step_id: str
         db.resolve_step(conn, run_id, step_id, status, result_json, error_json)
     except db.ResolveRefused as refused:
         raise EverystepError(str(refused)) from None
+
+
+def rerun(run_id: uuid.UUID | str, from_step: str, conn: Any = None) -> uuid.UUID:
+    """Schedule a new run of the same workflow and args as the ended run
+    `run_id`, with the recorded outcomes of the steps before `from_step`
+    copied (replay serves them: only `from_step` and what follows execute),
+    in the caller's transaction (like `schedule()`); returns the new run's
+    id. The new run's `rerun_of` is `run_id`, which keeps its row and steps.
+    Audited (action `rerun`, source `api`). Raises EverystepError, writing
+    nothing, for an unknown run or step, a run still in flight, and an
+    unsafe step before `from_step` whose outcome is unknown. See
+    everystep.reruns for which steps are "before"."""
+    run_id = _run_id("rerun()", run_id)
+    conn = transaction_connection(conn, "rerun()")
+    return reruns.rerun_in(conn, run_id, from_step, _local_actor(), "api")[0]
+
+
+def _local_actor() -> str:
+    """Who calls, for the audit trail: the process's user on this host."""
+    import os  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    return f"{os.environ.get('USER') or os.getuid()}@{socket.gethostname()}"

@@ -132,7 +132,7 @@ class DeadClaimerSweep:
     def _recover(self, conn: psycopg.Connection, claimer: str) -> list[uuid.UUID]:
         held = db.held_claims(conn, claimer)
         poisoned = fail_poison_runs(conn, claimer, held, self.max_crashes)
-        requeued = db.requeue_held(conn, claimer, [claim for claim in held if claim.id not in poisoned])
+        requeued = db.requeue_held(conn, claimer, [claim for claim in held if claim.id not in poisoned], "swept")
         if requeued:
             log.warning("claimer %s is dead: requeued %d runs", claimer, len(requeued), extra={"runner": claimer})
             metrics.RECOVERED.inc(len(requeued))

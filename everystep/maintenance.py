@@ -1,5 +1,5 @@
-"""Maintenance: the dead-claimer sweep and the recurring schedules' tick, in
-one loop.
+"""Maintenance: the dead-claimer sweep, the recurring schedules' tick and
+the console's per-minute figures (everystep_minute), in one loop.
 
 Embeddable in any host process, like `Worker`::
 
@@ -27,11 +27,15 @@ log = logging.getLogger("everystep")
 
 SCHEDULER_TICK = 1.0  # seconds between looks at the recurring schedules
 RETRY_CEILING = 10.0  # seconds: the longest wait between attempts to reach the database
+ROLLUP_INTERVAL = 10.0  # seconds between two updates of the charts' per-minute figures (the runs ended)
+SAMPLE_INTERVAL = 60.0  # seconds between two samples of the backlog into them (and at every new minute)
+PRUNE_MINUTES_INTERVAL = 3600.0  # seconds between two deletions of the figures past their days
 
 
 class Maintenance:
     """The dead-claimer sweep every `interval` seconds (sooner when a
-    suspect's grace runs out), and the recurring schedules every second."""
+    suspect's grace runs out), the recurring schedules every second, and the
+    charts' per-minute figures every ROLLUP_INTERVAL seconds."""
 
     def __init__(self, database_url: str, interval: float = 5.0, grace: float = 10.0, max_crashes: int = 3,
                  application_name: str = "everystep maintenance"):
@@ -53,7 +57,7 @@ class Maintenance:
         """Sweep and tick until stopped."""
         outage = Outage("maintenance", first_wait=SCHEDULER_TICK)
         conn = None
-        next_sweep = time.monotonic()
+        next_sweep = next_rollup = next_sample = next_prune = time.monotonic()
         try:
             while not self._stopped.is_set():
                 try:
@@ -65,6 +69,14 @@ class Maintenance:
                         db.sweep_keys(conn)  # the fair queues' idle keys out of the claims' way (0014)
                         next_sweep = time.monotonic() + self.sweep.next_probe_in(self.interval)
                     scheduler.tick(conn)  # logs what it fires
+                    if time.monotonic() >= next_rollup:
+                        sample = time.monotonic() >= next_sample
+                        db.roll_up_minutes(conn, sample_backlog=sample)
+                        next_rollup = time.monotonic() + ROLLUP_INTERVAL
+                        next_sample = time.monotonic() + SAMPLE_INTERVAL if sample else next_sample
+                        if time.monotonic() >= next_prune:
+                            db.prune_minutes(conn)
+                            next_prune = time.monotonic() + PRUNE_MINUTES_INTERVAL
                     outage.over()
                     wait = min(SCHEDULER_TICK, next_sweep - time.monotonic())
                 except db.CONNECTION_ERRORS as exc:  # a server gone, or one that turned read-only (a standby)

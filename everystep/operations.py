@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 
-from everystep import api, db, liveness, scheduler, serde
+from everystep import api, db, liveness, reruns, scheduler, serde
 from everystep.errors import EverystepError
 from everystep.ids import uuid7
 from everystep.schema import TERMINAL, RunStatus
@@ -238,6 +238,71 @@ def reschedule(conn: psycopg.Connection, actor: Actor, runs: Iterable[uuid.UUID]
             db.audit(conn, actor.name, actor.source, "schedule-again", run=each.new,
                         details={"from_run": str(each.run)})
     return Rescheduled([] if refused and all_or_nothing else done, refused)
+
+
+# ---------------------------------------------------------------- re-run from a step
+
+class Rerun(NamedTuple):
+    run: uuid.UUID  # the run re-run
+    new: uuid.UUID  # the re-run: rerun_of = run
+    from_step: str
+    copied: list[str]  # the step ids whose recorded outcomes were copied
+
+
+def rerun(conn: psycopg.Connection, actor: Actor, run: uuid.UUID, from_step: str) -> Rerun:
+    """Schedule a re-run of an ended run from one of its steps (everystep.rerun):
+    the steps before it are copied, it and what follows execute. NotFound for
+    an unknown run or step; Refused for a run in flight or an unsafe step
+    before it whose outcome is unknown."""
+    with conn.transaction():
+        try:
+            new, copied = reruns.rerun_in(conn, run, from_step, actor.name, actor.source)
+        except reruns.RerunNotFound as unknown:
+            raise NotFound(str(unknown)) from None
+        except reruns.RerunRefused as refused:
+            raise Refused(str(refused)) from None
+    return Rerun(run, new, from_step, copied)
+
+
+class Reruns(NamedTuple):
+    done: list[Rerun]
+    refused: list[Refusal]
+
+
+def rerun_many(conn: psycopg.Connection, actor: Actor, runs: Iterable[uuid.UUID], from_step: str, *,
+               all_or_nothing: bool = True) -> Reruns:
+    """`rerun` of several runs from the same step id, in one transaction (the
+    runs that failed on one bug): all or nothing by default; with
+    `all_or_nothing=False` every run that can be is re-run and the others
+    are reported."""
+    done, refused = [], []
+    with conn.transaction() as transaction:
+        for run in _runs(runs):
+            try:
+                new, copied = reruns.rerun_in(conn, run, from_step, actor.name, actor.source)
+            except reruns.RerunRefused as why:
+                refused.append(Refusal(run, None if isinstance(why, reruns.RerunNotFound) else "refused", str(why)))
+                continue
+            done.append(Rerun(run, new, from_step, copied))
+        if refused and all_or_nothing:
+            raise psycopg.Rollback(transaction)
+    return Reruns([] if refused and all_or_nothing else done, refused)
+
+
+# ---------------------------------------------------------------- send a message
+
+def send_message(conn: psycopg.Connection, actor: Actor, run: uuid.UUID, topic: str, payload: Any) -> None:
+    """Send a message to a run (everystep.send: its wait_for(topic) returns
+    it), audited (`send`, with the topic and the payload). Refused, writing
+    nothing, for an unknown or finished run or a bad topic."""
+    with conn.transaction():
+        try:
+            api.send(run, topic, payload, conn=conn)
+        except EverystepError as refused:
+            text = str(refused).removeprefix("send(): ")
+            raise (NotFound if text.startswith("no run") else Refused)(text) from None
+        db.audit(conn, actor.name, actor.source, "send", run=run, target=topic,
+                 details={"topic": topic, "payload": serde.to_json(payload)})
 
 
 # ---------------------------------------------------------------- recurring schedules

@@ -84,6 +84,10 @@ GRANT DELETE ON {s}.everystep_slot TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_priority, {s}.everystep_key_limit, {s}.everystep_key,
     {s}.everystep_rate_limit TO {worker};
 GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers while a slot is free
+-- the console (0016): the executions a requeue or a reclaim ends, and the
+-- charts' per-minute figures the maintenance child keeps.
+GRANT INSERT ON {s}.everystep_execution TO {worker};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_minute TO {worker};
 
 -- operator: the CLI's and the UI's actions, and reading everything.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash, {s}.everystep_schedule
@@ -94,6 +98,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_message, {s}.everystep_eve
     {s}.everystep_rate_limit TO {operator};
 GRANT SELECT ON {s}.everystep_migration TO {operator};
 GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
+GRANT SELECT, INSERT ON {s}.everystep_execution TO {operator};
+GRANT SELECT ON {s}.everystep_minute, {s}.everystep_schedule_run TO {operator};
 GRANT pg_read_all_stats TO {operator};
 -- Every role may read which environment the database is (0017_environment.sql):
 -- the CLI checks it before it acts; `migrate --environment` (the owner) writes it.

@@ -417,7 +417,7 @@ class Worker(Successors):
             escaped = [claim for claim in escaped if claim.token not in self.fence.abandoned]
         if escaped:
             liveness.fail_poison_runs(conn, self.name, escaped, self.max_crashes)
-            db.requeue_held(conn, self.name, escaped)
+            db.requeue_held(conn, self.name, escaped, "escaped")
         free = sum(self._free(claiming=True))
         if free <= 0:
             if self._waiting:

@@ -47,6 +47,8 @@ FIGURES = {
                  "target_big_completed_before", "small_keys_done_s", "most_running_per_key"},
     "rate_limit": {"steps", "workers", "rate_per_s", "burst", "observed_per_s", "observed_over_rate",
                    "max_in_any_1s"},
+    "charts": {"runs", "rollup_first_hour_ms", "rollup_steady_ms", "rollup_with_backlog_sample_ms", "chart_hour_ms",
+               "chart_day_ms", "chart_day_one_workflow_ms", "schedule_fires_ms"},
 }
 
 

@@ -10,6 +10,7 @@
     everystep requeue RUN...
     everystep cancel RUN... [--reason TEXT]
     everystep reschedule RUN...
+    everystep rerun RUN... --from-step STEP_ID
     everystep prune --older-than DAYS [--dry-run]
     everystep schedule MODULE:FUNC [JSON ...] [--idempotency-key K] [--deadline SECONDS]
     everystep schedules plan|apply|retire|list [-o text|json]
@@ -18,7 +19,7 @@
     everystep ui [--bind ADDRESS] [--port N]
     everystep roles [--apply] [--prefix P] [--schema S]
 
-Every action (resolve-step, requeue, cancel, reschedule, prune, schedule,
+Every action (resolve-step, requeue, cancel, reschedule, rerun, prune, schedule,
 schedules apply and retire) is recorded in the audit trail, everystep_audit.
 The actions on runs are everystep.operations' functions, the UI's too.
 

@@ -1,5 +1,5 @@
 """The operator's actions on runs: `everystep resolve-step`, `requeue`,
-`cancel` and `reschedule`, each one function of everystep.operations (the
+`cancel`, `reschedule` and `rerun`, each one function of everystep.operations (the
 UI's actions are the same functions): all or nothing, audited in the
 transaction of the change."""
 
@@ -50,6 +50,12 @@ def add_commands(commands: Any, add: Add) -> None:
                      "schedule runs again: a new run of each one's workflow with the same args")
     reschedule.add_argument("runs", type=run_id_argument, nargs="+", metavar="RUN")
 
+    rerun = add(commands, "rerun", cmd_rerun,
+                "re-run ended runs from a step: a new run each, the steps before it copied, it and what follows run")
+    rerun.add_argument("runs", type=run_id_argument, nargs="+", metavar="RUN")
+    rerun.add_argument("--from-step", required=True, metavar="STEP_ID",
+                       help="the step id to run again, e.g. 3 or charge or fan.0.1 (see `everystep runs show RUN`)")
+
 
 # argparse tells options apart from their defaults by value: `--result null`
 # (None) must not look like "not given", or it would not conflict with --discard.
@@ -96,6 +102,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_reschedule(args: argparse.Namespace) -> int:
     return _on_runs(args, lambda conn: operations.reschedule(conn, actor(), args.runs), "scheduled",
                     lambda each: f"scheduled run {each.run} again: new run {each.new}")
+
+
+def cmd_rerun(args: argparse.Namespace) -> int:
+    """All or nothing; any refusal is one line and exit 2 (bad input: the
+    runs or the step given cannot be re-run so)."""
+    with connect(args) as conn:
+        done, refused = operations.rerun_many(conn, actor(), args.runs, args.from_step)
+    if refused:
+        several = len(set(args.runs)) > 1
+        raise CliError("; ".join(refusal.why for refusal in refused) + ("; nothing was re-run" if several else ""))
+    for each in done:
+        print(f"re-ran run {each.run} from step {each.from_step!r}: new run {each.new} "
+              f"({len(each.copied)} step(s) copied)")
+    return 0
 
 
 def _on_runs(args: argparse.Namespace, action: Callable[[psycopg.Connection], Any], verb: str,

@@ -14,6 +14,7 @@ consumers write `from everystep import db` and `db.claim(conn, ...)`:
 - schedules: recurring schedules, the scheduler's lock and tick
 - ops, ui, observe: the operators' actions and audit trail, the web UI's
   reads, what metrics and health checks read
+- charts: the console's per-minute figures and the bounded reads its charts draw
 - session: session settings, pooled connections, liveness locks, LISTEN
 - testing: the engine's clock (everystep_now), and what everystep.testing reads
 - libpq: the prepared fast path of the hot statements
@@ -24,6 +25,15 @@ everystep/db/schema.sql shows the tables, indexes and functions the
 migrations leave, for reading; tests/test_schema.py keeps it true.
 """
 
+from everystep.db.charts import (
+    CHART_DUE_CAP,
+    CHART_LOOKBACK_S,
+    chart_minutes,
+    chart_schedule_fires,
+    chart_step_durations,
+    prune_minutes,
+    roll_up_minutes,
+)
 from everystep.db.fenced import (
     LOST,
     OTHER,
@@ -60,9 +70,11 @@ from everystep.db.ops import (
     audit_records,
     audit_records_filtered,
     count_prunable,
+    insert_rerun,
     prune_batch,
     record_environment,
     recorded_environment,
+    rerun_source,
     resolve_step,
 )
 from everystep.db.queue import (
@@ -236,4 +248,8 @@ __all__ = [
     "unserved_runs",
     "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",
     "ui_workflow_names",
+    # the console: re-runs, execution history, charts
+    "insert_rerun", "rerun_source",
+    "CHART_DUE_CAP", "CHART_LOOKBACK_S", "chart_minutes", "chart_schedule_fires", "chart_step_durations",
+    "prune_minutes", "roll_up_minutes",
 ]

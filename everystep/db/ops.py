@@ -45,6 +45,25 @@ def resolve_step(
         conn.execute(queries.get("notify"), {})
 
 
+def rerun_source(conn: psycopg.Connection, run: uuid.UUID) -> tuple[str, list[dict]] | None:
+    """The status of the run a re-run copies from (its row locked FOR SHARE
+    to the end of the caller's transaction) and its recorded steps (id,
+    step_id, name, status, started_at, finished_at; times as ISO text), in
+    recorded order; None when there is no such run."""
+    row = conn.execute(queries.get("rerun_source"), {"run": run}).fetchone()
+    return None if row is None else (row[0], row[1])
+
+
+def insert_rerun(conn: psycopg.Connection, run: uuid.UUID, new_id: uuid.UUID, step_ids: list[str]) -> uuid.UUID:
+    """In the caller's transaction: the re-run `new_id` of `run` (same
+    workflow and args, rerun_of = run), with the recorded outcomes of
+    `step_ids` copied from `run` in one statement. Returns the new run's id."""
+    new = conn.execute(queries.get("insert_rerun"), {"id": new_id, "run": run}).fetchone()[0]
+    if step_ids:
+        conn.execute(queries.get("copy_rerun_steps"), {"id": new, "run": run, "step_ids": step_ids})
+    return new
+
+
 def count_prunable(conn: psycopg.Connection, days: int) -> int:
     """How many terminal runs completed more than `days` days ago."""
     return conn.execute(queries.get("count_prunable"), {"days": days}).fetchone()[0]

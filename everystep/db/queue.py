@@ -333,11 +333,14 @@ def finish_run(
 # ---------------------------------------------------------------- requeues
 
 
-def requeue_held(conn: Executor, runner: str, claims: list[Claim]) -> list[uuid.UUID]:
+def requeue_held(conn: Executor, runner: str, claims: list[Claim], why: str = "drained") -> list[uuid.UUID]:
     """Put runs held by these executions of `runner` back to `scheduled`
-    (drain, a dead claimer's runs); returns those that matched."""
+    (drain, a dead claimer's runs); returns those that matched. Each
+    execution ended so is recorded in everystep_execution as `why`
+    (drained, swept, escaped)."""
     rows = conn.execute(queries.get("requeue_held"), {
-        "ids": [c.id for c in claims], "tokens": [c.token for c in claims], "runner": runner}).fetchall()
+        "ids": [c.id for c in claims], "tokens": [c.token for c in claims], "runner": runner,
+        "why": why}).fetchall()
     return [row[0] for row in rows]
 
 

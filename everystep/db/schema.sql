@@ -109,7 +109,10 @@ CREATE TABLE everystep_workflow (
     concurrency_key     varchar(255),
     -- 0014: claimed through its key's row (its workflow has a per-key limit);
     -- limited too, so out of the unlimited lane
-    keyed               boolean NOT NULL DEFAULT false
+    keyed               boolean NOT NULL DEFAULT false,
+    -- 0016: the run this one re-runs from a step (everystep.rerun); no
+    -- foreign key: a re-run outlives its pruned original
+    rerun_of            uuid
 );
 
 -- What makes schedule()'s idempotency key safe under concurrency.
@@ -155,6 +158,9 @@ CREATE INDEX everystep_workflow_ready_keyed ON everystep_workflow (name, concurr
 CREATE INDEX everystep_workflow_running_keyed ON everystep_workflow (name, concurrency_key)
     WHERE status = 'running' AND concurrency_key IS NOT NULL;
 
+-- The re-runs of a run (0016); only re-runs are in it.
+CREATE INDEX everystep_workflow_rerun_of ON everystep_workflow (rerun_of) WHERE rerun_of IS NOT NULL;
+
 -- Execution tokens: every claim of a run (first claim, catchup, successor
 -- claim, reclaim after a lost answer) takes a new one.
 CREATE SEQUENCE everystep_claim_token AS bigint;
@@ -195,6 +201,42 @@ CREATE TABLE everystep_crash (
     workflow_id uuid PRIMARY KEY REFERENCES everystep_workflow (id) ON DELETE CASCADE,
     crashes     integer NOT NULL,
     steps_seen  integer NOT NULL                        -- step rows when last counted
+);
+
+-- 0016: the executions of a run that ended other than by the run ending or
+-- parking, written only by the rare statements that end them, in the same
+-- statement: a drain's requeue, the dead-claimer sweep, an operator's
+-- requeue, a runner's catchup after its crash, a claim whose answer was
+-- lost, a shutdown. The current or last execution is the run row's
+-- (claimed_by, claim_token); those that parked the run are its step rows'
+-- claim_token. The claim path writes nothing here.
+CREATE TABLE everystep_execution (
+    id       bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    run_id   uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    token    bigint,                                     -- the execution token of the claim that ended
+    claimer  varchar(255),                               -- the runner that held it
+    ended_at timestamptz NOT NULL DEFAULT everystep_now(),
+    outcome  varchar(16) NOT NULL                        -- drained swept requeued crashed lost shutdown
+);
+CREATE INDEX everystep_execution_run ON everystep_execution (run_id, id);
+
+-- 0016: the charts' figures per minute and workflow, kept by the
+-- maintenance child: the runs that ended in the minute by status, and at the
+-- minute's end the runs due and not claimed (the backlog), how long the
+-- oldest of them had waited (the pickup latency), and the runs blocked. A
+-- chart reads at most (minutes x workflows) rows, whatever the size of the
+-- runs' history; rows older than two days are deleted by the same child.
+CREATE TABLE everystep_minute (
+    minute          timestamptz NOT NULL,
+    workflow        varchar(300) NOT NULL,
+    completed       integer NOT NULL DEFAULT 0,
+    failed          integer NOT NULL DEFAULT 0,
+    cancelled       integer NOT NULL DEFAULT 0,
+    stopped         integer NOT NULL DEFAULT 0,
+    blocked         integer,                             -- sampled: the runs blocked at the minute's end
+    due             integer,                             -- sampled: the runs due and not claimed
+    oldest_due_s    double precision,                    -- sampled: the wait of the oldest of them, seconds
+    PRIMARY KEY (workflow, minute)                       -- workflow '*': every workflow's
 );
 
 -- The workers waiting for runs (a free slot, waiting on their LISTEN): only

@@ -41,7 +41,8 @@ def ui_overview(conn: psycopg.Connection, statuses: tuple[str, ...], limit: int)
 def ui_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
     """A run with every recorded step (all their columns, whatever the
     schema version has: started_at and finished_at when present), its crash
-    count and its audit records, from one snapshot."""
+    count, its audit records, its messages, events, children and re-runs,
+    and the executions recorded in everystep_execution, from one snapshot."""
     with conn.transaction():
         conn.execute(queries.get("read_only_snapshot"), {})
         found = runs.load_run(conn, run)
@@ -51,6 +52,11 @@ def ui_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
         crashes = conn.execute(queries.get("ui_run_crashes"), {"run": run}).fetchone()
         found["crashes"] = crashes[0] if crashes else 0
         found["audit"] = ops.audit_records(conn, run=run, limit=100)
+        found.update(dicts(conn.execute(queries.get("ui_run_links"), {"run": run}))[0])
+        found["executions"] = dicts(conn.execute(queries.get("ui_run_executions"), {"run": run}))
+        found["messages"] = runs.load_messages(conn, run)
+        found["events"] = runs.load_events(conn, run)
+        found["children"] = runs.children(conn, run)
     return found
 
 

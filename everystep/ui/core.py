@@ -35,6 +35,9 @@ BULK_LIMIT = 10_000  # runs one bulk action on a filter may touch
 STATEMENT_TIMEOUT_MS = 5000
 FAILURE_WINDOWS = {"hour": 1, "day": 24, "week": 24 * 7}
 ENVIRONMENT_TTL = 30.0  # seconds the header's environment is kept before it is read again
+CHART_WINDOWS = {"hour": 60, "day": 24 * 60}  # minutes
+STEP_DURATION_RUNS = 1000  # the step duration chart reads the steps of this many newest runs
+SCHEDULE_FIRES = 100
 ARGS_SEARCH_WINDOWS = (dt.timedelta(hours=1), dt.timedelta(days=1), dt.timedelta(days=7), None)
 
 
@@ -243,8 +246,7 @@ def run_filter(query: Mapping[str, str]) -> db.RunFilter:
     since, until = _time(query.get("since"), "since"), _time(query.get("until"), "until")
     if since is not None and until is not None and until <= since:
         raise Problem(400, f"until ({plain(until)}) must be after since ({plain(since)})")
-    return db.RunFilter(status=status, workflow=query.get("workflow") or None,
-                           since=since, until=until,
+    return db.RunFilter(status=status, workflow=query.get("workflow") or None, since=since, until=until,
                            run_id=run_id, idempotency_key=key, args_contain=args, before=before)
 
 
@@ -269,6 +271,68 @@ def counts_shown(overview: dict) -> dict:
             shown[status] = {"n": max(db.UI_STATUS_CAP + 1, math.floor(rows * freqs.get(status, 0))),
                              "exact": False}
     return shown
+
+
+EXECUTION_ENDS = {
+    "drained": "requeued by a drain (its worker stopped)",
+    "swept": "requeued by the dead-claimer sweep (its claimer died)",
+    "escaped": "requeued: its execution escaped its worker (counted as a crash)",
+    "requeued": "requeued by an operator (its claimer was dead)",
+    "crashed": "its worker crashed; claimed again by the worker's next incarnation",
+    "lost": "lost claim: the claim's answer never reached its worker; claimed again",
+    "shutdown": "requeued at its worker's shutdown",
+}
+
+
+def execution_history(run: dict) -> list[dict]:
+    """Every execution of a run (each claim, by execution token), oldest
+    first: who held it, its first and last step, and how it ended. The
+    executions that ended other than by the run ending or parking are
+    recorded (everystep_execution); the one holding the run, or the last,
+    is the run row's (claimed_by, claim_token); the others are known from
+    the steps they recorded, and ended by parking the run (a sleep, a wait,
+    a retry's back-off) or by blocking it."""
+    by_token: dict[Any, dict] = {}
+
+    def entry(token: Any) -> dict:
+        return by_token.setdefault(token, {"token": token, "claimer": None, "first_step_at": None,
+                                           "last_step_at": None, "steps": 0, "ended_at": None, "outcome": None,
+                                           "how": None})
+
+    for step in run.get("steps") or []:
+        token = step.get("claim_token")
+        if token is None:
+            continue
+        each = entry(token)
+        each["steps"] += 1
+        started, finished = step.get("started_at"), step.get("finished_at") or step.get("started_at")
+        if started and (each["first_step_at"] is None or started < each["first_step_at"]):
+            each["first_step_at"] = started
+        if finished and (each["last_step_at"] is None or finished > each["last_step_at"]):
+            each["last_step_at"] = finished
+    for row in run.get("executions") or []:
+        each = entry(row["token"])
+        each.update(claimer=row["claimer"], ended_at=row["ended_at"], outcome=row["outcome"],
+                    how=EXECUTION_ENDS.get(row["outcome"], row["outcome"]))
+    current = run.get("claim_token")
+    if current is not None and entry(current)["outcome"] is None:
+        each = entry(current)
+        each["claimer"] = run.get("claimed_by")
+        status = run["status"]
+        if status == "running":
+            each.update(outcome="running", how="running now")
+        elif status == "waiting":
+            each.update(outcome="parked", how=f"parked the run (waiting for {run.get('waiting_on') or 'its time'})")
+        elif status == "blocked":
+            each.update(outcome="blocked", how="blocked on an unsafe step whose outcome is unknown")
+        elif status == "scheduled":
+            each.update(outcome="parked", how="ended; the run is scheduled again")
+        else:
+            each.update(outcome=status, how=f"the run ended {status}", ended_at=run.get("completed_at"))
+    for each in by_token.values():
+        if each["outcome"] is None:
+            each.update(outcome="parked", how="parked the run (a sleep, a wait or a retry's back-off), or blocked it")
+    return [by_token[token] for token in sorted(by_token)]
 
 
 # ---------------------------------------------------------------- the console
@@ -335,8 +399,12 @@ class Console:
         run = _run_id(run_id)
         with self._db() as conn:
             found = db.ui_run(conn, run)
+            if found is not None and found["status"] == "running" and found["claimed_by"]:
+                # The requeue button only when the claimer's lock is free (it is dead).
+                found["claimer_alive"] = not db.runners_without_lock(conn, [found["claimed_by"]])
         if found is None:
             raise Problem(404, f"no run {run}")
+        found["execution_history"] = execution_history(found)
         blocked_on = [s["step_id"] for s in found["steps"] if s["status"] == "started"]
         if found["status"] == "blocked" and blocked_on:
             found["resolve"] = {
@@ -368,6 +436,30 @@ class Console:
             raise Problem(400, f"window must be one of {', '.join(FAILURE_WINDOWS)}")
         with self._db() as conn:
             return {"window": window, "groups": db.ui_failures(conn, FAILURE_WINDOWS[window])}
+
+    def charts(self, query: Mapping[str, str]) -> dict:
+        """The charts over time, of one workflow or all: per minute the runs
+        that ended by status, the runs blocked, the backlog and the pickup
+        latency (everystep_minute, kept by the maintenance child), and step
+        duration percentiles per step name over the newest runs' steps."""
+        window = query.get("window") or "hour"
+        if window not in CHART_WINDOWS:
+            raise Problem(400, f"window must be one of {', '.join(CHART_WINDOWS)}")
+        workflow = query.get("workflow") or None
+        with self._db() as conn:
+            try:
+                minutes = db.chart_minutes(conn, workflow, CHART_WINDOWS[window])
+            except psycopg.errors.UndefinedTable:
+                minutes = []  # a schema before 0016: no figures yet
+            now = db.database_now(conn)
+            steps = db.chart_step_durations(conn, workflow, STEP_DURATION_RUNS)
+        return {"window": window, "workflow": workflow, "now": now, "minutes": minutes, "steps": steps,
+                "step_runs": STEP_DURATION_RUNS, "lookback_s": db.CHART_LOOKBACK_S}
+
+    def schedule_fires(self, key: str) -> dict:
+        """A schedule's newest fires and how their runs ended."""
+        with self._db() as conn:
+            return {"key": key, "fires": db.chart_schedule_fires(conn, key, SCHEDULE_FIRES)}
 
     def audit(self, query: Mapping[str, str]) -> dict:
         """The newest audit records, filtered by person (`actor`), `action`
@@ -476,6 +568,29 @@ class Console:
             if refusal.status != "running" else f"{refusal.run}: asked to stop already"
             for refusal in refused], _all_unknown(refused))
 
+    def _rerun(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
+        """Re-run ended runs from a step id: a new run each (operations.rerun_many)."""
+        step = body.get("from_step")
+        if not isinstance(step, str) or not step.strip():
+            raise Problem(400, "from_step must be a step id, e.g. 3 or charge or fan.0.1")
+        runs = self._target_runs(conn, body)
+        done, refused = operations.rerun_many(conn, actor, runs, step.strip(), all_or_nothing=False)
+        if len(runs) == 1 and refused:
+            raise Problem(404 if refused[0].status is None else 409, refused[0].why)
+        return _answer(f"re-ran {len(done)} run(s) from step {step.strip()}", [each.new for each in done],
+                       [refusal.why for refusal in refused])
+
+    def _send(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
+        run, topic = _run_id(body.get("run")), body.get("topic")
+        if not isinstance(topic, str) or not topic.strip():
+            raise Problem(400, "topic must be the topic the run waits for")
+        payload = _value(body.get("payload") or "null", "payload")
+        try:
+            operations.send_message(conn, actor, run, topic.strip(), payload)
+        except operations.NotFound as unknown:
+            raise Problem(404, str(unknown)) from None
+        return {"message": f"sent a message on {topic.strip()!r} to run {run}", "done": [run]}
+
     def _schedule_action(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         key, verb = body.get("key"), body.get("verb")
         if not isinstance(key, str) or verb not in ("pause", "resume", "fire"):
@@ -509,4 +624,6 @@ _ACTIONS = {
     "reschedule": Console._reschedule,
     "cancel": Console._cancel,
     "schedule": Console._schedule_action,
+    "rerun": Console._rerun,
+    "send": Console._send,
 }

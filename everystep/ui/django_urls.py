@@ -150,6 +150,8 @@ urlpatterns = [
     path("api/workers", _read(lambda c: c.workers)),
     path("api/failures", _read(lambda c: c.failures, with_query=True)),
     path("api/audit", _read(lambda c: c.audit, with_query=True)),
+    path("api/charts", _read(lambda c: c.charts, with_query=True)),
+    path("api/schedules/<str:key>/fires", _read(lambda c: c.schedule_fires)),
     path("api/events", events),
     path("api/actions/<str:action>", act),
 ]

@@ -150,6 +150,8 @@ def create_app(console: Console) -> Starlette:
         Route("/api/workers", api(console.workers)),
         Route("/api/failures", api(console.failures, with_query=True)),
         Route("/api/audit", api(console.audit, with_query=True)),
+        Route("/api/charts", api(console.charts, with_query=True)),
+        Route("/api/schedules/{key}/fires", api(console.schedule_fires)),
         Route("/api/events", events),
         Route("/api/actions/{action}", act, methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),

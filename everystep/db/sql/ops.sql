@@ -93,3 +93,55 @@ INSERT INTO everystep_environment (one, name, recorded_at, recorded_by)
 VALUES (true, %(name)s, everystep_now(), %(by)s)
 ON CONFLICT (one) DO UPDATE
 SET name = excluded.name, recorded_at = excluded.recorded_at, recorded_by = excluded.recorded_by;
+
+-- name: rerun_source
+-- The run a re-run copies from: its status, locked against a change while
+-- the re-run is written, and every recorded step of it (what the copy
+-- chooses from).
+SELECT w.status,
+       to_json(ARRAY(SELECT json_build_object('id', s.id, 'step_id', s.step_id, 'name', s.name, 'status', s.status,
+                                              'started_at', s.started_at, 'finished_at', s.finished_at)
+                     FROM everystep_step s
+                     WHERE s.workflow_id = w.id
+                     ORDER BY s.id))
+FROM everystep_workflow w
+WHERE w.id = %(run)s
+FOR SHARE;
+
+-- name: insert_rerun
+-- The re-run: a new run of the same workflow and args (no idempotency key,
+-- no parent), linked back to the run it re-runs, and the recorded outcomes
+-- of the steps `step_ids` copied from that run, in their recorded order, so
+-- that replay serves them. Notifies the claimers.
+-- Its priority and concurrency key are the original's (its key made ready
+-- as insert_run does); it has no deadline.
+WITH ins AS (
+    INSERT INTO everystep_workflow (id, name, args, status, limited, rerun_of, priority, concurrency_key, keyed)
+    SELECT %(id)s, w.name, w.args, 'scheduled', k.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name),
+           w.id, w.priority, w.concurrency_key, k.keyed
+    FROM everystep_workflow w
+    CROSS JOIN LATERAL (SELECT w.concurrency_key IS NOT NULL
+                               AND EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name) AS keyed) AS k
+    WHERE w.id = %(run)s
+    RETURNING id, name, concurrency_key, keyed
+), key_row AS (
+    INSERT INTO everystep_key (name, key)
+    SELECT ins.name, ins.concurrency_key FROM ins
+    WHERE ins.keyed AND NOT EXISTS (SELECT FROM everystep_key k
+                                    WHERE k.name = ins.name AND k.key = ins.concurrency_key AND k.ready)
+    ON CONFLICT (name, key) DO UPDATE SET ready = true
+)
+SELECT id, pg_notify('everystep:' || current_schema(), '')
+FROM ins;
+
+-- name: copy_rerun_steps
+-- The recorded outcomes of `step_ids` of run `run`, copied to the re-run `id`
+-- in their recorded order (the execution token is not: no execution of the
+-- re-run wrote them).
+INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, started_at, finished_at,
+                            attempts)
+SELECT %(id)s, s.step_id, s.name, s.args, s.kwargs, s.status, s.result, s.error, s.started_at, s.finished_at,
+       s.attempts
+FROM everystep_step s
+WHERE s.workflow_id = %(run)s AND s.step_id = ANY(%(step_ids)s::text[])
+ORDER BY s.id;

@@ -643,15 +643,34 @@ WHERE r.name = %(name)s AND NOT EXISTS (SELECT FROM took);
 -- name: reclaim_held
 -- New tokens for the runs `running` under this runner's name that none of
 -- its live executions holds (their tokens: `executing`), returned as claimed.
-UPDATE everystep_workflow w
-SET claim_token = nextval('everystep_claim_token')
-WHERE w.status = 'running' AND w.claimed_by = %(runner)s
-  AND (w.claim_token IS NULL OR w.claim_token <> ALL(%(executing)s::bigint[]))
-RETURNING w.id, w.name, w.args,
-    to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
-                  FROM everystep_step s
-                  WHERE s.workflow_id = w.id)),
-    w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id;
+-- The executions they replace are recorded (everystep_execution): `crashed`
+-- at a catchup (no execution is live: the previous incarnation died), else
+-- `lost` (a claim whose answer never came back).
+WITH old AS (
+    SELECT w.id, w.claim_token
+    FROM everystep_workflow w
+    WHERE w.status = 'running' AND w.claimed_by = %(runner)s
+      AND (w.claim_token IS NULL OR w.claim_token <> ALL(%(executing)s::bigint[]))
+    FOR UPDATE
+), reclaimed AS (
+    UPDATE everystep_workflow w
+    SET claim_token = nextval('everystep_claim_token')
+    FROM old
+    WHERE w.id = old.id AND w.status = 'running' AND w.claimed_by = %(runner)s
+    RETURNING w.id, w.name, w.args,
+        to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
+                      FROM everystep_step s
+                      WHERE s.workflow_id = w.id)),
+        w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE,
+        extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
+), ended AS (
+    INSERT INTO everystep_execution (run_id, token, claimer, outcome)
+    SELECT old.id, old.claim_token, %(runner)s,
+           CASE WHEN cardinality(%(executing)s::bigint[]) = 0 THEN 'crashed' ELSE 'lost' END
+    FROM old
+    WHERE old.id IN (SELECT id FROM reclaimed)
+)
+SELECT * FROM reclaimed;
 
 -- name: held_claims
 SELECT id, claim_token
@@ -1215,38 +1234,53 @@ WHERE EXISTS (SELECT 1 FROM everystep_slot s
 
 -- name: requeue_held
 -- Runs held by these executions of a runner back to `scheduled` (a drain, a
--- dead claimer's runs), each only under the token it was claimed with.
+-- dead claimer's runs), each only under the token it was claimed with; each
+-- execution ended so is recorded with `why` (drained, swept, escaped).
 WITH q AS (
     UPDATE everystep_workflow w
     SET status = 'scheduled', claimed_by = NULL
     FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[]) AS c(id, token)
     WHERE w.id = c.id AND w.status = 'running' AND w.claimed_by = %(runner)s
       AND w.claim_token IS NOT DISTINCT FROM c.token
-    RETURNING w.id
+    RETURNING w.id, c.token
+), ended AS (
+    INSERT INTO everystep_execution (run_id, token, claimer, outcome)
+    SELECT id, token, %(runner)s, %(why)s
+    FROM q
 )
 SELECT id, pg_notify('everystep:' || current_schema(), '')
 FROM q;
 
 -- name: requeue_claimer
--- Every running run of a claimer whose lock the caller holds (a worker's own shutdown).
+-- Every running run of a claimer whose lock the caller holds (a worker's own
+-- shutdown), each execution ended so recorded as `shutdown`.
 WITH q AS (
     UPDATE everystep_workflow
     SET status = 'scheduled', claimed_by = NULL
     WHERE status = 'running' AND claimed_by = %(claimer)s
-    RETURNING id
+    RETURNING id, claim_token
+), ended AS (
+    INSERT INTO everystep_execution (run_id, token, claimer, outcome)
+    SELECT id, claim_token, %(claimer)s, 'shutdown'
+    FROM q
 )
 SELECT id, pg_notify('everystep:' || current_schema(), '')
 FROM q;
 
 -- name: requeue_from_dead_claimers
 -- Each run only if it is still claimed by the claimer given with it (one the
--- caller found dead and whose lock it holds).
+-- caller found dead and whose lock it holds); each execution ended so is
+-- recorded as `requeued` (an operator's requeue).
 WITH q AS (
     UPDATE everystep_workflow w
     SET status = 'scheduled', claimed_by = NULL
     FROM unnest(%(ids)s::uuid[], %(claimers)s::text[]) AS c(id, claimer)
     WHERE w.id = c.id AND w.status = 'running' AND w.claimed_by IS NOT DISTINCT FROM c.claimer
-    RETURNING w.id
+    RETURNING w.id, w.claim_token, c.claimer
+), ended AS (
+    INSERT INTO everystep_execution (run_id, token, claimer, outcome)
+    SELECT id, claim_token, claimer, 'requeued'
+    FROM q
 )
 SELECT id, pg_notify('everystep:' || current_schema(), '')
 FROM q;

@@ -183,3 +183,20 @@ UPDATE everystep_schedule
 SET paused = %(paused)s, next_fire_at = coalesce(%(next_fire_at)s, next_fire_at),
     paused_reason = NULL, version = version + 1, updated_at = everystep_now()
 WHERE key = %(key)s;
+
+-- name: ui_run_links
+-- What a run's page shows beyond load_run: its current (or last) execution
+-- token, what a parked wait waits for, the run it re-runs, and its re-runs
+-- (the partial index everystep_workflow_rerun_of).
+SELECT w.claim_token, w.waiting_on, w.wakes, w.rerun_of,
+       ARRAY(SELECT r.id FROM everystep_workflow r WHERE r.rerun_of = w.id ORDER BY r.id) AS reruns
+FROM everystep_workflow w
+WHERE w.id = %(run)s;
+
+-- name: ui_run_executions
+-- The executions of a run that ended other than by the run ending or
+-- parking (everystep_execution), in order.
+SELECT token, claimer, ended_at, outcome
+FROM everystep_execution
+WHERE run_id = %(run)s
+ORDER BY id;

@@ -169,21 +169,41 @@ function refetchSoon() {
 let current = { view: "runs" };
 let onSnapshot = () => {};
 
+// The page's state is in its URL (shareable; the back button works): the
+// hash is a view and its parameters, "#?status=failed&workflow=x" (the runs
+// list), "#run/ID", "#charts?workflow=x&window=day", "#schedule/KEY".
+function parseHash() {
+  const hash = location.hash.slice(1);
+  const at = hash.indexOf("?");
+  return { path: decodeURIComponent(at < 0 ? hash : hash.slice(0, at)), params: new URLSearchParams(at < 0 ? "" : hash.slice(at + 1)) };
+}
+
+function go(hash) {
+  if (location.hash.slice(1) === hash) refresh();
+  else location.hash = hash;
+}
+
 function route() {
-  const hash = decodeURIComponent(location.hash.slice(1));
+  const { path: hash, params } = parseHash();
   const path = location.pathname.slice(BASE.length);
   let m;
   if ((m = hash.match(/^run\/(.+)$/))) current = { view: "run", id: m[1] };
-  else if (!hash && (m = path.match(/^\/runs\/(.+)$/))) current = { view: "run", id: m[1] };
+  else if (!hash && !params.toString() && (m = path.match(/^\/runs\/(.+)$/))) current = { view: "run", id: m[1] };
+  else if ((m = hash.match(/^schedule\/(.+)$/))) current = { view: "fires", key: m[1] };
+  else if (hash === "charts") current = { view: "charts", workflow: params.get("workflow") || "", window: params.get("window") || "hour" };
   else if (["schedules", "workers", "failures", "audit"].includes(hash)) current = { view: hash };
-  else current = { view: "runs" };
+  else {
+    current = { view: "runs" };
+    for (const k of Object.keys(filters)) filters[k] = params.get(k) || "";
+  }
   document.querySelectorAll("nav a").forEach((a) => a.classList.toggle("active", a.dataset.view === current.view));
   onSnapshot = () => {};
   refresh();
 }
 
 function refresh(quiet = false) {
-  const views = { runs: showRuns, run: showRun, schedules: showSchedules, workers: showWorkers, failures: showFailures, audit: showAudit };
+  const views = { runs: showRuns, run: showRun, schedules: showSchedules, workers: showWorkers, failures: showFailures,
+    audit: showAudit, charts: showCharts, fires: showFires };
   views[current.view](quiet).catch((err) => { if (!quiet) fill(main, h("p", { class: "error" }, err.message)); });
 }
 
@@ -199,10 +219,20 @@ document.getElementById("open-run").addEventListener("submit", (ev) => {
 const filters = { status: "", workflow: "", since: "", until: "", q: "" };
 let listState = { runs: [], next: null, selected: new Set(), pages: 1 };
 
+// The from/to inputs are read in UTC, like every time on these pages.
+const utc = (v) => (/(Z|[+-]\d\d:\d\d)$/.test(v) ? v : `${v}Z`);
+
 function filterQuery() {
   const p = new URLSearchParams();
-  for (const [k, v] of Object.entries(filters)) if (v) p.set(k, k === "since" || k === "until" ? new Date(v).toISOString() : v);
+  for (const [k, v] of Object.entries(filters)) if (v) p.set(k, k === "since" || k === "until" ? utc(v) : v);
   return p;
+}
+
+// The filters as the page's URL keeps them (times as typed, in UTC).
+function filterHash() {
+  const p = new URLSearchParams();
+  for (const [k, v] of Object.entries(filters)) if (v) p.set(k, v);
+  return p.toString() ? `?${p}` : "";
 }
 const unfiltered = () => !Object.values(filters).some(Boolean);
 
@@ -236,19 +266,21 @@ async function buildRunsPage() {
   const input = (name, attrs) => h("input", { name, value: filters[name], ...attrs });
   const form = h("form", { id: "filters", class: "filters", onsubmit: (ev) => {
     ev.preventDefault();
+    const since = ev.target.since.value, until = ev.target.until.value;
+    if (since && until && since > until) return flash(`from (${since.replace("T", " ")} UTC) is after to (${until.replace("T", " ")} UTC): nothing can match`, true);
     for (const k of Object.keys(filters)) filters[k] = ev.target[k].value.trim();
     listState.selected.clear();
-    refresh();
+    go(filterHash());
   } },
     h("select", { name: "status", "aria-label": "status" }, h("option", { value: "" }, "any status"),
       STATUSES.map((s) => h("option", { value: s, selected: filters.status === s }, s))),
     h("select", { name: "workflow", "aria-label": "workflow" }, h("option", { value: "" }, "any workflow"),
       names.workflows.map((n) => h("option", { value: n, selected: filters.workflow === n }, n))),
-    h("label", {}, "from ", input("since", { type: "datetime-local" })),
-    h("label", {}, "to ", input("until", { type: "datetime-local" })),
+    h("label", {}, "from ", input("since", { type: "datetime-local" }), " UTC"),
+    h("label", {}, "to ", input("until", { type: "datetime-local" }), " UTC"),
     input("q", { type: "search", size: 40, placeholder: "run id, idempotency key, or args JSON {\"k\": 1}", "aria-label": "search" }),
     h("button", {}, "Filter"),
-    h("button", { type: "button", onclick: () => { Object.keys(filters).forEach((k) => { filters[k] = ""; }); refresh(); } }, "Clear"));
+    h("button", { type: "button", onclick: () => { Object.keys(filters).forEach((k) => { filters[k] = ""; }); go(""); } }, "Clear"));
   const bulk = ROLE === "operator" ? h("div", { class: "bulk" },
     h("span", { id: "selection" }, ""),
     h("button", { onclick: () => bulkAct("requeue", "Requeue the selected runs whose claimer is dead?", false) }, "Requeue selected"),
@@ -257,6 +289,7 @@ async function buildRunsPage() {
     h("button", { onclick: () => bulkAct("reschedule", "Schedule EVERY run matching the filter again?", true) }, "Schedule all matching again"),
     h("button", { onclick: () => bulkAct("cancel", "Cancel the selected runs?", false) }, "Cancel selected"),
     h("button", { onclick: () => bulkAct("cancel", "Cancel EVERY run matching the filter?", true) }, "Cancel all matching"),
+    h("button", { onclick: () => bulkRerun() }, "Re-run selected from a step"),
   ) : null;
   fill(main, 
     h("section", { id: "counts", class: "counts" }),
@@ -267,7 +300,7 @@ async function buildRunsPage() {
         listState.selected = new Set(ev.target.checked ? listState.runs.map((r) => r.id) : []);
         renderRows();
       } }) : ""),
-      ["run", "workflow", "status", "runner", "steps", "progress", "scheduled", "finished"].map((t) => h("th", {}, t)))),
+      ["run", "workflow", "status", "runner", "steps", "progress", "scheduled (UTC)", "finished (UTC)"].map((t, i) => h("th", { class: [3, 4, 7].includes(i) ? "narrow-hide" : null }, t)))),
     h("tbody", { id: "runs" })),
     h("p", {}, h("button", { id: "more", onclick: loadMore }, "Older runs")),
   );
@@ -284,6 +317,13 @@ async function bulkAct(action, question, everything) {
     body = { runs: [...listState.selected] };
   }
   if (await confirmed(question, action, body)) listState.selected.clear();
+}
+
+async function bulkRerun() {
+  if (!listState.selected.size) return flash("select runs first", true);
+  const step = window.prompt("Re-run the selected runs from which step id? (the steps before it are copied, it and what follows run again)", "");
+  if (!step) return;
+  if (await confirmed(`Re-run ${listState.selected.size} run(s) from step ${step}?`, "rerun", { runs: [...listState.selected], from_step: step })) listState.selected.clear();
 }
 
 async function loadMore() {
@@ -307,11 +347,12 @@ function renderRows() {
       h("td", {}, ROLE === "operator" ? h("input", { type: "checkbox", checked: listState.selected.has(r.id), "aria-label": "select",
         onchange: (ev) => { ev.target.checked ? listState.selected.add(r.id) : listState.selected.delete(r.id); renderSelection(); } }) : ""),
       h("td", {}, runLink(r.id, r.id.slice(0, 8) + "…" + r.id.slice(-4))),
-      h("td", { class: "mono" }, r.name), h("td", {}, badge(r.status)),
-      h("td", { class: "mono" }, r.claimed_by || "-"),
-      h("td", {}, `${r.steps_done || 0} / ${total}`),
-      h("td", {}, h("progress", { max: 100, value: pct, class: r.status }, `${pct}%`)),
-      h("td", {}, when(r.created_at)), h("td", {}, when(r.completed_at)));
+      h("td", { class: "mono wf" }, r.name), h("td", {}, badge(r.status)),
+      h("td", { class: "mono narrow-hide" }, r.claimed_by || "-"),
+      h("td", { class: "narrow-hide" }, `${r.steps_done || 0} / ${total}`),
+      h("td", {}, h("span", { class: `bar-track ${r.status}`, role: "progressbar", "aria-valuenow": pct, "aria-valuemin": 0, "aria-valuemax": 100, title: `${r.steps_done || 0} of ${total} steps done` },
+        h("span", { class: "bar-fill", style: `width:${pct}%` }))),
+      h("td", {}, when(r.created_at)), h("td", { class: "narrow-hide" }, when(r.completed_at)));
   }));
   if (!listState.runs.length) body.append(h("tr", {}, h("td", { colspan: 9, class: "empty" }, "no runs match")));
   document.getElementById("more").hidden = !listState.next;
@@ -330,7 +371,7 @@ function renderCounts(snapshot) {
       const c = snapshot.counts[s] || { n: 0, exact: true };
       return h("a", { href: "#", class: `count ${s}${filters.status === s ? " active" : ""}`, "data-status": s,
         title: c.exact ? "exact" : "estimate from the planner's statistics",
-        onclick: (ev) => { ev.preventDefault(); filters.status = filters.status === s ? "" : s; refresh(); } },
+        onclick: (ev) => { ev.preventDefault(); filters.status = filters.status === s ? "" : s; go(filterHash()); } },
         h("b", {}, (c.exact ? "" : "≈") + c.n.toLocaleString("en")), " ", s);
     }));
   }
@@ -344,13 +385,21 @@ function renderCounts(snapshot) {
 
 // ------------------------------------------------------------------ a run
 
+const TERMINAL = ["completed", "failed", "stopped", "cancelled"];
+const short = (id) => `${id.slice(0, 8)}…${id.slice(-4)}`;
+const epochWhen = (t) => (t === null || t === undefined ? "-" : whenMs(new Date(t * 1000).toISOString()));
+
 async function showRun(quiet) {
+  const asked = current;
   const run = await getJSON(`/api/runs/${encodeURIComponent(current.id)}`);
-  const field = (label, value) => [h("dt", {}, label), h("dd", {}, value)];
+  if (current !== asked) return;  // the page moved on meanwhile (an action's refresh, then a link)
+  const field = (label, value, id) => [h("dt", {}, label), h("dd", { id }, value)];
   const graph = h("div", { class: "graph", id: "graph" });
   const detail = h("div", { id: "step-detail", class: "step-detail" }, h("p", { class: "muted" }, "click a step to see its args, result or error"));
   const actions = ROLE === "operator" ? h("p", { class: "actions" },
-    run.status === "running" ? h("button", { onclick: () => confirmed(`Requeue run ${run.id}? Only done if its claimer is dead.`, "requeue", { runs: [run.id] }) }, "Requeue (claimer dead)") : null,
+    // Requeue only helps a run whose claimer is dead: its lock is free.
+    run.status === "running" && run.claimer_alive === false
+      ? h("button", { id: "requeue", onclick: () => confirmed(`Requeue run ${run.id}? Its claimer ${run.claimed_by} holds no lock: it is dead.`, "requeue", { runs: [run.id] }) }, "Requeue (claimer dead)") : null,
     h("button", { onclick: async () => {
       const answer = await confirmed(`Schedule a new run of ${run.name} with the same args?`, "reschedule", { runs: [run.id] });
       if (answer && answer.done.length) location.hash = `run/${answer.done[0]}`;
@@ -358,36 +407,113 @@ async function showRun(quiet) {
     ["scheduled", "waiting", "running", "blocked"].includes(run.status)
       ? h("button", { onclick: () => confirmed(`Cancel run ${run.id}?` + (run.status === "running" ? " It stops at its next step." : ""), "cancel", { runs: [run.id] }) }, "Cancel")
       : null) : null;
+  const links = (ids) => (ids && ids.length ? ids.map((id, i) => [i ? ", " : "", runLink(id, short(id))]) : "-");
   const page = h("article", { class: "run", "data-status": run.status },
     h("h2", {}, "run ", h("span", { class: "mono" }, run.id), " ", badge(run.status)),
     run.resolve ? resolvePanel(run) : null,
     actions,
     h("dl", {}, field("workflow", h("span", { class: "mono" }, run.name)), field("claimed by", run.claimed_by || "-"),
+      run.status === "running" && run.claimed_by ? field("claimer", run.claimer_alive ? "alive (holds its lock)" : "dead (its lock is free)", "claimer-state") : null,
       field("idempotency key", run.idempotency_key || "-"),
       field("priority", run.priority === undefined ? "-" : String(run.priority)),
       field("concurrency key", run.concurrency_key || "-"), field("scheduled", when(run.created_at)),
-      field("finished", when(run.completed_at)), run.crashes ? field("crashes", run.crashes) : null,
+      !TERMINAL.includes(run.status) ? field(run.status === "waiting" ? "wakes" : "due", when(run.due_at), "due-at") : null,
+      run.waiting_on ? field("waiting for", h("span", { class: "mono" }, run.waiting_on), "waiting-on") : null,
+      field("finished", when(run.completed_at)),
       run.deadline_at ? field("deadline", h("span", { id: "run-deadline" }, when(run.deadline_at))) : null,
       run.cancel_requested_at || run.cancel_reason
-        ? field("cancel", h("span", { id: "run-cancel" }, run.cancel_reason ? `reason: ${run.cancel_reason}` : "requested")) : null,
-      stepTimeouts(run) ? field("timeouts", h("span", { id: "run-timeouts" }, `${stepTimeouts(run)} step attempt(s) timed out`)) : null),
+        ? field("cancel", [h("span", { id: "run-cancel" }, run.cancel_reason ? `reason: ${run.cancel_reason}` : "requested"),
+                           run.cancel_requested_at ? [" at ", when(run.cancel_requested_at)] : null], "cancel-request") : null,
+      stepTimeouts(run) ? field("timeouts", h("span", { id: "run-timeouts" }, `${stepTimeouts(run)} step attempt(s) timed out`)) : null,
+      run.parent_id ? field("parent", runLink(run.parent_id, short(run.parent_id)), "parent") : null,
+      run.children && run.children.length ? field("children", run.children.map((c, i) => [i ? " " : "", runLink(c.id, short(c.id)), " ", badge(c.status)]), "children") : null,
+      run.rerun_of ? field("re-run of", runLink(run.rerun_of, short(run.rerun_of)), "rerun-of") : null,
+      run.reruns && run.reruns.length ? field("re-runs", links(run.reruns), "reruns") : null,
+      run.crashes ? field("crashes", run.crashes) : null),
+    ROLE === "operator" && ["failed", "stopped", "cancelled"].includes(run.status) && run.steps.length ? rerunPanel(run) : null,
+    ROLE === "operator" && !TERMINAL.includes(run.status) ? sendPanel(run) : null,
     h("h3", {}, "args"), h("pre", { class: "value" }, readable(run.args)),
     run.status === "completed" ? [h("h3", {}, "result"), h("pre", { class: "value", id: "run-result" }, readable(run.result))] : null,
     run.error ? [h("h3", {}, "error"), h("pre", { class: "value error", id: "run-error" }, describeError(run.error))] : null,
     h("h3", {}, `steps (${run.steps.length})`),
     h("div", { class: "graph-tools" },
       h("button", { onclick: () => zoom(1.25) }, "+"), h("button", { onclick: () => zoom(0.8) }, "−"),
-      h("button", { onclick: fit }, "fit")),
+      h("button", { onclick: fit }, "fit"), h("span", { class: "legend" },
+        ["done", "failed", "inflight", "waiting", "uncertain", "unreached"].map((st) => h("span", { class: `key ${st}` }, LEGEND[st])))),
     h("div", { class: "graph-and-detail" }, graph, detail),
     h("h3", {}, "timeline"), timeline(run),
+    h("h3", {}, `executions (${run.execution_history.length})`), executionTable(run),
+    run.messages && run.messages.length ? [h("h3", {}, `messages received (${run.messages.length})`), messageTable(run.messages)] : null,
+    run.events && run.events.length ? [h("h3", {}, `events set (${run.events.length})`), eventTable(run.events)] : null,
     run.audit.length ? [h("h3", {}, "audit"), auditTable(run.audit)] : null,
   );
   if (quiet && !document.querySelector("article.run")) return;
   const oldView = graphView;
+  const typing = document.activeElement && document.activeElement.closest && document.activeElement.closest("#send-form, #rerun-form");
+  if (quiet && typing) return;  // not under an operator's fingers
   fill(main, page);
   drawGraph(graph, run, detail);
   if (quiet && oldView) setView(oldView);
-  onSnapshot = (snapshot, changed) => { if (changed && !["completed", "failed", "stopped"].includes(run.status)) refetchSoon(); };
+  onSnapshot = (snapshot, changed) => { if (changed && !TERMINAL.includes(run.status)) refetchSoon(); };
+}
+
+const LEGEND = { done: "done", failed: "failed", inflight: "in progress", waiting: "waiting (sleep, wait, back-off)",
+  uncertain: "uncertain: unsafe, outcome unknown", unreached: "not reached" };
+
+function rerunPanel(run) {
+  const failed = [...run.steps].reverse().find((s) => s.status === "failed");
+  const chosen = (failed || run.steps[run.steps.length - 1]).step_id;
+  return h("section", { class: "panel", id: "rerun" },
+    h("h3", {}, "re-run from a step"),
+    h("p", { class: "muted" }, "A new run of the same workflow and args: the recorded outcomes of the steps before the one chosen are copied (replay serves them: no payment is repeated), it and what follows run again. This run keeps its steps. The CLI: ",
+      h("code", {}, `everystep rerun ${run.id} --from-step ${chosen}`)),
+    h("form", { id: "rerun-form", onsubmit: async (ev) => {
+      ev.preventDefault();
+      const step = ev.target.step.value;
+      const answer = await confirmed(`Re-run ${run.id} from step ${step}? The steps before it are copied; it and what follows run again.`, "rerun", { runs: [run.id], from_step: step });
+      if (answer && answer.done.length) location.hash = `run/${answer.done[0]}`;
+    } },
+      h("label", {}, "from step ", h("select", { name: "step", "aria-label": "from step" },
+        run.steps.map((st) => h("option", { value: st.step_id, selected: st.step_id === chosen }, `${st.step_id} · ${st.name.split(".").pop()} · ${st.status}`)))),
+      " ", h("button", {}, "Re-run from this step")));
+}
+
+function sendPanel(run) {
+  const topic = run.waiting_on && run.waiting_on.startsWith("message:") ? run.waiting_on.slice(8) : "";
+  return h("section", { class: "panel", id: "send" },
+    h("h3", {}, "send a message"),
+    h("form", { id: "send-form", onsubmit: async (ev) => {
+      ev.preventDefault();
+      const t = ev.target.topic.value.trim(), payload = ev.target.payload.value.trim() || "null";
+      await confirmed(`Send a message on ${t} to run ${run.id}?`, "send", { run: run.id, topic: t, payload });
+    } },
+      h("input", { name: "topic", value: topic, placeholder: "topic", size: 16, "aria-label": "topic", required: true }), " ",
+      h("input", { name: "payload", placeholder: "payload JSON, e.g. {\"approved\": true}", size: 40, "aria-label": "payload" }), " ",
+      h("button", {}, "Send")),
+    topic ? h("p", { class: "muted" }, `The run waits for a message on ${topic}.`) : null);
+}
+
+function executionTable(run) {
+  return h("table", { id: "executions", class: "executions" },
+    h("thead", {}, h("tr", {}, ["token", "claimed by", "first step (UTC)", "last step (UTC)", "steps", "ended (UTC)", "how it ended"].map((t) => h("th", {}, t)))),
+    h("tbody", {}, run.execution_history.map((e) => h("tr", { "data-outcome": e.outcome },
+      h("td", { class: "mono" }, e.token), h("td", { class: "mono" }, e.claimer || "-"),
+      h("td", {}, whenMs(e.first_step_at)), h("td", {}, whenMs(e.last_step_at)), h("td", {}, e.steps),
+      h("td", {}, when(e.ended_at)), h("td", {}, badge(e.outcome), " ", e.how || "")))),
+    run.execution_history.length ? null : h("caption", { class: "muted" }, "never claimed"));
+}
+
+function messageTable(messages) {
+  return h("table", { id: "messages" }, h("thead", {}, h("tr", {}, ["#", "topic", "payload", "sent (UTC)", "taken by step", "taken (UTC)"].map((t) => h("th", {}, t)))),
+    h("tbody", {}, messages.map((m) => h("tr", {}, h("td", {}, m.id), h("td", { class: "mono" }, m.topic),
+      h("td", {}, h("pre", { class: "value inline" }, readable(m.payload))), h("td", {}, when(m.created_at)),
+      h("td", { class: "mono" }, m.consumed_by || "not yet"), h("td", {}, when(m.consumed_at))))));
+}
+
+function eventTable(events) {
+  return h("table", { id: "events" }, h("thead", {}, h("tr", {}, ["key", "value", "set (UTC)"].map((t) => h("th", {}, t)))),
+    h("tbody", {}, events.map((e) => h("tr", {}, h("td", { class: "mono" }, e.key),
+      h("td", {}, h("pre", { class: "value inline" }, readable(e.value))), h("td", {}, when(e.updated_at))))));
 }
 
 // Step attempts that ran past their @step(timeout=): retried ones and final failures.
@@ -468,11 +594,39 @@ function layoutFork(fork) {
     h: branches.reduce((a, b) => a + b.h, 0) + GAP_Y * Math.max(branches.length - 1, 0) };
 }
 
+const ENGINE = "everystep.";  // the engine's own rows: sleeps, waits, child starts, events
+
+// What a node shows: orange "uncertain" only for an unsafe step started
+// without a recorded outcome; a wait not ended yet, a sleep, a retry's
+// back-off the run is parked on, are "waiting".
 function nodeState(item, run) {
   if (item.kind === "missing") return "unreached";
+  if (item.kind === "current") return "inflight";
   const s = item.step.status;
-  if (s === "started") return run.status === "running" ? "inflight" : "uncertain";
+  if (s === "started") {
+    if (item.step.name.startsWith(ENGINE)) return "waiting";
+    return run.status === "running" ? "inflight" : "uncertain";
+  }
+  if (s === "retrying") return run.status === "running" ? "inflight" : "waiting";
+  if (run.status === "waiting" && run.parkedOn === item.step.step_id) return "waiting";
   return s;  // done, failed
+}
+
+// The step a waiting run is parked on: its newest sleep, wait or child wait.
+function parkedOn(run) {
+  if (run.status !== "waiting") return null;
+  const rows = run.steps.filter((st) => st.name.startsWith(ENGINE) || st.status === "retrying");
+  return rows.length ? rows.reduce((a, b) => (b.id > a.id ? b : a)).step_id : null;
+}
+
+// A running run shows where it is: the step being executed has no row yet
+// (a step's row is written when it ends), so it is drawn after the last
+// recorded top-level step, unless an in-flight row says where it is.
+function addCurrent(tree, run) {
+  if (run.status !== "running" || run.steps.some((st) => st.status === "started" || st.status === "retrying")) return;
+  const keys = [...tree.items.keys()];
+  const next = keys.every((k) => /^\d+$/.test(k)) ? String(Math.max(0, ...keys.map(Number)) + 1) : `next`;
+  tree.items.set(next, { kind: "current", id: next });
 }
 
 let graphView = null;
@@ -481,7 +635,10 @@ const SVGNS = "http://www.w3.org/2000/svg";
 const svg = (tag, attrs) => { const el = document.createElementNS(SVGNS, tag); for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v); return el; };
 
 function drawGraph(container, run, detail) {
-  const tree = layoutScope(stepTree(run.steps), "");
+  run.parkedOn = parkedOn(run);
+  const scope = stepTree(run.steps);
+  addCurrent(scope, run);
+  const tree = layoutScope(scope, "");
   const width = tree.w + 2 * NODE_H + 40, height = tree.h + 40;
   const root = svg("svg", { width: "100%", height: Math.min(Math.max(height, 120), 520), role: "img", "aria-label": "step graph" });
   const g = svg("g", {});
@@ -521,15 +678,16 @@ function placeSeq(g, seq, x, y, from, run, detail) {
       const cy = top + NODE_H / 2;
       for (const [px, py] of points) g.append(svg("line", { x1: px, y1: py, x2: x, y2: cy, class: "edge" }));
       const state = nodeState(it, run);
-      const id = it.kind === "missing" ? it.id : it.step.step_id;
+      const id = it.kind === "step" ? it.step.step_id : it.id;
       const node = svg("g", { class: `node ${state}`, "data-step": id, "data-state": state, tabindex: 0 });
       node.append(svg("rect", { x, y: top, width: NODE_W, height: NODE_H, rx: 6 }));
       const label = svg("text", { x: x + 8, y: top + 14 });
       label.textContent = id;
       const sub = svg("text", { x: x + 8, y: top + 28, class: "sub" });
-      sub.textContent = it.kind === "missing" ? "not reached" : it.step.name.split(".").pop() + ` · ${state}`;
+      sub.textContent = it.kind === "missing" ? "not reached" : it.kind === "current" ? "in progress…"
+        : it.step.name.split(".").pop() + ` · ${LEGEND[state] ? LEGEND[state].split(" ")[0] : state}`;
       const title = svg("title", {});
-      title.textContent = it.kind === "missing" ? `${id}: not reached` : `${id} ${it.step.name}: ${state}`;
+      title.textContent = it.kind === "missing" ? `${id}: not reached` : it.kind === "current" ? `${id}: being executed now (its row is written when it ends)` : `${id} ${it.step.name}: ${LEGEND[state] || state}`;
       node.append(title, label, sub);
       if (it.kind === "step") node.addEventListener("click", () => showStep(detail, it.step, state));
       g.append(node);
@@ -573,25 +731,186 @@ function showStep(detail, step, state) {
     step.started_at ? h("p", {}, `started ${whenMs(step.started_at)}, finished ${whenMs(step.finished_at)}`) : null,
     h("h5", {}, "args"), h("pre", { class: "value" }, readable(step.args)),
     step.kwargs && Object.keys(step.kwargs).length ? [h("h5", {}, "kwargs"), h("pre", { class: "value" }, readable(step.kwargs))] : null,
+    // The engine's rows keep times as epoch seconds: shown as dates.
+    step.name === "everystep.sleep" && typeof step.result === "number" ? h("p", { id: "step-wake" }, `sleeps until ${epochWhen(step.result)}`) : null,
+    step.result && typeof step.result === "object" && typeof step.result.deadline === "number"
+      ? h("p", { id: "step-deadline" }, `waits${step.result.topic ? ` for a message on ${step.result.topic}` : ""} until ${epochWhen(step.result.deadline)} at the latest`) : null,
+    (step.attempts || []).map((a) => h("p", { class: "attempt error" }, `attempt ${a.attempt} failed at ${epochWhen(a.at)} (${describeError(a.error)}); retried at ${epochWhen(a.retry_at)}`)),
     step.status === "done" ? [h("h5", {}, "result"), h("pre", { class: "value", id: "step-result" }, readable(step.result))] : null,
     step.error ? [h("h5", {}, "error"), h("pre", { class: "value error" }, describeError(step.error))] : null,
     step.status === "started" ? h("p", {}, "started; outcome not recorded") : null);
 }
 
+// Each attempt of a retried step is its own bar (its error and back-off in
+// its title), the back-off drawn as a gap; the last attempt runs from the
+// row's started_at to its finished_at.
 function timeline(run) {
-  const timed = run.steps.filter((s) => s.started_at);
-  if (!timed.length) return h("p", { class: "muted", id: "timeline" }, "no step timing recorded for this run");
-  const t0 = Math.min(...timed.map((s) => Date.parse(s.started_at)));
-  const t1 = Math.max(...timed.map((s) => Date.parse(s.finished_at || s.started_at)), t0 + 1);
+  const bars = [];
+  for (const st of run.steps) {
+    const attempts = st.attempts || [];
+    attempts.forEach((a, i) => {
+      const begin = i ? attempts[i - 1].retry_at * 1000 : a.at * 1000;
+      bars.push({ step: st, kind: "attempt", a: begin, b: a.at * 1000, n: a.attempt,
+        title: `${st.step_id} attempt ${a.attempt} failed at ${epochWhen(a.at)}: ${describeError(a.error)}; back-off until ${epochWhen(a.retry_at)}` });
+      bars.push({ step: st, kind: "backoff", a: a.at * 1000, b: a.retry_at * 1000, n: a.attempt,
+        title: `${st.step_id} back-off after attempt ${a.attempt}: ${((a.retry_at - a.at)).toFixed(2)} s, until ${epochWhen(a.retry_at)}` });
+    });
+    if (st.started_at) {
+      const a = Date.parse(st.started_at), b = st.finished_at ? Date.parse(st.finished_at) : a;
+      const kind = st.status === "started" && st.name.startsWith(ENGINE) ? "waiting" : st.status;  // a wait, not an unknown outcome
+      if (!attempts.length || st.status !== "retrying") bars.push({ step: st, kind, a, b, n: attempts.length + 1, open: !st.finished_at,
+        title: `${st.step_id}${attempts.length ? ` attempt ${attempts.length + 1}` : ""}: ${b - a} ms` });
+    }
+  }
+  if (!bars.length) return h("p", { class: "muted", id: "timeline" }, "no step timing recorded for this run");
+  const t0 = Math.min(...bars.map((x) => x.a));
+  const t1 = Math.max(...bars.map((x) => x.b), t0 + 1);
   const span = t1 - t0;
-  return h("div", { class: "timeline", id: "timeline" }, timed.map((s) => {
-    const a = Date.parse(s.started_at), b = s.finished_at ? Date.parse(s.finished_at) : a;
-    return h("div", { class: "lane", "data-step": s.step_id },
-      h("span", { class: "mono label" }, s.step_id),
-      h("span", { class: "track" }, h("span", { class: `bar ${s.status}`, title: `${s.step_id}: ${b - a} ms`,
-        style: `left:${(100 * (a - t0)) / span}%;width:${Math.max((100 * (b - a)) / span, 0.5)}%` })),
-      h("span", { class: "ms" }, s.finished_at ? (b - a >= 1 ? `${b - a} ms` : "<1 ms") : "…"));
-  }), h("p", { class: "muted" }, `${span} ms from the first step's start to the last step's end`));
+  const lanes = [...new Set(bars.map((x) => x.step.step_id))];
+  return h("div", { class: "timeline", id: "timeline" }, lanes.map((id) => {
+    const mine = bars.filter((x) => x.step.step_id === id);
+    const last = mine[mine.length - 1];
+    const tries = mine.filter((x) => x.kind !== "backoff").length;
+    return h("div", { class: "lane", "data-step": id },
+      h("span", { class: "mono label" }, id),
+      h("span", { class: "track" }, mine.map((x) => h("span", { class: `bar ${x.kind}`, title: x.title, "data-attempt": x.kind === "attempt" ? x.n : null,
+        style: `left:${(100 * (x.a - t0)) / span}%;width:${Math.max((100 * (x.b - x.a)) / span, 0.5)}%` }))),
+      h("span", { class: "ms" }, last.open ? "…" : tries > 1 ? `${tries} attempts` : (last.b - last.a >= 1 ? `${last.b - last.a} ms` : "<1 ms")));
+  }), h("p", { class: "muted" }, `${span} ms from the first step's start to the last step's end; hover a bar for its times, errors and back-offs`));
+}
+
+// ------------------------------------------------------------------ charts over time
+// Inline SVG, no library: the per-minute figures the maintenance child keeps
+// (everystep_minute), one workflow's or all, over the last hour or day.
+
+const ENDED = ["completed", "failed", "cancelled", "stopped"];
+const CW = 720, CH = 150, PAD_L = 44, PAD_B = 20, PAD_T = 8;
+
+function minuteSeries(answer) {
+  const minutes = answer.window === "day" ? 24 * 60 : 60;
+  const end = Math.floor(Date.parse(answer.now) / 60000) * 60000;
+  const rows = new Map(answer.minutes.map((m) => [Date.parse(m.minute), m]));
+  const out = [];
+  for (let t = end - (minutes - 1) * 60000; t <= end; t += 60000) out.push({ t, ...(rows.get(t) || {}) });
+  // Minutes without a sample (the child was not running) carry no gauge value.
+  return out;
+}
+
+const hhmm = (t) => new Date(t).toISOString().slice(11, 16);
+const niceMax = (v) => { if (v <= 0) return 1; const p = 10 ** Math.floor(Math.log10(v)); return Math.ceil(v / p) * p; };
+
+function chartFrame(id, title, max, points, unit) {
+  const root = svg("svg", { viewBox: `0 0 ${CW} ${CH}`, class: "chart", id, role: "img", "aria-label": title, preserveAspectRatio: "none" });
+  const plotH = CH - PAD_B - PAD_T;
+  for (const f of [0, 0.5, 1]) {
+    const y = PAD_T + plotH * (1 - f);
+    root.append(svg("line", { x1: PAD_L, x2: CW, y1: y, y2: y, class: "grid" }));
+    const label = svg("text", { x: PAD_L - 4, y: y + 4, class: "axis", "text-anchor": "end" });
+    label.textContent = `${+(max * f).toFixed(max * f < 10 ? 1 : 0)}${unit || ""}`;
+    root.append(label);
+  }
+  const n = points.length;
+  for (const i of [0, Math.floor(n / 2), n - 1]) {
+    const label = svg("text", { x: PAD_L + ((CW - PAD_L) * i) / Math.max(n - 1, 1), y: CH - 4, class: "axis", "text-anchor": i === 0 ? "start" : i === n - 1 ? "end" : "middle" });
+    label.textContent = `${hhmm(points[i].t)}${i === n - 1 ? " UTC" : ""}`;
+    root.append(label);
+  }
+  return { root, plotH, x: (i) => PAD_L + ((CW - PAD_L) * i) / Math.max(n - 1, 1), y: (v) => PAD_T + plotH * (1 - v / max), barW: (CW - PAD_L) / n };
+}
+
+function endedChart(points) {
+  const max = niceMax(Math.max(...points.map((p) => ENDED.reduce((a, k) => a + (p[k] || 0), 0)), ...points.map((p) => p.blocked || 0)));
+  const f = chartFrame("chart-ended", "runs ended per minute by status", max, points);
+  points.forEach((p, i) => {
+    let base = 0;
+    for (const k of ENDED) {
+      const v = p[k] || 0;
+      if (!v) continue;
+      const rect = svg("rect", { x: f.x(i) - f.barW / 2, width: Math.max(f.barW - 0.5, 0.6), y: f.y(base + v), height: f.y(base) - f.y(base + v), class: `s-${k}`, "data-status": k });
+      const tip = svg("title", {});
+      tip.textContent = `${hhmm(p.t)} UTC: ${v} ${k}`;
+      rect.append(tip);
+      f.root.append(rect);
+      base += v;
+    }
+  });
+  f.root.append(polyline(points, f, "blocked", "s-blocked"));
+  return f.root;
+}
+
+function polyline(points, f, key, cls) {
+  const pts = points.map((p, i) => (p[key] === undefined || p[key] === null ? null : `${f.x(i)},${f.y(p[key])}`)).filter(Boolean);
+  return svg("polyline", { points: pts.join(" "), class: `line ${cls}`, fill: "none" });
+}
+
+function gaugeChart(points, key, id, title, unit) {
+  const max = niceMax(Math.max(0, ...points.map((p) => p[key] || 0)));
+  const f = chartFrame(id, title, max, points, unit);
+  f.root.append(polyline(points, f, key, `s-${key}`));
+  const lastAt = points.map((p) => p[key]).filter((v) => v !== undefined && v !== null);
+  f.root.dataset.last = lastAt.length ? lastAt[lastAt.length - 1] : "";
+  return f.root;
+}
+
+const seconds = (v) => (v === null || v === undefined ? "-" : v < 1 ? `${(v * 1000).toFixed(1)} ms` : `${v.toFixed(2)} s`);
+
+function stepTable(steps, runs) {
+  if (!steps.length) return h("p", { class: "muted" }, "no timed steps among the newest runs");
+  const top = Math.max(...steps.map((st) => st.p99 || 0), 1e-9);
+  return h("table", { id: "step-durations" }, h("thead", {}, h("tr", {}, ["step", "steps", "failed", "p50", "p90", "p99", "max", ""].map((t) => h("th", {}, t)))),
+    h("tbody", {}, steps.map((st) => h("tr", { "data-step-name": st.name }, h("td", { class: "mono" }, st.name), h("td", {}, st.steps), h("td", {}, st.failed),
+      h("td", {}, seconds(st.p50)), h("td", {}, seconds(st.p90)), h("td", {}, seconds(st.p99)), h("td", {}, seconds(st.max)),
+      h("td", { class: "dist" }, h("span", { class: "p99", style: `width:${(100 * st.p99) / top}%` }, h("span", { class: "p50", style: `width:${st.p99 ? (100 * st.p50) / st.p99 : 0}%` })))))),
+    h("caption", { class: "muted" }, `over the steps of the newest ${runs} runs`));
+}
+
+async function showCharts(quiet) {
+  const p = new URLSearchParams({ window: current.window || "hour" });
+  if (current.workflow) p.set("workflow", current.workflow);
+  const asked = current;
+  const [answer, names] = await Promise.all([getJSON(`/api/charts?${p}`), quiet ? Promise.resolve(null) : getJSON("/api/workflows").catch(() => ({ workflows: [] }))]);
+  if (current !== asked) return;
+  const points = minuteSeries(answer);
+  const legend = h("p", { class: "legend" }, ENDED.map((k) => h("span", { class: `key s-${k}` }, k)), h("span", { class: "key s-blocked" }, "blocked (at the minute's end)"));
+  const body = [
+    h("h3", {}, "runs ended per minute"), legend, endedChart(points),
+    h("h3", {}, "backlog: runs due, not claimed"), gaugeChart(points, "due", "chart-due", "runs due and not claimed", ""),
+    h("h3", {}, "pickup latency: how long the oldest due run has waited"), gaugeChart(points, "oldest_due_s", "chart-latency", "pickup latency", " s"),
+    h("h3", {}, "step durations"), stepTable(answer.steps, answer.step_runs),
+    h("p", { class: "muted" }, `Per-minute figures kept by the maintenance child every 10 s (a run counts in the minute it ended if it ended within ${answer.lookback_s / 3600} h of being scheduled); the backlog and the latency are sampled. Times in UTC.`),
+  ];
+  if (quiet && document.getElementById("charts")) {
+    fill(document.getElementById("chart-body"), body);
+    return;
+  }
+  const choose = (changes) => go(`charts?${new URLSearchParams({ ...(current.workflow ? { workflow: current.workflow } : {}), window: current.window || "hour", ...changes })}`);
+  fill(main, h("section", { id: "charts" }, h("h2", {}, "Charts"),
+    h("p", { class: "filters" },
+      h("select", { name: "workflow", "aria-label": "workflow", onchange: (ev) => choose({ workflow: ev.target.value }) },
+        h("option", { value: "" }, "every workflow"), (names ? names.workflows : []).map((n) => h("option", { value: n, selected: current.workflow === n }, n))),
+      ["hour", "day"].map((w) => h("button", { class: w === (current.window || "hour") ? "active" : "", "data-window": w, onclick: () => choose({ window: w }) }, `last ${w}`))),
+    h("div", { id: "chart-body" }, body)));
+  onSnapshot = (snapshot, changed) => { if (changed) refetchSoon(); };
+}
+
+const FIRE_COLORS = { completed: "completed", failed: "failed", cancelled: "cancelled", stopped: "stopped", running: "running" };
+
+async function showFires() {
+  const { key, fires } = await getJSON(`/api/schedules/${encodeURIComponent(current.key)}/fires`);
+  const strip = h("div", { class: "fires", id: "fire-strip" }, [...fires].reverse().map((f) => h("a", { href: `#run/${f.run_id}`,
+    class: `fire status ${FIRE_COLORS[f.status] || f.status || "pruned"}`, "data-status": f.status || "pruned",
+    title: `${when(f.fire_at)}: ${f.status || "pruned"}` })));
+  const counts = {};
+  for (const f of fires) counts[f.status || "pruned"] = (counts[f.status || "pruned"] || 0) + 1;
+  fill(main, h("h2", {}, "schedule ", h("span", { class: "mono" }, key)),
+    h("p", {}, h("a", { href: "#schedules" }, "← schedules")),
+    fires.length ? [h("h3", {}, `its newest ${fires.length} fires, oldest first`), strip,
+      h("p", {}, Object.entries(counts).map(([k, n]) => [badge(k), ` ${n} `])),
+      h("table", { id: "fires" }, h("thead", {}, h("tr", {}, ["fire time (UTC)", "fired (UTC)", "run", "outcome", "ended (UTC)"].map((t) => h("th", {}, t)))),
+        h("tbody", {}, fires.map((f) => h("tr", {}, h("td", {}, when(f.fire_at)), h("td", {}, when(f.fired_at)),
+          h("td", {}, runLink(f.run_id, short(f.run_id))), h("td", {}, badge(f.status || "pruned")), h("td", {}, when(f.completed_at))))))]
+      : h("p", { class: "muted" }, "it has not fired yet"));
+  onSnapshot = (snapshot, changed) => { if (changed) refetchSoon(); };
 }
 
 // ------------------------------------------------------------------ other pages
@@ -604,7 +923,7 @@ async function showSchedules() {
     h("tbody", {}, schedules.map((s) => {
       const state = s.retired_at ? "retired" : s.paused ? "paused" : "active";
       return h("tr", { "data-key": s.key },
-        h("td", { class: "mono" }, s.key), h("td", { class: "mono" }, s.workflow), h("td", { class: "mono" }, `${s.cron} (${s.timezone})`),
+        h("td", { class: "mono" }, h("a", { href: `#schedule/${encodeURIComponent(s.key)}`, title: "its fires and their outcomes" }, s.key)), h("td", { class: "mono" }, s.workflow), h("td", { class: "mono" }, `${s.cron} (${s.timezone})`),
         h("td", {}, badge(state)), h("td", {}, state === "active" ? when(s.next_fire_at) : "-"), h("td", {}, when(s.last_fire_at)),
         h("td", {}, s.last_run_id ? [runLink(s.last_run_id, s.last_run_id.slice(0, 8) + "…"), " ", badge(s.last_run_status || "pruned")] : "-"),
         h("td", { class: "error" }, s.last_error || ""),
@@ -632,7 +951,7 @@ async function showFailures() {
     h("p", {}, ["hour", "day", "week"].map((w) => h("button", { class: w === failureWindow ? "active" : "", onclick: () => { failureWindow = w; refresh(); } }, `last ${w}`))),
     groups.length ? h("table", { id: "failures" }, h("thead", {}, h("tr", {}, ["workflow", "exception", "runs", "last", "latest run", "latest message"].map((t) => h("th", {}, t)))),
       h("tbody", {}, groups.map((g) => h("tr", {},
-        h("td", { class: "mono" }, h("a", { href: "#", onclick: (ev) => { ev.preventDefault(); Object.assign(filters, { status: "failed", workflow: g.workflow, q: "", since: "", until: "" }); location.hash = ""; route(); } }, g.workflow)),
+        h("td", { class: "mono" }, h("a", { href: "#", onclick: (ev) => { ev.preventDefault(); Object.assign(filters, { status: "failed", workflow: g.workflow, q: "", since: "", until: "" }); go(filterHash()); } }, g.workflow)),
         h("td", { class: "mono" }, g.error_type), h("td", {}, g.runs), h("td", {}, when(g.last_at)),
         h("td", {}, runLink(g.latest_run, g.latest_run.slice(0, 8) + "…")), h("td", {}, g.latest_message || "")))))
       : h("p", { class: "muted" }, `no failed runs created in the last ${failureWindow}`));
