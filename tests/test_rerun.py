@@ -141,3 +141,13 @@ def test_the_cli_reruns_many_runs_all_or_nothing(db):
     # A run still in flight, from the CLI.
     [queued] = db.schedule_many(console_workflows.pay_then_deliver, [("q",)])
     assert "still in flight" in error_line(cli(db, "rerun", str(queued.id), "--from-step", "1"), 2)
+
+
+def test_a_rerun_keeps_the_original_s_priority_and_concurrency_key(db):
+    [original] = failed_on_the_bug(db)
+    db.query("UPDATE everystep_workflow SET priority = 7, concurrency_key = 'tenant:7' WHERE id = %s RETURNING 1",
+             (original,))
+    with db.connect() as conn, everystep.transaction(conn):
+        new = everystep.rerun(original, from_step="4")
+    assert db.query("SELECT priority, concurrency_key FROM everystep_workflow WHERE id = %s", (new,)) == [
+        (7, "tenant:7")]
