@@ -139,6 +139,9 @@ class Config:
     sentry: SentryConfig = field(default_factory=SentryConfig)
     ui: UiConfig | None = None  # None: no `ui:` section, no UI served
     workflows: dict[str, WorkflowConfig] = field(default_factory=dict)
+    # How long finished runs are kept, in seconds by end status (`retention:`);
+    # a status left out is kept for ever (everystep.retention).
+    retention: dict[str, float] = field(default_factory=dict)
 
 
 # Room left after the base name for "-<index>" within the 255 characters of
@@ -169,7 +172,8 @@ def worker_options(config: Config | None) -> dict[str, Any]:
 def maintenance_options(config: Config | None) -> dict[str, Any]:
     """The `Maintenance` keyword arguments a config file sets (its defaults for None)."""
     recovery = config.recovery if config is not None else RecoveryConfig()
-    return {"interval": recovery.interval, "grace": recovery.grace, "max_crashes": recovery.max_crashes}
+    return {"interval": recovery.interval, "grace": recovery.grace, "max_crashes": recovery.max_crashes,
+            "retention": dict(config.retention) if config is not None else {}}
 
 
 def load(path: str | os.PathLike) -> Config:
@@ -233,6 +237,7 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         sentry=SentryConfig(enabled=_switch(sentry, "sentry", "sentry_sdk")),
         ui=_ui(file, top.raw),
         workflows=_workflows(file, top.raw.get("workflows")),
+        retention=_retention(file, top.raw.get("retention")),
     )
 
 
@@ -267,6 +272,28 @@ def _workflows(file: str, raw: Any) -> dict[str, WorkflowConfig]:
         concurrency = None if section.get("concurrency") is None else section.integer("concurrency", minimum=1)
         workflows[name] = WorkflowConfig(concurrency=concurrency)
     return workflows
+
+
+def _retention(file: str, raw: Any) -> dict[str, float]:
+    from everystep.retention import RETAINED, parse_duration  # noqa: PLC0415
+
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: retention: must be a mapping of end statuses to durations, got {_show(raw)}")
+    retention = {}
+    for status, value in raw.items():
+        if status == "blocked":
+            raise ConfigError(f"{file}: retention.blocked: blocked runs wait for an operator and are never "
+                              "removed automatically (resolve them: everystep resolve-step)")
+        if status not in RETAINED:
+            raise ConfigError(f"{file}: retention: the key {_show(status)} must be an end status: "
+                              f"{', '.join(RETAINED)}")
+        try:
+            retention[status] = parse_duration(_scalar(value))
+        except ValueError as exc:
+            raise ConfigError(f"{file}: retention.{status}: {exc}") from None
+    return retention
 
 
 def _switch(section: _Section, extra: str, *modules: str) -> bool:

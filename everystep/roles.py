@@ -64,6 +64,11 @@ GRANT SELECT (run_id, idempotency_key) ON {s}.everystep_message TO {producer};
 GRANT SELECT (status, wakes, waiting_on, due_at) ON {workflow} TO {producer};
 GRANT UPDATE (wakes, due_at) ON {workflow} TO {producer};
 GRANT SELECT ON {s}.everystep_event TO {producer};
+-- The history (0015_history.sql): idempotency keys, send() and get_event()
+-- on runs that have moved there.
+GRANT SELECT (id, name, idempotency_key, status) ON {s}.everystep_workflow_all TO {producer};
+GRANT SELECT (name, idempotency_key) ON {s}.everystep_workflow_history TO {producer};
+GRANT SELECT ON {s}.everystep_event_all TO {producer};
 
 -- worker: claim, record steps, end, requeue, count crashes, fire schedules.
 GRANT SELECT, INSERT, UPDATE ON {workflow}, {step}, {s}.everystep_crash TO {worker};
@@ -76,6 +81,9 @@ GRANT SELECT, INSERT, UPDATE ON {s}.everystep_event, {s}.everystep_slot, {s}.eve
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_limit TO {worker};
 GRANT DELETE ON {s}.everystep_slot TO {worker};
 GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers while a slot is free
+-- The history: a wait for a child that has moved there, schedules' last runs.
+GRANT SELECT ON {s}.everystep_workflow_all, {s}.everystep_step_all, {s}.everystep_message_all,
+    {s}.everystep_event_all, {s}.everystep_workflow_history TO {worker};
 
 -- operator: the CLI's and the UI's actions, and reading everything.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash, {s}.everystep_schedule
@@ -86,6 +94,13 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_message, {s}.everystep_eve
 GRANT SELECT ON {s}.everystep_migration TO {operator};
 GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
 GRANT pg_read_all_stats TO {operator};
+-- The history: reading it, and `everystep prune` (dropping its partitions
+-- and moving runs there takes the tables' owner, as the maintenance child
+-- runs as).
+GRANT SELECT ON {s}.everystep_workflow_all, {s}.everystep_step_all, {s}.everystep_message_all,
+    {s}.everystep_event_all TO {operator};
+GRANT SELECT, INSERT, DELETE ON {s}.everystep_workflow_history, {s}.everystep_step_history,
+    {s}.everystep_message_history, {s}.everystep_event_history, {s}.everystep_schedule_run TO {operator};
 
 -- Rows: a worker changes only runs that are scheduled, waiting or running
 -- (never a blocked or finished one: resolving is the operator's), and step

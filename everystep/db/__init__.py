@@ -12,6 +12,8 @@ consumers write `from everystep import db` and `db.claim(conn, ...)`:
   execution's claim and token, and why one matched nothing
 - runs: scheduling, messages, cancelling, reading runs and their steps
 - schedules: recurring schedules, the scheduler's lock and tick
+- history: moving finished runs to the partitioned history, its
+  partitions, retention by end status
 - ops, ui, observe: the operators' actions and audit trail, the web UI's
   reads, what metrics and health checks read
 - session: session settings, pooled connections, liveness locks, LISTEN
@@ -43,6 +45,17 @@ from everystep.db.fenced import (
     take_message,
     why_not_written,
 )
+from everystep.db.history import (
+    Week,
+    archive_batch,
+    count_expired,
+    drop_week,
+    history_ahead,
+    history_weeks,
+    retention_batch,
+    retention_batch_hot,
+    week_expired,
+)
 from everystep.db.migrations import migrate, missing_migrations
 from everystep.db.observe import (
     fleet_load,
@@ -53,7 +66,7 @@ from everystep.db.observe import (
     set_statement_timeout,
     unserved_runs,
 )
-from everystep.db.ops import ResolveRefused, audit, audit_records, count_prunable, prune_batch, resolve_step
+from everystep.db.ops import ResolveRefused, audit, audit_records, resolve_step
 from everystep.db.queue import (
     any_limit,
     apply_limits,
@@ -208,7 +221,9 @@ __all__ = [
     "advance_clock", "clock_frozen", "create_schema", "current_schema", "drop_schema", "next_due_moment", "reset_clock",
     "run_statuses", "runs_of_workflow", "set_clock",
     # ops, observe, ui
-    "audit", "audit_records", "count_prunable", "prune_batch", "resolve_step",
+    "audit", "audit_records", "resolve_step",
+    "Week", "archive_batch", "count_expired", "drop_week", "history_ahead", "history_weeks", "retention_batch",
+    "retention_batch_hot", "week_expired",
     "fleet_load", "publish_route", "queue_stats", "runners_without_lock", "server", "set_statement_timeout",
     "unserved_runs",
     "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",

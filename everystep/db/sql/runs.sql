@@ -10,11 +10,13 @@
 -- name: insert_run
 -- A run due at once (due_at takes its default, everystep_now()). With an
 -- idempotency key that exists already, nothing is inserted and no row comes
--- back.
+-- back: a key is unique among the hot runs by the unique index, and
+-- against the history's by everystep_key_archived (0015_history.sql).
 WITH ins AS (
     INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, limited)
-    VALUES (%(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb,
-            EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar))
+    SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb,
+           EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar)
+    WHERE CASE WHEN %(key)s::varchar IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s, %(key)s) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id
 )
@@ -30,6 +32,7 @@ WITH ins AS (
            CASE WHEN due.at > everystep_now() THEN 'waiting' ELSE 'scheduled' END, %(trace)s::jsonb,
            greatest(due.at, everystep_now()), EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar)
     FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8)) AS at) AS due
+    WHERE CASE WHEN %(key)s::varchar IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s, %(key)s) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id
 )
@@ -39,7 +42,7 @@ FROM ins;
 -- name: keyed_run
 -- The run an idempotency key made before.
 SELECT id
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE name = %(name)s AND idempotency_key = %(key)s;
 
 -- name: insert_runs
@@ -51,6 +54,7 @@ WITH ins AS (
     SELECT id, %(name)b::varchar, args::jsonb, key, 'scheduled',
            EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar)
     FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key)
+    WHERE CASE WHEN key IS NULL THEN true ELSE NOT everystep_key_archived(%(name)b::varchar, key) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS keyed
 )
@@ -64,6 +68,7 @@ WITH ins AS (
     SELECT id, %(name)s::varchar, args::jsonb, key, 'scheduled',
            EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar)
     FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key)
+    WHERE CASE WHEN key IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s::varchar, key) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS keyed
 )
@@ -72,7 +77,7 @@ SELECT ARRAY(SELECT id FROM ins WHERE keyed), everystep_wake();
 -- name: keyed_runs
 -- The runs these idempotency keys made before.
 SELECT idempotency_key, id
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE name = %(name)s AND idempotency_key = ANY(%(keys)s);
 
 
@@ -84,7 +89,7 @@ WHERE name = %(name)s AND idempotency_key = ANY(%(keys)s);
 WITH
     run AS (
         SELECT id, status
-        FROM everystep_workflow
+        FROM everystep_workflow_all
         WHERE id = %(run)s
     ),
     ins AS (
@@ -117,7 +122,7 @@ WITH RECURSIVE
         SELECT %(run)s::uuid AS id, 0 AS depth
         UNION ALL
         SELECT c.id, tree.depth + 1
-        FROM everystep_workflow c
+        FROM everystep_workflow_all c
         JOIN tree ON c.parent_id = tree.id
     ),
     -- The run and its unfinished descendants.
@@ -143,51 +148,52 @@ WITH RECURSIVE
         WHERE p.id = hit.parent_id AND hit.depth = 0 AND hit.status = 'cancelled'
         RETURNING p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id AS due
     )
-SELECT (SELECT status FROM hit WHERE depth = 0),
+SELECT coalesce((SELECT status FROM hit WHERE depth = 0),
+                (SELECT status FROM everystep_workflow_history WHERE id = %(run)s)),
        (SELECT pg_notify('everystep:' || current_schema(), '') FROM woke WHERE due);
 
 -- name: run_status
 SELECT status
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE id = %(run)s;
 
 
 -- name: get_event
 -- The run's status (no row: no such run), whether the event is set, its value.
 SELECT w.status, e.run_id IS NOT NULL, e.value
-FROM everystep_workflow w
-LEFT JOIN everystep_event e ON e.run_id = w.id AND e.key = %(key)s
+FROM everystep_workflow_all w
+LEFT JOIN everystep_event_all e ON e.run_id = w.id AND e.key = %(key)s
 WHERE w.id = %(run)s;
 
 -- name: load_run
 SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at,
        due_at, cancel_requested_at, cancel_reason, parent_id
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE id = %(run)s;
 
 -- name: load_steps
 SELECT id, step_id, name, args, kwargs, status, result, error, started_at, finished_at, attempts
-FROM everystep_step
+FROM everystep_step_all
 WHERE workflow_id = %(run)s
 ORDER BY id;
 
 -- name: load_messages
 -- In delivery order.
 SELECT id, topic, payload, idempotency_key, created_at, consumed_by, consumed_at
-FROM everystep_message
+FROM everystep_message_all
 WHERE run_id = %(run)s
 ORDER BY id;
 
 -- name: load_events
 SELECT key, value, updated_at
-FROM everystep_event
+FROM everystep_event_all
 WHERE run_id = %(run)s
 ORDER BY key;
 
 -- name: children
 -- The runs a run started, oldest first.
 SELECT id, name, status, created_at, completed_at
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE parent_id = %(run)s
 ORDER BY created_at, id;
 
@@ -197,7 +203,7 @@ ORDER BY created_at, id;
 -- so that it is planned with its values: PostgreSQL then drops the
 -- conditions whose value is NULL, and the others can use their indexes.
 SELECT id, name, status, idempotency_key, claimed_by, created_at, completed_at
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE (%(parent)s::uuid IS NULL OR parent_id = %(parent)s::uuid)
   AND (%(status)s::text IS NULL OR status = %(status)s::text)
   AND (%(name)s::text IS NULL OR name = %(name)s::text)
