@@ -385,3 +385,41 @@ def test_a_keyed_run_waits_for_a_move_holding_the_keys_lock(db):
     finally:
         mover.close()
     assert db.value("SELECT count(*) FROM everystep_workflow_all WHERE idempotency_key = 'held'") == 1
+
+
+# ---------------------------------------------------------------- what holds back vacuum
+
+
+def scrape(db) -> dict:
+    """The vacuum gauges as the HTTP child computes them: {(name, table label): value}."""
+    from supervisor.http_server import Database, QueueCollector  # noqa: PLC0415
+
+    collector = QueueCollector(Database(db.url))
+    return {(family.name, sample.labels.get("table")): sample.value
+            for family in collector.collect() for sample in family.samples}
+
+
+def test_the_metrics_show_a_snapshot_held_open_and_an_idle_transaction(db):
+    finished_runs(db, 3)
+    with db.connect() as conn:
+        conn.execute("DELETE FROM everystep_step")
+        conn.execute("ANALYZE everystep_step")
+    quiet = scrape(db)
+    assert {("everystep_table_dead_tuples", table) for table in HOT} <= set(quiet)
+    assert {("everystep_table_last_autovacuum_timestamp_seconds", table) for table in HOT} <= set(quiet)
+    # (The server is shared with other tests' sessions: only a lower bound
+    # on the ages holds whatever they do.)
+    holder = psycopg.connect(db.url, autocommit=False)
+    try:
+        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM everystep_workflow")  # a snapshot, held, idle in transaction
+        wait_for(lambda: scrape(db)[("everystep_oldest_xmin_age_seconds", None)] >= 2.0, timeout=20,
+                 what="the held snapshot's age")
+        shown = scrape(db)
+        assert shown[("everystep_idle_in_transaction_max_seconds", None)] >= 2.0
+        assert shown[("everystep_oldest_xmin_age_transactions", None)] >= 0
+    finally:
+        holder.close()
+
+
+HOT = ("everystep_workflow", "everystep_step", "everystep_message", "everystep_event")

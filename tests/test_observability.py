@@ -583,7 +583,7 @@ def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
         assert {r["name"] for r in rules} == {
             "EverystepRunsBlocked", "EverystepPendingTooOld", "EverystepChildCrashLooping", "EverystepNoWorkers",
             "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns", "EverystepRunsUnserved",
-            "EverystepScheduleAutoPaused", "EverystepStepRetrying",
+            "EverystepScheduleAutoPaused", "EverystepStepRetrying", "EverystepVacuumHeldBack", "EverystepTableBloat",
         }
         assert all(r["health"] == "ok" for r in rules), rules
     finally:

@@ -64,7 +64,9 @@ from everystep.db.observe import (
     runners_without_lock,
     server,
     set_statement_timeout,
+    table_health,
     unserved_runs,
+    vacuum_horizon,
 )
 from everystep.db.ops import ResolveRefused, audit, audit_records, resolve_step
 from everystep.db.queue import (
@@ -110,7 +112,9 @@ from everystep.db.rows import (
     StepRow,
     StepState,
     StepWrite,
+    TableHealth,
     TracedExecution,
+    VacuumHorizon,
     Wait,
     Written,
 )
@@ -194,7 +198,8 @@ __all__ = [
     # rows
     "Attempt", "BatchEnd", "CancelOutcome", "Claim", "ClaimedRun", "EndWrite", "Ended", "EndedRuns", "EventValue",
     "Executor", "Parking", "QueueStats", "ResolveRefused", "RunFilter", "ScheduleRefused", "Scheduled", "Sent",
-    "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
+    "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TableHealth", "TracedExecution",
+    "TransactionPooledConnection", "VacuumHorizon", "Wait",
     "Written",
     # session, migrations
     "listen", "migrate", "missing_migrations", "ping", "prepare_claiming_session", "prepare_control_session",
@@ -225,7 +230,7 @@ __all__ = [
     "Week", "archive_batch", "count_expired", "drop_week", "history_ahead", "history_weeks", "retention_batch",
     "retention_batch_hot", "week_expired",
     "fleet_load", "publish_route", "queue_stats", "runners_without_lock", "server", "set_statement_timeout",
-    "unserved_runs",
+    "table_health", "unserved_runs", "vacuum_horizon",
     "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",
     "ui_workflow_names",
 ]
