@@ -7,6 +7,7 @@ across the move, under concurrency."""
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 import uuid
 
@@ -19,7 +20,7 @@ from everystep import config as config_module
 from everystep import retention
 from everystep.db.rows import RunFilter
 from everystep.errors import EverystepError
-from everystep.ids import uuid7
+from everystep.ids import uuid7, uuid7_many
 from everystep.maintenance import Maintenance
 from everystep.runner import Runner
 from everystep.testing import clock
@@ -423,3 +424,89 @@ def test_the_metrics_show_a_snapshot_held_open_and_an_idle_transaction(db):
 
 
 HOT = ("everystep_workflow", "everystep_step", "everystep_message", "everystep_event")
+
+
+# ---------------------------------------------------------------- migrating in place
+
+
+def migrated_before_history(server_url: str, schema: str) -> None:
+    """A schema as the migrations before 0015_history leave it."""
+    from importlib import resources  # noqa: PLC0415
+
+    files = sorted((f for f in resources.files("everystep.migrations").iterdir()
+                    if f.name.endswith(".sql") and f.name < "0015"), key=lambda f: f.name)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    with psycopg.connect(server_url, options=f"-c search_path={schema}") as conn, conn.transaction():
+        conn.execute("CREATE TABLE everystep_migration (name text PRIMARY KEY,"
+                     " applied_at timestamptz NOT NULL DEFAULT now())")
+        for f in files:
+            conn.execute(f.read_text())
+            conn.execute("INSERT INTO everystep_migration (name) VALUES (%s)", (f.name.removesuffix(".sql"),))
+
+
+def test_a_database_with_runs_in_flight_and_a_history_migrates_in_place(server_url, tmp_path):
+    """Runs held mid-step by a real worker, and 20,000 finished runs with a
+    step each, in a schema of the version before: the migration takes an
+    instant, the held runs finish, and the maintenance child then moves
+    the finished runs to the history in batches."""
+    import time  # noqa: PLC0415
+
+    from everystep.testing import server  # noqa: PLC0415
+    from tests.conftest import Database  # noqa: PLC0415
+    from tests.support.processes import WorkerProcess  # noqa: PLC0415
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    migrated_before_history(server_url, schema)
+    db = Database(server_url, schema)
+    worker = None
+    try:
+        old = uuid7_many(20_000)
+        with db.connect() as conn:
+            conn.execute(
+                "INSERT INTO everystep_workflow (id, name, args, status, result, completed_at)"
+                " SELECT id, 'tests.apps.cli_workflows.greet', '[\"x\"]', 'completed', '\"hello X\"', now()"
+                " FROM unnest(%s::uuid[]) AS id", (old,))
+            conn.execute(
+                "INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result)"
+                " SELECT id, '1', 'tests.apps.cli_workflows.shout', '[\"x\"]', '{}', 'done', '\"X\"'"
+                " FROM unnest(%s::uuid[]) AS id", (old,))
+        marks, release = tmp_path / "marks", tmp_path / "release"
+        marks.mkdir()
+        from tests.apps.workflows import held  # noqa: PLC0415
+
+        in_flight = uuid7_many(3)  # scheduled as the version before does (its insert, by hand here)
+        with db.connect() as conn:
+            conn.execute("INSERT INTO everystep_workflow (id, name, args, status)"
+                         " SELECT id, %s, %s::jsonb, 'scheduled' FROM unnest(%s::uuid[]) AS id",
+                         (f"{held.__module__}.{held.__qualname__}", json.dumps([str(marks), str(release)]),
+                          in_flight))
+        worker = WorkerProcess(db.url, "migrating", tmp_path / "logs", threads=4)
+        wait_for(lambda: len((marks / "steps").read_text().splitlines()) == 3 if (marks / "steps").exists()
+                 else False, timeout=60, what="the runs held mid-step")
+        started = time.monotonic()
+        with db.connect() as conn:
+            assert everystep.db.migrate(conn) == ["0015_history"]
+        took = time.monotonic() - started
+        assert took < 10, took  # an instant: nothing is copied
+        release.touch()
+        wait_for(lambda: all(db.run(run)["status"] == "completed" for run in in_flight), timeout=60,
+                 what="the held runs to finish")
+        assert db.run(old[0])["result"] == "hello X"  # read across, before the move
+        maintenance = Maintenance(db.url, interval=0.5, archive_after=0)
+        thread = threading.Thread(target=maintenance.run, daemon=True)
+        thread.start()
+        try:
+            wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow") == 0, timeout=120,
+                     what="the move of the finished runs")
+        finally:
+            maintenance.stop()
+            thread.join(10)
+        assert db.value("SELECT count(*) FROM everystep_workflow_history") == 20_003
+        assert db.value("SELECT count(*) FROM everystep_step_history") == 20_003
+        assert db.run(old[-1])["status"] == "completed" and len(db.steps(old[-1])) == 1
+        assert all(db.run(run)["result"] == "held" for run in in_flight)
+    finally:
+        if worker is not None:
+            worker.close()
+        server.drop(db, server_url)
