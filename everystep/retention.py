@@ -117,7 +117,7 @@ def count(conn: psycopg.Connection, retention: Mapping[str, float]) -> dict[str,
     return {status: db.count_expired(conn, status, seconds) for status, seconds in retention.items()}
 
 
-ARCHIVE_AFTER = 10.0  # seconds a finished run stays in the hot table before it may move
+ARCHIVE_AFTER = 60.0  # seconds a finished run stays in the hot table before it may move
 ARCHIVE_BUDGET = 0.5  # seconds of moving per look, so the schedules' tick is never held up for long
 RETENTION_EVERY = 60.0  # seconds between passes of the retention (and of the partitions made ahead)
 RETENTION_BUDGET = 2.0  # seconds of batch deletes per pass (dropping partitions is not counted: it is instant)

@@ -59,9 +59,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
             print(f"would delete {plural(count, 'run')} {what}, with their steps (dry run: nothing deleted)")
             return 0
         applied = retention.apply(conn, policy)
-        audit(conn, "prune", details={**({"older_than_days": args.older_than} if args.older_than else
-                                         {"retention": policy}),
-                                      "deleted": applied.removed, "dropped_partitions": applied.dropped_weeks})
+        if args.older_than is not None:
+            details = {"older_than_days": args.older_than, "deleted": applied.removed}
+        else:
+            details = {"retention": policy, "deleted": applied.removed, "dropped_partitions": applied.dropped_weeks}
+        audit(conn, "prune", details=details)
     dropped = (f" ({plural(applied.dropped, 'run')} in {plural(applied.dropped_weeks, 'dropped weekly partition')})"
                if applied.dropped_weeks else "")
     print(f"deleted {plural(applied.removed, 'run')} {what}, with their steps{dropped}")

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = (
     "limit", "w1", "w3", "w1_async", "w3_async", "latency", "enqueue", "fleet", "growth", "recovery", "memory",
-    "scrape", "supervisor_scrape", "ui", "sleep", "flow", "claim_cost",
+    "scrape", "supervisor_scrape", "ui", "sleep", "flow", "claim_cost", "history", "held_back",
 )
 
 
