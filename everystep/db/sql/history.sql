@@ -118,21 +118,26 @@ ORDER BY 1;
 -- Whether every run in the partition of `week` is expired: none of a
 -- status kept for ever (`kept`), none of a retained status (`statuses`,
 -- their `seconds`) that ended less than its retention ago; and the week
--- is over. A few index probes of (status, completed_at) in one partition
--- (the bounds on id prune the others).
+-- is over. One probe of the (status, completed_at) index per status in
+-- one partition (the bounds on id prune the others; the ORDER BY keeps
+-- the planner on the index whatever it guesses of a status's rows).
 SELECT %(week)s::date + 7 <= (everystep_now() AT TIME ZONE 'UTC')::date
    AND NOT EXISTS (
-           SELECT FROM everystep_workflow_history h
-           WHERE h.id >= everystep_uuid_at(%(week)s::date::timestamp AT TIME ZONE 'UTC')
-             AND h.id < everystep_uuid_at((%(week)s::date + 7)::timestamp AT TIME ZONE 'UTC')
-             AND (h.status = ANY(%(kept)s::text[]) OR h.completed_at IS NULL))
+           SELECT FROM unnest(%(kept)s::text[]) AS k(status)
+           WHERE EXISTS (SELECT FROM (SELECT 1
+                                      FROM everystep_workflow_history h
+                                      WHERE h.id >= everystep_uuid_at(%(week)s::date::timestamp AT TIME ZONE 'UTC')
+                                        AND h.id < everystep_uuid_at((%(week)s::date + 7)::timestamp AT TIME ZONE 'UTC')
+                                        AND h.status = k.status
+                                      ORDER BY h.completed_at
+                                      LIMIT 1) AS one))
    AND NOT EXISTS (
            SELECT FROM unnest(%(statuses)s::text[], %(seconds)s::float8[]) AS r(status, secs)
-           WHERE EXISTS (SELECT FROM everystep_workflow_history h
-                         WHERE h.id >= everystep_uuid_at(%(week)s::date::timestamp AT TIME ZONE 'UTC')
-                           AND h.id < everystep_uuid_at((%(week)s::date + 7)::timestamp AT TIME ZONE 'UTC')
-                           AND h.status = r.status
-                           AND h.completed_at > everystep_now() - make_interval(secs => r.secs)));
+           WHERE (SELECT max(h.completed_at)
+                  FROM everystep_workflow_history h
+                  WHERE h.id >= everystep_uuid_at(%(week)s::date::timestamp AT TIME ZONE 'UTC')
+                    AND h.id < everystep_uuid_at((%(week)s::date + 7)::timestamp AT TIME ZONE 'UTC')
+                    AND h.status = r.status) > everystep_now() - make_interval(secs => r.secs));
 
 -- name: week_runs
 -- How many runs the partition of `week` holds.

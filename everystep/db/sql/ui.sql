@@ -38,10 +38,13 @@ ORDER BY w.created_at DESC, w.id DESC;
 -- name: ui_overview
 -- What every open live page shows, in one statement: the newest runs (as
 -- ui_runs without conditions), the counts per status (exact up to `cap`, a
--- count above it means "more"), what the planner's statistics say for the
+-- count above it means "more"; in completed_at order, which only the
+-- history's (status, completed_at) index gives: each count is a bounded
+-- walk of it, never a scan of a partition for a status it has none of), what the planner's statistics say for the
 -- statuses past the cap (reltuples and the most common values of status
 -- of the hot table and of every partition of the history, summed: no
--- statement here scans a table), the runners with work in flight, and
+-- statement here scans a table; OFFSET 0 keeps pg_stats a lookup per
+-- table, not a scan of pg_class), the runners with work in flight, and
 -- a change counter.
 SELECT
     (SELECT coalesce(json_agg(p), '[]')
@@ -63,18 +66,27 @@ SELECT
                                        FROM (SELECT 1
                                              FROM everystep_workflow_all w
                                              WHERE w.status = s.status
+                                             ORDER BY w.completed_at
                                              LIMIT %(cap)s + 1) c))
      FROM unnest(%(statuses)s::text[]) s(status)),
     (WITH tables AS (
          SELECT c.relname, greatest(c.reltuples, 0) AS rows
          FROM pg_class c
          WHERE c.oid = 'everystep_workflow'::regclass
-            OR c.oid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'everystep_workflow_history'::regclass)
+         UNION ALL
+         SELECT c.relname, greatest(c.reltuples, 0)
+         FROM pg_inherits i
+         JOIN pg_class c ON c.oid = i.inhrelid
+         WHERE i.inhparent = 'everystep_workflow_history'::regclass
      ),
      per_status AS (
          SELECT v.status, sum(t.rows * v.freq) AS n
          FROM tables t
-         JOIN pg_stats st ON st.schemaname = current_schema() AND st.tablename = t.relname AND st.attname = 'status'
+         CROSS JOIN LATERAL (SELECT st.most_common_vals, st.most_common_freqs
+                             FROM pg_stats st
+                             WHERE st.schemaname = current_schema() AND st.tablename = t.relname
+                               AND st.attname = 'status'
+                             OFFSET 0) st
          CROSS JOIN LATERAL unnest(st.most_common_vals::text::text[], st.most_common_freqs) AS v(status, freq)
          GROUP BY v.status
      )
