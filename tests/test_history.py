@@ -510,3 +510,13 @@ def test_a_database_with_runs_in_flight_and_a_history_migrates_in_place(server_u
         if worker is not None:
             worker.close()
         server.drop(db, server_url)
+
+
+@pytest.mark.parametrize("table", ["everystep_workflow", "everystep_step", "everystep_message", "everystep_event"])
+def test_a_history_table_has_its_hot_tables_columns_in_the_same_order(db, table):
+    """The move copies rows with `*`: a column added to a hot table is added
+    to its history table, in the same order, by the same migration."""
+    columns = ("SELECT a.attname, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a"
+               " WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum")
+    assert db.query(columns, (f"{table}_history",)) == db.query(columns, (table,))
+    assert db.query(columns, (f"{table}_all",)) == db.query(columns, (table,))
