@@ -520,3 +520,18 @@ def test_a_history_table_has_its_hot_tables_columns_in_the_same_order(db, table)
                " WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum")
     assert db.query(columns, (f"{table}_history",)) == db.query(columns, (table,))
     assert db.query(columns, (f"{table}_all",)) == db.query(columns, (table,))
+
+
+def test_operator_actions_on_a_run_in_the_history_say_it_has_ended(db):
+    from everystep import operations  # noqa: PLC0415
+
+    done = finished_runs(db, 1)[0]
+    archive(db)
+    assert history_ids(db) == {done}
+    actor = operations.Actor("ada@ops", "cli")
+    with db.connect() as conn:
+        assert everystep.db.cancel_run(conn, done, None).status == "completed"  # nothing to cancel
+        with pytest.raises(everystep.db.ResolveRefused, match="is completed, not blocked"):
+            everystep.db.resolve_step(conn, done, "1", "done", "1", None)
+        new = operations.reschedule(conn, actor, [done])
+    assert len(new.done) == 1 and db.run(new.done[0].new)["args"] == ["0"]
