@@ -103,12 +103,12 @@ def test_a_run_moves_only_after_it_has_been_finished_for_archive_after(db):
     assert archive(db, after=3600) == 1 and history_ids(db) == {done}
 
 
-def test_messages_events_and_children_read_across_the_move(db):
-    box = schedule_one(db, mailbox, "", 1).id
+def test_messages_events_and_children_read_across_the_move(db, marks):
+    box = schedule_one(db, mailbox, marks, 1).id
     db.run_pending()  # parks waiting for a message
     with db.connect() as conn, conn.transaction():
         everystep.send(box, "in", {"n": 1}, conn=conn)
-    pub = schedule_one(db, publisher, "").id
+    pub = schedule_one(db, publisher, marks).id
     db.run_pending()
     assert archive(db) == 2
     with db.connect() as conn:
