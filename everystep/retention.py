@@ -76,11 +76,14 @@ def archive(conn: psycopg.Connection, after: float, budget: float | None = None,
     moved."""
     moved = 0
     deadline = None if budget is None else time.monotonic() + budget
-    while deadline is None or time.monotonic() < deadline:
-        count = db.archive_batch(conn, batch, after)
-        moved += count
-        if count < batch:
-            break
+    for status in TERMINAL:
+        since = None  # each status from its oldest run: a run that ended late is not left behind
+        while deadline is None or time.monotonic() < deadline:
+            batch_moved = db.archive_batch(conn, status, batch, after, since)
+            moved += batch_moved.moved
+            if batch_moved.candidates < batch or not batch_moved.moved:  # the last, or all locked by others
+                break
+            since = batch_moved.cursor
     return moved
 
 

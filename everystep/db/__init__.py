@@ -46,6 +46,7 @@ from everystep.db.fenced import (
     why_not_written,
 )
 from everystep.db.history import (
+    Moved,
     Week,
     archive_batch,
     count_expired,
@@ -227,7 +228,7 @@ __all__ = [
     "run_statuses", "runs_of_workflow", "set_clock",
     # ops, observe, ui
     "audit", "audit_records", "resolve_step",
-    "Week", "archive_batch", "count_expired", "drop_week", "history_ahead", "history_weeks", "retention_batch",
+    "Moved", "Week", "archive_batch", "count_expired", "drop_week", "history_ahead", "history_weeks", "retention_batch",
     "retention_batch_hot", "week_expired",
     "fleet_load", "publish_route", "queue_stats", "runners_without_lock", "server", "set_statement_timeout",
     "table_health", "unserved_runs", "vacuum_horizon",

@@ -28,28 +28,37 @@ def history_ahead(conn: psycopg.Connection, weeks: int) -> int:
         return conn.execute(queries.get("history_ahead"), {"weeks": weeks}).fetchone()[0]
 
 
-def archive_batch(conn: psycopg.Connection, limit: int, after: float) -> int:
-    """Move up to `limit` runs that ended at least `after` seconds ago (with
-    their steps, messages and events) to the history, in one transaction;
-    how many moved. Keyed runs move only under the keys lock: when it is not
-    had within LOCK_TIMEOUT (a long transaction that scheduled a keyed run
-    holds it shared), this batch moves runs without a key only."""
+class Moved(NamedTuple):
+    candidates: int  # runs found to move (at most the limit)
+    moved: int  # of them, the runs moved (the others were locked by someone else)
+    cursor: datetime.datetime | None  # the creation time of the last candidate: where the next batch starts
+
+
+def archive_batch(conn: psycopg.Connection, status: str, limit: int, after: float,
+                  since: datetime.datetime | None = None) -> Moved:
+    """Move up to `limit` runs of `status` that ended at least `after`
+    seconds ago and were created at or after `since` (with their steps,
+    messages and events) to the history, in one transaction. Keyed runs
+    move only under the keys lock: when it is not had within LOCK_TIMEOUT (a
+    long transaction that scheduled a keyed run holds it shared), this
+    batch moves runs without a key only."""
     try:
-        return _archive(conn, limit, after, keyed=True)
+        return _archive(conn, status, limit, after, since, keyed=True)
     except psycopg.errors.LockNotAvailable:
-        return _archive(conn, limit, after, keyed=False)
+        return _archive(conn, status, limit, after, since, keyed=False)
 
 
-def _archive(conn: psycopg.Connection, limit: int, after: float, keyed: bool) -> int:
+def _archive(conn: psycopg.Connection, status: str, limit: int, after: float, since: datetime.datetime | None,
+             keyed: bool) -> Moved:
     with conn.transaction():
         conn.execute(queries.get("history_lock"), {"timeout": LOCK_TIMEOUT})
         if keyed:
             conn.execute(queries.get("keys_lock"), {})
-        ids, _created = conn.execute(queries.get("archive_candidates"),
-                                     {"after": after, "keyed": keyed, "limit": limit}).fetchone()
+        ids, cursor, _created = conn.execute(queries.get("archive_candidates"), {
+            "status": status, "since": since, "after": after, "keyed": keyed, "limit": limit}).fetchone()
         if not ids:
-            return 0
-        return conn.execute(queries.get("archive_batch"), {"ids": ids}).fetchone()[0]
+            return Moved(0, 0, since)
+        return Moved(len(ids), conn.execute(queries.get("archive_batch"), {"ids": ids}).fetchone()[0], cursor)
 
 
 def history_weeks(conn: psycopg.Connection) -> list[Week]:

@@ -22,26 +22,35 @@ SELECT set_config('lock_timeout', %(timeout)s, true),
 SELECT pg_advisory_xact_lock(hashtextextended('everystep:keys:' || current_schema(), 0));
 
 -- name: archive_candidates
--- Up to `limit` runs that ended (the statuses of everystep.schema.TERMINAL)
--- at least `after` seconds ago, with keys only when `keyed` (the move holds
--- the keys lock), and the partitions their weeks need, created where
+-- Up to `limit` runs of `status` (one of everystep.schema.TERMINAL) that
+-- ended at least `after` seconds ago, created at or after `since` (NULL:
+-- any time), in creation order, with keys only when `keyed` (the move holds
+-- the keys lock); the creation time of the last, the cursor of the next
+-- batch (each batch reads the index from where the last stopped, not past
+-- the dead entries of every run moved before it, which stay in the index
+-- until vacuum); and the partitions their weeks need, created where
 -- missing (how many were). Only UUIDv7 ids (version 7) move: another id
 -- has no time in it (a run inserted by hand with gen_random_uuid(), say),
 -- and its run stays in the hot table until retention deletes it there.
 -- A run ends after it was created, so the bound on created_at adds
 -- nothing to the condition but lets the (status, created_at) index skip
 -- the runs that ended in the last `after` seconds.
-SELECT c.ids,
+WITH c AS MATERIALIZED (
+    SELECT id, created_at
+    FROM everystep_workflow
+    WHERE status = %(status)s
+      AND created_at >= coalesce(%(since)s::timestamptz, '-infinity')
+      AND created_at <= everystep_now() - make_interval(secs => %(after)s::float8)
+      AND completed_at <= everystep_now() - make_interval(secs => %(after)s::float8)
+      AND (idempotency_key IS NULL OR %(keyed)s::boolean)
+      AND substr(id::text, 15, 1) = '7'
+    ORDER BY created_at
+    LIMIT %(limit)s
+)
+SELECT (SELECT coalesce(array_agg(id), '{}') FROM c),
+       (SELECT max(created_at) FROM c),
        (SELECT coalesce(sum(everystep_history_partition(w.week)), 0)::int
-        FROM (SELECT DISTINCT everystep_history_week(id) AS week FROM unnest(c.ids) AS id) w)
-FROM (SELECT ARRAY(SELECT id
-                   FROM everystep_workflow
-                   WHERE status IN ('completed', 'failed', 'stopped', 'cancelled')
-                     AND created_at <= everystep_now() - make_interval(secs => %(after)s::float8)
-                     AND completed_at <= everystep_now() - make_interval(secs => %(after)s::float8)
-                     AND (idempotency_key IS NULL OR %(keyed)s::boolean)
-                     AND substr(id::text, 15, 1) = '7'
-                   LIMIT %(limit)s) AS ids) c;
+        FROM (SELECT DISTINCT everystep_history_week(id) AS week FROM c) w);
 
 -- name: archive_batch
 -- The move: these runs, if they have ended, leave the hot tables with their
