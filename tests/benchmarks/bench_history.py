@@ -5,7 +5,7 @@ into the history's weekly partitions, ten weeks of them; then
 
 - w1 (N one-step runs drained by a supervisor's 2 workers x 8 threads) with
   that history, against w1 on empty tables (target >= 0.95);
-- (the generated pages are checkpointed first, and timed with the fill)
+- (the generated pages are checkpointed before anything is measured)
 - the retention removing the oldest week (H/10 runs: a partition dropped)
   while another w1 batch drains (target < 5 s, the drain >= 0.9 of w1);
 - the UI's first page (the live overview) and filtered pages (by status,
