@@ -156,6 +156,10 @@ def test_the_ui_and_the_cli_show_runs_in_the_history(db):
         assert overview["counts"] == {"completed": 1, "scheduled": 1}
         assert [row["id"] for row in overview["runs"]] == [str(pending), str(done)]
     assert "completed" in ok(cli(db, "runs", "show", str(done)))
+    exported = json.loads(ok(cli(db, "runs", "export", str(done))))
+    assert [run["id"] for run in exported["runs"]] == [str(done)] and len(exported["runs"][0]["steps"]) == 1
+    listed = ok(cli(db, "runs", "list", "--status", "completed"))
+    assert str(done) in listed
 
 
 # ---------------------------------------------------------------- partitions
