@@ -539,3 +539,22 @@ def test_operator_actions_on_a_run_in_the_history_say_it_has_ended(db):
             everystep.db.resolve_step(conn, done, "1", "done", "1", None)
         new = operations.reschedule(conn, actor, [done])
     assert len(new.done) == 1 and db.run(new.done[0].new)["args"] == ["0"]
+
+
+def test_prune_applies_the_config_files_retention(db, tmp_path):
+    from tests.test_cli import everystep_cli, ok  # noqa: PLC0415
+
+    done = finished_runs(db, 2)
+    failed = finished_runs(db, 1, fails)[0]
+    archive(db)
+    advance(db, 2 * DAY)
+    path = tmp_path / "everystep.yaml"
+    path.write_text(f"database:\n  url: {json.dumps(db.url)}\nretention:\n  completed: 1d\n  failed: 30d\n")
+    assert ok(everystep_cli("prune", "-c", str(path), "--dry-run")) == (
+        "would delete 2 runs past their retention (completed 1d, failed 30d), with their steps"
+        " (dry run: nothing deleted)\n")
+    assert ok(everystep_cli("prune", "-c", str(path))) == (
+        "deleted 2 runs past their retention (completed 1d, failed 30d), with their steps\n")
+    assert all(db.run(run) is None for run in done) and db.run(failed)["status"] == "failed"
+    record = db.query("SELECT details FROM everystep_audit WHERE action = 'prune'")[0][0]
+    assert record["deleted"] == 2 and record["retention"] == {"completed": DAY, "failed": 30 * DAY}
