@@ -177,6 +177,9 @@ class Config:
     ui: UiConfig | None = None  # None: no `ui:` section, no UI served
     workflows: dict[str, WorkflowConfig] = field(default_factory=dict)
     rate_limits: dict[str, RateLimitConfig] = field(default_factory=dict)
+    # How long finished runs are kept, in seconds by end status (`retention:`);
+    # a status left out is kept for ever (everystep.retention).
+    retention: dict[str, float] = field(default_factory=dict)
 
 
 # Room left after the base name for "-<index>" within the 255 characters of
@@ -257,7 +260,8 @@ def worker_options(config: Config | None) -> dict[str, Any]:
 def maintenance_options(config: Config | None) -> dict[str, Any]:
     """The `Maintenance` keyword arguments a config file sets (its defaults for None)."""
     recovery = config.recovery if config is not None else RecoveryConfig()
-    return {"interval": recovery.interval, "grace": recovery.grace, "max_crashes": recovery.max_crashes}
+    return {"interval": recovery.interval, "grace": recovery.grace, "max_crashes": recovery.max_crashes,
+            "retention": dict(config.retention) if config is not None else {}}
 
 
 def load(path: str | os.PathLike) -> Config:
@@ -323,6 +327,7 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         ui=_ui(file, top.raw),
         workflows=_workflows(file, top.raw.get("workflows")),
         rate_limits=_rate_limits(file, top.raw.get("rate_limits")),
+        retention=_retention(file, top.raw.get("retention")),
     )
 
 
@@ -384,6 +389,28 @@ def _rate_limits(file: str, raw: Any) -> dict[str, RateLimitConfig]:
             burst = max(1, math.ceil(rate))  # the rate (rounded up to a whole token)
         limits[name] = RateLimitConfig(rate=float(rate), per=float(per), burst=burst)
     return limits
+
+
+def _retention(file: str, raw: Any) -> dict[str, float]:
+    from everystep.retention import RETAINED, parse_duration  # noqa: PLC0415
+
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: retention: must be a mapping of end statuses to durations, got {_show(raw)}")
+    retention = {}
+    for status, value in raw.items():
+        if status == "blocked":
+            raise ConfigError(f"{file}: retention.blocked: blocked runs wait for an operator and are never "
+                              "removed automatically (resolve them: everystep resolve-step)")
+        if status not in RETAINED:
+            raise ConfigError(f"{file}: retention: the key {_show(status)} must be an end status: "
+                              f"{', '.join(RETAINED)}")
+        try:
+            retention[status] = parse_duration(_scalar(value))
+        except ValueError as exc:
+            raise ConfigError(f"{file}: retention.{status}: {exc}") from None
+    return retention
 
 
 def _switch(section: _Section, extra: str, *modules: str) -> bool:

@@ -3,8 +3,13 @@ the console's per-minute figures (everystep_minute), in one loop.
 
 Embeddable in any host process, like `Worker`::
 
-    maintenance = Maintenance(database_url, interval=5, grace=10, max_crashes=3)
+    maintenance = Maintenance(database_url, interval=5, grace=10, max_crashes=3,
+                              retention={"completed": 7 * 86400})
     maintenance.run()     # blocks; maintenance.stop() from another thread or a signal handler
+
+It also keeps the history (everystep.retention): finished runs move out of
+the hot tables, the coming weeks' partitions are made ahead, and the
+retention by end status removes what has expired.
 
 Any number of them may run at once, in one deployment or across several: the
 sweep's probe lock and the scheduler's advisory lock serialise them. It waits
@@ -17,11 +22,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 
 import psycopg
 
 from everystep import db, liveness, scheduler
 from everystep.logs import first_line
+from everystep.retention import ARCHIVE_AFTER, Upkeep
 
 log = logging.getLogger("everystep")
 
@@ -38,13 +45,15 @@ class Maintenance:
     charts' per-minute figures every ROLLUP_INTERVAL seconds."""
 
     def __init__(self, database_url: str, interval: float = 5.0, grace: float = 10.0, max_crashes: int = 3,
-                 application_name: str = "everystep maintenance"):
+                 application_name: str = "everystep maintenance", retention: Mapping[str, float] | None = None,
+                 archive_after: float = ARCHIVE_AFTER):
         if not interval > 0:
             raise ValueError("the sweep interval must be > 0 seconds")
         self.database_url = database_url
         self.interval = interval
         self.application_name = application_name
         self.sweep = liveness.DeadClaimerSweep(grace, max_crashes)
+        self.history = Upkeep(retention, archive_after)
         self._stopped = threading.Event()
 
     def stop(self, fast: bool = False) -> None:
@@ -63,7 +72,8 @@ class Maintenance:
                 try:
                     if conn is None:
                         conn = psycopg.connect(self.database_url, **liveness.connection_kwargs(self.application_name))
-                    if time.monotonic() >= next_sweep:
+                    sweep_due = time.monotonic() >= next_sweep
+                    if sweep_due:
                         self.sweep.sweep(conn)
                         db.sort_lanes(conn)  # a run inserted while a limit changed (0011_lanes.sql)
                         db.sweep_keys(conn)  # the fair queues' idle keys out of the claims' way (0014)
@@ -77,6 +87,7 @@ class Maintenance:
                         if time.monotonic() >= next_prune:
                             db.prune_minutes(conn)
                             next_prune = time.monotonic() + PRUNE_MINUTES_INTERVAL
+                    self.history.run(conn, sweep_due)
                     outage.over()
                     wait = min(SCHEDULER_TICK, next_sweep - time.monotonic())
                 except db.CONNECTION_ERRORS as exc:  # a server gone, or one that turned read-only (a standby)

@@ -97,6 +97,14 @@ POISONED = Counter(
     "everystep_poisoned_runs", "Runs failed because their worker kept dying on them (max_crashes)."
 )
 
+# History and retention (the maintenance child, everystep.retention).
+HISTORY_MOVED = Counter(
+    "everystep_history_moved_runs", "Finished runs moved from the hot tables to the partitioned history."
+)
+RETENTION_REMOVED = Counter(
+    "everystep_retention_removed_runs", "Runs removed by the retention by end status (whole partitions and batches)."
+)
+
 # Recurring schedules (the maintenance child's tick).
 SCHEDULES_AUTO_PAUSED = Counter(
     "everystep_schedule_auto_pauses", "Schedules that paused themselves because their runs kept failing."

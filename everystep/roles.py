@@ -69,6 +69,11 @@ GRANT SELECT (run_id, idempotency_key) ON {s}.everystep_message TO {producer};
 GRANT SELECT (status, wakes, waiting_on, due_at) ON {workflow} TO {producer};
 GRANT UPDATE (wakes, due_at) ON {workflow} TO {producer};
 GRANT SELECT ON {s}.everystep_event TO {producer};
+-- The history (0015_history.sql): idempotency keys, send() and get_event()
+-- on runs that have moved there.
+GRANT SELECT (id, name, idempotency_key, status) ON {s}.everystep_workflow_all TO {producer};
+GRANT SELECT (name, idempotency_key) ON {s}.everystep_workflow_history TO {producer};
+GRANT SELECT ON {s}.everystep_event_all TO {producer};
 
 -- worker: claim, record steps, end, requeue, count crashes, fire schedules.
 GRANT SELECT, INSERT, UPDATE ON {workflow}, {step}, {s}.everystep_crash TO {worker};
@@ -88,6 +93,9 @@ GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers
 -- charts' per-minute figures the maintenance child keeps.
 GRANT INSERT ON {s}.everystep_execution TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_minute TO {worker};
+-- The history: a wait for a child that has moved there, schedules' last runs.
+GRANT SELECT ON {s}.everystep_workflow_all, {s}.everystep_step_all, {s}.everystep_message_all,
+    {s}.everystep_event_all, {s}.everystep_workflow_history TO {worker};
 
 -- operator: the CLI's and the UI's actions, and reading everything.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash, {s}.everystep_schedule
@@ -104,6 +112,13 @@ GRANT pg_read_all_stats TO {operator};
 -- Every role may read which environment the database is (0017_environment.sql):
 -- the CLI checks it before it acts; `migrate --environment` (the owner) writes it.
 GRANT SELECT ON {s}.everystep_environment TO {producer}, {worker}, {operator};
+-- The history: reading it, and `everystep prune` (dropping its partitions
+-- and moving runs there takes the tables' owner, as the maintenance child
+-- runs as).
+GRANT SELECT ON {s}.everystep_workflow_all, {s}.everystep_step_all, {s}.everystep_message_all,
+    {s}.everystep_event_all TO {operator};
+GRANT SELECT, INSERT, DELETE ON {s}.everystep_workflow_history, {s}.everystep_step_history,
+    {s}.everystep_message_history, {s}.everystep_event_history, {s}.everystep_schedule_run TO {operator};
 
 -- Rows: a worker changes only runs that are scheduled, waiting or running
 -- (never a blocked or finished one: resolving is the operator's), and step

@@ -199,6 +199,7 @@ class QueueCollector:
         for name, count in unserved.items():
             family.add_metric([name], count)
         yield family
+        yield from self._vacuum()
         try:
             auto_paused = self._database.call(db.auto_paused_schedules)
         except (DatabaseUnavailable, psycopg.Error) as exc:  # e.g. a schema older than auto-pause
@@ -208,6 +209,50 @@ class QueueCollector:
             "everystep_schedules_auto_paused",
             "Live schedules that paused themselves because their runs kept failing (resume them when fixed).",
             value=auto_paused,
+        )
+
+    def _vacuum(self) -> Iterator[Metric]:
+        """The known killers of a PostgreSQL queue: dead tuples piling up in
+        the hot tables, autovacuum falling behind, and a transaction holding
+        back vacuum (docs/observability.md)."""
+        try:
+            tables, horizon = self._database.call(lambda conn: (db.table_health(conn), db.vacuum_horizon(conn)))
+        except (DatabaseUnavailable, psycopg.Error) as exc:
+            log.debug("metrics: no vacuum gauges: %s", exc)
+            return
+        families = {
+            "live": GaugeMetricFamily("everystep_table_live_tuples", "Live tuples of a hot table (the statistics "
+                                      "collector's estimate).", labels=["table"]),
+            "dead": GaugeMetricFamily("everystep_table_dead_tuples", "Dead tuples of a hot table, not yet removed "
+                                      "by vacuum: what every claim's index scan walks past.", labels=["table"]),
+            "auto": GaugeMetricFamily("everystep_table_last_autovacuum_timestamp_seconds",
+                                      "Unix time of a hot table's last autovacuum (0: never since the statistics "
+                                      "were reset).", labels=["table"]),
+            "any": GaugeMetricFamily("everystep_table_last_vacuum_timestamp_seconds",
+                                     "Unix time of a hot table's last vacuum, manual or auto (0: never).",
+                                     labels=["table"]),
+        }
+        for row in tables:
+            families["live"].add_metric([row.table], row.live_tuples)
+            families["dead"].add_metric([row.table], row.dead_tuples)
+            families["auto"].add_metric([row.table], row.last_autovacuum or 0)
+            families["any"].add_metric([row.table], row.last_vacuum or 0)
+        yield from families.values()
+        yield GaugeMetricFamily(
+            "everystep_oldest_xmin_age_seconds",
+            "Age of the oldest transaction or snapshot of another session (backend_xmin) or prepared transaction "
+            "in this database: vacuum removes no dead tuple younger than it (0: none).",
+            value=horizon.oldest_xmin_age_seconds,
+        )
+        yield GaugeMetricFamily(
+            "everystep_oldest_xmin_age_transactions",
+            "Age in transaction ids of the oldest xmin holding back vacuum (sessions, prepared transactions, "
+            "replication slots).", value=horizon.oldest_xmin_age_xids,
+        )
+        yield GaugeMetricFamily(
+            "everystep_idle_in_transaction_max_seconds",
+            "The longest a session of this database has been idle in a transaction (0: none).",
+            value=horizon.idle_in_transaction_seconds,
         )
 
     def _report(self, up: bool, reason: str) -> None:

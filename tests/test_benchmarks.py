@@ -49,6 +49,12 @@ FIGURES = {
                    "max_in_any_1s"},
     "charts": {"runs", "rollup_first_hour_ms", "rollup_steady_ms", "rollup_with_backlog_sample_ms", "chart_hour_ms",
                "chart_day_ms", "chart_day_one_workflow_ms", "schedule_fires_ms"},
+    "history": {"history", "fill_s", "runs_per_s_empty", "runs_per_s_with_history", "with_history_over_empty",
+                "retention_removed", "retention_dropped_partitions", "retention_s", "runs_per_s_during_retention",
+                "during_retention_over_with_history", "first_page_p95_ms", "filtered_page_p95_ms", "migration_s",
+                "drain_longest_pause_s", "move_s", "migrate_not_completed", "not_completed"},
+    "held_back": {"runs_per_s_without", "runs_per_s_held", "held_over_without", "target",
+                  "oldest_xmin_age_seconds", "dead_tuples_held", "not_completed"},
 }
 
 

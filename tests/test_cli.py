@@ -635,4 +635,4 @@ def test_a_malformed_database_url_is_bad_input():
 def test_a_schema_without_the_tables_says_to_migrate(db, server_url):
     url = conninfo.make_conninfo(server_url, options="-c search_path=no_such_schema")
     assert error_line(everystep_cli("--database-url", url, "runs", "list"), 1) == (
-        'everystep: database error: relation "everystep_workflow" does not exist (run `everystep migrate` first?)')
+        'everystep: database error: relation "everystep_workflow_all" does not exist (run `everystep migrate` first?)')

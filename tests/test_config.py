@@ -245,7 +245,7 @@ def test_substitution_errors(config_dir, text, message):
         ("workers: {thread: 8}", "workers.thread: unknown key (did you mean 'threads'?)"),
         ("wokers: {}", "wokers: unknown key (did you mean 'workers'?)"),
         ("colour: red", "colour: unknown key (known keys: database, name, imports, migrate, workers, recovery, "
-                        "http, schedules, logging, tracing, sentry, ui, workflows, rate_limits)"),
+                        "http, schedules, logging, tracing, sentry, ui, workflows, rate_limits, retention)"),
         ("workers: [1, 2]", "workers: must be a mapping, got a list"),
         ("http: 9117", "http: must be a mapping, got 9117"),
     ],

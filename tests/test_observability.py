@@ -584,6 +584,7 @@ def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
             "EverystepRunsBlocked", "EverystepPendingTooOld", "EverystepChildCrashLooping", "EverystepNoWorkers",
             "EverystepDatabaseDown", "EverystepClaimsLost", "EverystepPoisonedRuns", "EverystepRunsUnserved",
             "EverystepScheduleAutoPaused", "EverystepStepRetrying", "EverystepStepThreadsAbandoned",
+            "EverystepVacuumHeldBack", "EverystepTableBloat",
         }
         assert all(r["health"] == "ok" for r in rules), rules
     finally:

@@ -59,11 +59,11 @@ def test_every_statement_is_valid_sql_against_the_migrated_schema(db):
 
 
 def test_the_ended_statuses_written_in_statements_are_the_terminal_ones():
-    # send_message, take_child, count_prunable and prune_batch list them.
+    # send_message, take_child and archive_batch list them.
     terminal = "(" + ", ".join(f"'{status}'" for status in TERMINAL) + ")"
     listed = {name: re.findall(r"\('completed'[^)]*\)", s.text) for name, s in queries.statements().items()}
     listed = {name: lists for name, lists in listed.items() if lists}
-    assert set(listed) >= {"send_message", "take_child", "count_prunable", "prune_batch"}
+    assert set(listed) >= {"send_message", "take_child", "archive_batch"}
     assert {name: lists for name, lists in listed.items() if set(lists) != {terminal}} == {}
 
 

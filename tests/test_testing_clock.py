@@ -187,9 +187,9 @@ def test_cancel_times_ages_and_pruning_follow_the_clock(everystep_db):
     row = db.load_run(conn, run.id)
     assert abs((row["completed_at"] - now(conn)).total_seconds()) < 5
     assert (row["completed_at"] - row["created_at"]).total_seconds() > HOUR - 5
-    assert db.count_prunable(conn, 30) == 0
+    assert db.count_expired(conn, "cancelled", 30 * DAY) == 0
     advance(conn, 31 * DAY, drain=False)
-    assert db.count_prunable(conn, 30) == 1
+    assert db.count_expired(conn, "cancelled", 30 * DAY) == 1
 
 
 def test_a_worker_in_another_session_sees_the_time_move(everystep_db, everystep_worker):

@@ -15,13 +15,13 @@ from everystep.cli.common import (
     audit,
     connect,
     expected_environment,
+    load_config,
     open_connection,
     plural,
     whole_number_argument,
 )
 
 MAX_DAYS = 36500  # 100 years: the bound of --older-than
-PRUNE_BATCH = 1000  # runs deleted per transaction, so prune never holds locks for long
 
 
 def add_commands(commands: Any, add: Add) -> None:
@@ -35,9 +35,11 @@ def add_commands(commands: Any, add: Add) -> None:
                               "(a copy of production restored as staging, say)")
 
     prune = add(commands, "prune", cmd_prune,
-                "delete completed, failed, stopped and cancelled runs (with their steps) older than a bound")
-    prune.add_argument("--older-than", type=whole_number_argument(1, MAX_DAYS), required=True,
-                       metavar="DAYS", help="days since the run ended")
+                "delete completed, failed, stopped and cancelled runs (with their steps) past their retention: "
+                "the config's `retention:`, or --older-than")
+    prune.add_argument("--older-than", type=whole_number_argument(1, MAX_DAYS), default=None,
+                       metavar="DAYS", help="days since the run ended, for every end status (default: the config "
+                       "file's retention: by end status)")
     prune.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
 
     roles = add(commands, "roles", cmd_roles, "print the SQL of three least-privilege roles (producer, worker, "
@@ -80,19 +82,43 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    what = f"completed, failed, stopped or cancelled more than {plural(args.older_than, 'day')} ago"
+    """The retention by end status, now: `--older-than DAYS` for every end
+    status, else the config file's `retention:`. Whole partitions of the
+    history where every run is expired, batches of the rest."""
+    from everystep import retention  # noqa: PLC0415
+
+    if args.older_than is not None:
+        policy = {status: args.older_than * 86400.0 for status in retention.RETAINED}
+        what = f"completed, failed, stopped or cancelled more than {plural(args.older_than, 'day')} ago"
+    else:
+        policy = load_config(args.config).retention if getattr(args, "config", None) else {}
+        if not policy:
+            raise CliError("nothing to prune: give --older-than DAYS, or -c FILE with a `retention:` section")
+        what = "past their retention (" + ", ".join(
+            f"{status} {_duration(seconds)}" for status, seconds in policy.items()) + ")"
     with connect(args) as conn:
         if args.dry_run:
-            count = db.count_prunable(conn, args.older_than)
+            count = sum(retention.count(conn, policy).values())
             print(f"would delete {plural(count, 'run')} {what}, with their steps (dry run: nothing deleted)")
             return 0
-        deleted = 0
-        while batch := db.prune_batch(conn, args.older_than, PRUNE_BATCH):
-            deleted += batch
-        audit(conn, "prune", details={"older_than_days": args.older_than, "deleted": deleted})
-    print(f"deleted {plural(deleted, 'run')} {what}, with their steps")
+        applied = retention.apply(conn, policy)
+        if args.older_than is not None:
+            details = {"older_than_days": args.older_than, "deleted": applied.removed}
+        else:
+            details = {"retention": policy, "deleted": applied.removed, "dropped_partitions": applied.dropped_weeks}
+        audit(conn, "prune", details=details)
+    dropped = (f" ({plural(applied.dropped, 'run')} in {plural(applied.dropped_weeks, 'dropped weekly partition')})"
+               if applied.dropped_weeks else "")
+    print(f"deleted {plural(applied.removed, 'run')} {what}, with their steps{dropped}")
     acted_on(args)
     return 0
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
 
 
 def cmd_roles(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ consumers write `from everystep import db` and `db.claim(conn, ...)`:
   execution's claim and token, and why one matched nothing
 - runs: scheduling, messages, cancelling, reading runs and their steps
 - schedules: recurring schedules, the scheduler's lock and tick
+- history: moving finished runs to the partitioned history, its
+  partitions, retention by end status
 - ops, ui, observe: the operators' actions and audit trail, the web UI's
   reads, what metrics and health checks read
 - charts: the console's per-minute figures and the bounded reads its charts draw
@@ -54,6 +56,18 @@ from everystep.db.fenced import (
     take_message,
     why_not_written,
 )
+from everystep.db.history import (
+    Moved,
+    Week,
+    archive_batch,
+    count_expired,
+    drop_week,
+    history_ahead,
+    history_weeks,
+    retention_batch,
+    retention_batch_hot,
+    week_expired,
+)
 from everystep.db.migrations import migrate, missing_migrations
 from everystep.db.observe import (
     fleet_load,
@@ -62,16 +76,16 @@ from everystep.db.observe import (
     runners_without_lock,
     server,
     set_statement_timeout,
+    table_health,
     unserved_runs,
+    vacuum_horizon,
 )
 from everystep.db.ops import (
     ResolveRefused,
     audit,
     audit_records,
     audit_records_filtered,
-    count_prunable,
     insert_rerun,
-    prune_batch,
     record_environment,
     recorded_environment,
     rerun_source,
@@ -129,8 +143,10 @@ from everystep.db.rows import (
     StepRow,
     StepState,
     StepWrite,
+    TableHealth,
     TokenTake,
     TracedExecution,
+    VacuumHorizon,
     Wait,
     Written,
 )
@@ -215,8 +231,8 @@ __all__ = [
     "NO_DEADLINE", "Attempt", "BatchEnd", "CancelDelivery", "CancelOutcome", "Claim", "ClaimedRun", "Deadline",
     "EndWrite", "Ended", "EndedRuns", "EventValue",
     "Executor", "Parking", "QueueStats", "ResolveRefused", "RunFilter", "ScheduleRefused", "Scheduled", "Sent",
-    "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TracedExecution", "TransactionPooledConnection", "Wait",
-    "TokenTake", "Written",
+    "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TableHealth", "TokenTake", "TracedExecution",
+    "TransactionPooledConnection", "VacuumHorizon", "Wait", "Written",
     # session, migrations
     "listen", "migrate", "missing_migrations", "ping", "prepare_claiming_session", "prepare_control_session",
     "prepare_session",
@@ -243,9 +259,11 @@ __all__ = [
     "run_statuses", "runs_of_workflow", "set_clock",
     # ops, observe, ui
     "audit", "audit_records", "audit_records_filtered", "record_environment", "recorded_environment",
-    "count_prunable", "prune_batch", "resolve_step",
+    "insert_rerun", "rerun_source", "resolve_step",
+    "Moved", "Week", "archive_batch", "count_expired", "drop_week", "history_ahead", "history_weeks", "retention_batch",
+    "retention_batch_hot", "week_expired",
     "fleet_load", "publish_route", "queue_stats", "runners_without_lock", "server", "set_statement_timeout",
-    "unserved_runs",
+    "table_health", "unserved_runs", "vacuum_horizon",
     "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",
     "ui_workflow_names",
     # the console: re-runs, execution history, charts

@@ -6,7 +6,7 @@ from __future__ import annotations
 import psycopg
 
 from everystep.db import queries
-from everystep.db.rows import QueueStats, Server
+from everystep.db.rows import QueueStats, Server, TableHealth, VacuumHorizon
 
 
 def set_statement_timeout(conn: psycopg.Connection, milliseconds: int) -> None:
@@ -19,6 +19,17 @@ def queue_stats(conn: psycopg.Connection) -> QueueStats:
     the oldest scheduled run, measured with the server's clock."""
     row = conn.execute(queries.get("queue_stats"), {}).fetchone()
     return QueueStats(row[0], row[1], row[2], max(float(row[3]), 0.0), row[4])
+
+
+def table_health(conn: psycopg.Connection) -> list[TableHealth]:
+    """The hot tables' live and dead tuples and last vacuums."""
+    return [TableHealth(*row) for row in conn.execute(queries.get("table_health"), {})]
+
+
+def vacuum_horizon(conn: psycopg.Connection) -> VacuumHorizon:
+    """What holds back vacuum in this database (ages of the oldest snapshot
+    and of the longest idle-in-transaction session)."""
+    return VacuumHorizon(*conn.execute(queries.get("vacuum_horizon"), {}).fetchone())
 
 
 def runners_without_lock(conn: psycopg.Connection, runners: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
 """The operators' actions and records: resolving a blocked run's step,
-pruning old runs, the audit trail. Statements: sql/ops.sql."""
+the audit trail. Statements: sql/ops.sql."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def resolve_step(
     happen). The run goes back to `scheduled`. One transaction."""
     with conn.transaction():
         row = conn.execute(queries.get("lock_run_status"), {"run": run}).fetchone()
+        if row is None:  # not in the hot table: in the history (so finished), or no such run
+            row = conn.execute(queries.get("history_run_status"), {"run": run}).fetchone()
         if row is None:
             raise ResolveRefused(f"no run {run}")
         if row[0] != RunStatus.BLOCKED:
@@ -62,20 +64,6 @@ def insert_rerun(conn: psycopg.Connection, run: uuid.UUID, new_id: uuid.UUID, st
     if step_ids:
         conn.execute(queries.get("copy_rerun_steps"), {"id": new, "run": run, "step_ids": step_ids})
     return new
-
-
-def count_prunable(conn: psycopg.Connection, days: int) -> int:
-    """How many terminal runs completed more than `days` days ago."""
-    return conn.execute(queries.get("count_prunable"), {"days": days}).fetchone()[0]
-
-
-def prune_batch(conn: psycopg.Connection, days: int, limit: int) -> int:
-    """Delete up to `limit` terminal runs completed more than `days` days ago,
-    with their steps (FK cascade), in one short transaction. Rows locked by
-    someone else are skipped rather than waited for. Returns how many runs it
-    deleted."""
-    with conn.transaction():
-        return conn.execute(queries.get("prune_batch"), {"days": days, "limit": limit}).rowcount
 
 
 def audit(conn: Executor, actor: str, source: str, action: str, run: uuid.UUID | None = None,

@@ -182,6 +182,20 @@ class QueueStats(NamedTuple):
     waiting: int = 0  # waiting for their time (delayed starts, sleeps, retry back-offs)
 
 
+class TableHealth(NamedTuple):
+    table: str
+    live_tuples: int
+    dead_tuples: int
+    last_autovacuum: float | None  # Unix time; None: never (since the statistics were reset)
+    last_vacuum: float | None  # the last vacuum of any kind (manual or auto)
+
+
+class VacuumHorizon(NamedTuple):
+    oldest_xmin_age_seconds: float  # the oldest transaction or snapshot holding back vacuum (0: none)
+    oldest_xmin_age_xids: int  # the oldest xmin's age in transaction ids (slots and prepared ones included)
+    idle_in_transaction_seconds: float  # the longest idle-in-transaction session (0: none)
+
+
 class RunFilter(NamedTuple):
     """What the UI's run list is narrowed by; None: no condition."""
 

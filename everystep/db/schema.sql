@@ -94,8 +94,9 @@ CREATE TABLE everystep_workflow (
     -- 0009: +1 by every message sent to it and every child that ended: a
     -- wait parks only if the count is still the one it saw
     wakes               bigint NOT NULL DEFAULT 0,
-    -- 0009: the run that started it (a child workflow)
-    parent_id           uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL,
+    -- 0009: the run that started it (a child workflow); no foreign key since
+    -- 0015: the parent may have moved to the history
+    parent_id           uuid,
     -- 0011: its workflow had a concurrency limit when it became claimable:
     -- the lane it is claimed from
     limited             boolean NOT NULL DEFAULT false,
@@ -355,6 +356,127 @@ CREATE TABLE everystep_event (
 );
 
 
+-- ---------------------------------------------------------------- the history (0015)
+
+-- Finished runs, with their steps, messages and events, moved out of the hot
+-- tables in batches by the maintenance child (history.sql): the same columns
+-- in the same order as their hot tables (LIKE), range-partitioned by the
+-- run's id (UUIDv7: time-ordered) in weeks, partitions named
+-- <table>_<yyyymmdd> (the Monday, UTC) made by everystep_history_partition.
+-- A column added to a hot table is added to its history table too.
+CREATE TABLE everystep_workflow_history (LIKE everystep_workflow) PARTITION BY RANGE (id);
+ALTER TABLE everystep_workflow_history ADD PRIMARY KEY (id);
+CREATE INDEX everystep_workflow_history_status ON everystep_workflow_history (status, created_at);
+CREATE INDEX everystep_workflow_history_created_at ON everystep_workflow_history (created_at);
+CREATE INDEX everystep_workflow_history_name_created ON everystep_workflow_history (name, created_at);
+CREATE INDEX everystep_workflow_history_key ON everystep_workflow_history (idempotency_key, name)
+    WHERE idempotency_key IS NOT NULL;
+CREATE INDEX everystep_workflow_history_parent ON everystep_workflow_history (parent_id)
+    WHERE parent_id IS NOT NULL;
+CREATE INDEX everystep_workflow_history_ended ON everystep_workflow_history (status, completed_at);
+
+CREATE TABLE everystep_step_history (LIKE everystep_step) PARTITION BY RANGE (workflow_id);
+ALTER TABLE everystep_step_history ADD PRIMARY KEY (workflow_id, step_id);
+
+CREATE TABLE everystep_message_history (LIKE everystep_message) PARTITION BY RANGE (run_id);
+CREATE INDEX everystep_message_history_run ON everystep_message_history (run_id, id);
+
+CREATE TABLE everystep_event_history (LIKE everystep_event) PARTITION BY RANGE (run_id);
+ALTER TABLE everystep_event_history ADD PRIMARY KEY (run_id, key);
+
+-- What reads runs reads both parts; within one statement a run is in
+-- exactly one (one snapshot sees the move's delete and insert together).
+CREATE VIEW everystep_workflow_all AS
+SELECT * FROM everystep_workflow
+UNION ALL
+SELECT * FROM everystep_workflow_history;
+
+CREATE VIEW everystep_step_all AS
+SELECT * FROM everystep_step
+UNION ALL
+SELECT * FROM everystep_step_history;
+
+CREATE VIEW everystep_message_all AS
+SELECT * FROM everystep_message
+UNION ALL
+SELECT * FROM everystep_message_history;
+
+CREATE VIEW everystep_event_all AS
+SELECT * FROM everystep_event
+UNION ALL
+SELECT * FROM everystep_event_history;
+
+-- The smallest UUIDv7 of the millisecond `at` is in: the bound of a
+-- partition of the runs created from `at` on.
+CREATE FUNCTION everystep_uuid_at(at timestamptz) RETURNS uuid LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT (lpad(to_hex(floor(extract(epoch FROM at) * 1000)::bigint), 12, '0') || '00000000000000000000')::uuid $$;
+
+-- The week (from Monday 00:00 UTC) a UUIDv7 was made in: its partition.
+CREATE FUNCTION everystep_history_week(id uuid) RETURNS date LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT date_trunc('week', to_timestamp(('x' || substr(replace(id::text, '-', ''), 1, 12))::bit(48)::bigint
+                                                / 1000.0) AT TIME ZONE 'UTC')::date $$;
+
+-- The partitions of `week` (a Monday) of the four history tables, each
+-- named <table>_<yyyymmdd>, created where missing: made on their own, then
+-- attached (SHARE UPDATE EXCLUSIVE on the parent, which readers and the
+-- move do not wait for). Returns how many it created.
+CREATE FUNCTION everystep_history_partition(week date) RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    parent text;
+    part text;
+    made integer := 0;
+BEGIN
+    FOREACH parent IN ARRAY ARRAY['everystep_workflow_history', 'everystep_step_history',
+                                  'everystep_message_history', 'everystep_event_history'] LOOP
+        part := parent || '_' || to_char(week, 'YYYYMMDD');
+        IF to_regclass(format('%I.%I', current_schema(), part)) IS NULL THEN
+            EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I)', current_schema(), part, current_schema(), parent);
+            EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
+                           current_schema(), parent, current_schema(), part,
+                           everystep_uuid_at(week::timestamp AT TIME ZONE 'UTC'),
+                           everystep_uuid_at((week + 7)::timestamp AT TIME ZONE 'UTC'));
+            made := made + 1;
+        END IF;
+    END LOOP;
+    RETURN made;
+END $$;
+
+-- The partitions of `week` of the four history tables, dropped (each an
+-- ACCESS EXCLUSIVE lock on its parent for an instant: the caller bounds
+-- the wait with lock_timeout). Returns how many it dropped.
+CREATE FUNCTION everystep_history_drop(week date) RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    parent text;
+    part text;
+    dropped integer := 0;
+BEGIN
+    FOREACH parent IN ARRAY ARRAY['everystep_workflow_history', 'everystep_step_history',
+                                  'everystep_message_history', 'everystep_event_history'] LOOP
+        part := parent || '_' || to_char(week, 'YYYYMMDD');
+        IF to_regclass(format('%I.%I', current_schema(), part)) IS NOT NULL THEN
+            EXECUTE format('DROP TABLE %I.%I', current_schema(), part);
+            dropped := dropped + 1;
+        END IF;
+    END LOOP;
+    RETURN dropped;
+END $$;
+
+-- Whether a run of `name` with idempotency key `key` has moved to the
+-- history: what keeps a key unique across the move. A keyed insert calls
+-- it before its ON CONFLICT on the hot table; it first takes the keys lock
+-- shared, which a move of keyed runs holds exclusive to its commit: so
+-- either the move waits for the insert's transaction (and the insert's
+-- ON CONFLICT met the run in the hot table), or the insert waits for the
+-- move and then sees the run in the history (a VOLATILE function's query
+-- sees what committed after its statement started, in READ COMMITTED).
+CREATE FUNCTION everystep_key_archived(name varchar, key varchar) RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtextextended('everystep:keys:' || current_schema(), 0));
+    RETURN EXISTS (SELECT FROM everystep_workflow_history h
+                   WHERE h.idempotency_key = everystep_key_archived.key AND h.name = everystep_key_archived.name);
+END $$;
+
+
 -- ---------------------------------------------------------------- recurring schedules
 
 -- The schedules: their definitions (from the manifest's `schedules:`, or the
@@ -376,7 +498,7 @@ CREATE TABLE everystep_schedule (
     -- the state, advanced by the scheduler in the transaction that fires
     next_fire_at         timestamptz NOT NULL,          -- the earliest fire time not yet decided
     last_fire_at         timestamptz,                   -- the fire time of the latest run it made
-    last_run_id          uuid REFERENCES everystep_workflow (id) ON DELETE SET NULL,
+    last_run_id          uuid,                          -- no foreign key since 0015: the run may be in the history
     last_error           text,                          -- why a due time did not fire; cleared when it does
     created_at           timestamptz NOT NULL DEFAULT everystep_now(),
     updated_at           timestamptz NOT NULL DEFAULT everystep_now(),
@@ -393,12 +515,13 @@ CREATE TABLE everystep_schedule (
 -- The scheduler's question every few seconds: which live schedules are due.
 CREATE INDEX everystep_schedule_due ON everystep_schedule (next_fire_at) WHERE retired_at IS NULL AND NOT paused;
 
--- The runs a schedule made, by fire time: what auto-pause counts. A pruned
--- run takes its row with it.
+-- The runs a schedule made, by fire time: what auto-pause counts. The
+-- retention that removes a run deletes its row (no foreign key since 0015:
+-- the run may be in the history).
 CREATE TABLE everystep_schedule_run (
     schedule_key varchar(200) NOT NULL,
     fire_at      timestamptz NOT NULL,
-    run_id       uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    run_id       uuid NOT NULL,
     fired_at     timestamptz NOT NULL DEFAULT everystep_now(),  -- the engine's time of the firing
     PRIMARY KEY (schedule_key, fire_at)
 );

@@ -106,12 +106,12 @@ def wait_drained(db: Database, timeout: float = 600.0) -> None:
 
 def last_completion(db: Database) -> float:
     """When the last run completed (the server's clock, on this host), as time.time()."""
-    moment: dt.datetime = db.value("SELECT max(completed_at) FROM everystep_workflow")
+    moment: dt.datetime = db.value("SELECT max(completed_at) FROM everystep_workflow_all")
     return moment.timestamp()
 
 
 def failures(db: Database) -> int:
-    return db.value("SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'")
+    return db.value("SELECT count(*) FROM everystep_workflow_all WHERE status <> 'completed'")
 
 
 # ---------------------------------------------------------------- CPU per run

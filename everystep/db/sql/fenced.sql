@@ -318,7 +318,7 @@ WITH
     ),
     c AS (
         SELECT status, result, error
-        FROM everystep_workflow
+        FROM everystep_workflow_all
         WHERE id = %(child)s
     ),
     outcome AS (

@@ -113,3 +113,44 @@ SELECT count(*) FROM (
      WHERE names.name LIKE ANY (%(patterns)s::text[]))
   LIMIT %(bound)s
 ) fleet_load;
+
+
+-- name: table_health
+-- What vacuum has left in the hot tables (0015_history.sql: they hold the
+-- runs in flight, and every finished run's dead tuples until vacuum): per
+-- table, the statistics collector's live and dead tuples and the Unix
+-- time of the last autovacuum and of the last vacuum of any kind (NULL:
+-- never since the statistics were reset).
+SELECT relname::text, n_live_tup, n_dead_tup, extract(epoch FROM last_autovacuum)::float8,
+       extract(epoch FROM greatest(last_vacuum, last_autovacuum))::float8
+FROM pg_stat_user_tables
+WHERE schemaname = current_schema()
+  AND relname IN ('everystep_workflow', 'everystep_step', 'everystep_message', 'everystep_event')
+ORDER BY relname;
+
+-- name: vacuum_horizon
+-- What holds back vacuum in this database: the age in seconds of the
+-- oldest transaction or snapshot of another session (a backend_xmin: an
+-- idle-in-transaction session, a long analytics query) or prepared
+-- transaction, the oldest xmin's age in transaction ids (replication
+-- slots included), and the longest idle-in-transaction session in
+-- seconds. Wall-clock ages (statement_timestamp()), not the engine's
+-- clock: pg_stat_activity's times are the server's.
+SELECT coalesce(greatest(
+           (SELECT max(extract(epoch FROM statement_timestamp() - coalesce(a.xact_start, a.query_start)))
+            FROM pg_stat_activity a
+            WHERE a.datname = current_database() AND a.backend_xmin IS NOT NULL AND a.pid <> pg_backend_pid()),
+           (SELECT max(extract(epoch FROM statement_timestamp() - p.prepared))
+            FROM pg_prepared_xacts p
+            WHERE p.database = current_database())), 0)::float8,
+       coalesce(greatest(
+           (SELECT max(age(a.backend_xmin))
+            FROM pg_stat_activity a
+            WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()),
+           (SELECT max(age(p.transaction)) FROM pg_prepared_xacts p WHERE p.database = current_database()),
+           (SELECT max(greatest(age(s.xmin), age(s.catalog_xmin))) FROM pg_replication_slots s)), 0)::bigint,
+       coalesce((SELECT max(extract(epoch FROM statement_timestamp() - a.state_change))
+                 FROM pg_stat_activity a
+                 WHERE a.datname = current_database()
+                   AND a.state IN ('idle in transaction', 'idle in transaction (aborted)')
+                   AND a.pid <> pg_backend_pid()), 0)::float8;

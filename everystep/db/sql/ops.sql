@@ -1,5 +1,5 @@
 -- The operators' actions and records: resolving a blocked run's step,
--- pruning old runs, the audit trail. Read by everystep/db/ops.py.
+-- the audit trail. Read by everystep/db/ops.py.
 
 
 -- name: lock_run_status
@@ -8,6 +8,12 @@ SELECT status
 FROM everystep_workflow
 WHERE id = %(run)s
 FOR UPDATE;
+
+-- name: history_run_status
+-- The status of a run that has moved to the history (0015_history.sql).
+SELECT status
+FROM everystep_workflow_history
+WHERE id = %(run)s;
 
 -- name: delete_step
 -- A `started` step whose effect did not happen: the next execution runs it.
@@ -25,30 +31,6 @@ WHERE workflow_id = %(run)s AND step_id = %(step_id)s;
 UPDATE everystep_workflow
 SET status = 'scheduled', claimed_by = NULL, error = NULL, completed_at = NULL
 WHERE id = %(run)s;
-
-
--- name: count_prunable
--- Terminal runs completed more than `days` days ago (by the database's
--- clock). A run completes after it is created, so the bound on created_at
--- adds nothing to the condition but lets the (status, created_at) index
--- limit the scan.
-SELECT count(*)
-FROM everystep_workflow
-WHERE status IN ('completed', 'failed', 'stopped', 'cancelled')
-  AND created_at < everystep_now() - make_interval(days => %(days)s::int)
-  AND completed_at < everystep_now() - make_interval(days => %(days)s::int);
-
--- name: prune_batch
--- Up to `limit` of the runs count_prunable counts, with their steps (FK
--- cascade); rows locked by someone else are skipped rather than waited for.
-DELETE FROM everystep_workflow
-WHERE id IN (SELECT id
-             FROM everystep_workflow
-             WHERE status IN ('completed', 'failed', 'stopped', 'cancelled')
-               AND created_at < everystep_now() - make_interval(days => %(days)s::int)
-               AND completed_at < everystep_now() - make_interval(days => %(days)s::int)
-             LIMIT %(limit)s
-             FOR UPDATE SKIP LOCKED);
 
 
 -- name: audit

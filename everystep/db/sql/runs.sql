@@ -10,8 +10,9 @@
 -- name: insert_run
 -- A run due at once (due_at takes its default, everystep_now()). With an
 -- idempotency key that exists already, nothing is inserted and no row comes
--- back. Its priority: %(priority)s, else its workflow's default as the
--- workers wrote it (everystep_priority), else %(default_priority)s (the
+-- back: a key is unique among the hot runs by the unique index, and
+-- against the history's by everystep_key_archived (0015_history.sql). Its
+-- priority: %(priority)s, else its workflow's default as the workers wrote it (everystep_priority), else %(default_priority)s (the
 -- decorator's). With a concurrency key of a workflow with a per-key limit,
 -- the run is keyed (0014_priorities.sql) and its key has a row, ready (a
 -- key already ready is only read, not written: producers of one key do not
@@ -29,6 +30,7 @@ WITH opt AS (
            opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), opt.priority,
            %(ckey)s, opt.keyed
     FROM opt
+    WHERE CASE WHEN %(key)s::varchar IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s, %(key)s) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, keyed
 ), key_row AS (
@@ -67,6 +69,7 @@ WITH opt AS (
           FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8),
                                 everystep_now()) AS at) AS a) AS due,
          opt
+    WHERE CASE WHEN %(key)s::varchar IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s, %(key)s) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, keyed
 ), key_row AS (
@@ -82,7 +85,7 @@ FROM ins;
 -- name: keyed_run
 -- The run an idempotency key made before.
 SELECT id
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE name = %(name)s AND idempotency_key = %(key)s;
 
 -- name: insert_runs
@@ -105,6 +108,7 @@ WITH opt AS (
                     %(default_priority)b::smallint),
            %(ckey)b::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)b::float8)
     FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key), opt
+    WHERE CASE WHEN key IS NULL THEN true ELSE NOT everystep_key_archived(%(name)b::varchar, key) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
 ), key_row AS (
@@ -133,6 +137,7 @@ WITH opt AS (
                     %(default_priority)s::smallint),
            %(ckey)s::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)s::float8)
     FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key), opt
+    WHERE CASE WHEN key IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s::varchar, key) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
 ), key_row AS (
@@ -148,7 +153,7 @@ SELECT ARRAY(SELECT id FROM ins WHERE with_key), everystep_wake();
 -- name: keyed_runs
 -- The runs these idempotency keys made before.
 SELECT idempotency_key, id
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE name = %(name)s AND idempotency_key = ANY(%(keys)s);
 
 
@@ -160,7 +165,7 @@ WHERE name = %(name)s AND idempotency_key = ANY(%(keys)s);
 WITH
     run AS (
         SELECT id, status
-        FROM everystep_workflow
+        FROM everystep_workflow_all
         WHERE id = %(run)s
     ),
     ins AS (
@@ -193,7 +198,7 @@ WITH RECURSIVE
         SELECT %(run)s::uuid AS id, 0 AS depth
         UNION ALL
         SELECT c.id, tree.depth + 1
-        FROM everystep_workflow c
+        FROM everystep_workflow_all c
         JOIN tree ON c.parent_id = tree.id
     ),
     -- The run and its unfinished descendants.
@@ -219,51 +224,52 @@ WITH RECURSIVE
         WHERE p.id = hit.parent_id AND hit.depth = 0 AND hit.status = 'cancelled'
         RETURNING p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id AS due
     )
-SELECT (SELECT status FROM hit WHERE depth = 0),
+SELECT coalesce((SELECT status FROM hit WHERE depth = 0),
+                (SELECT status FROM everystep_workflow_history WHERE id = %(run)s)),
        (SELECT pg_notify('everystep:' || current_schema(), '') FROM woke WHERE due);
 
 -- name: run_status
 SELECT status
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE id = %(run)s;
 
 
 -- name: get_event
 -- The run's status (no row: no such run), whether the event is set, its value.
 SELECT w.status, e.run_id IS NOT NULL, e.value
-FROM everystep_workflow w
-LEFT JOIN everystep_event e ON e.run_id = w.id AND e.key = %(key)s
+FROM everystep_workflow_all w
+LEFT JOIN everystep_event_all e ON e.run_id = w.id AND e.key = %(key)s
 WHERE w.id = %(run)s;
 
 -- name: load_run
 SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at,
        due_at, cancel_requested_at, cancel_reason, parent_id, deadline_at, priority, concurrency_key
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE id = %(run)s;
 
 -- name: load_steps
 SELECT id, step_id, name, args, kwargs, status, result, error, started_at, finished_at, attempts
-FROM everystep_step
+FROM everystep_step_all
 WHERE workflow_id = %(run)s
 ORDER BY id;
 
 -- name: load_messages
 -- In delivery order.
 SELECT id, topic, payload, idempotency_key, created_at, consumed_by, consumed_at
-FROM everystep_message
+FROM everystep_message_all
 WHERE run_id = %(run)s
 ORDER BY id;
 
 -- name: load_events
 SELECT key, value, updated_at
-FROM everystep_event
+FROM everystep_event_all
 WHERE run_id = %(run)s
 ORDER BY key;
 
 -- name: children
 -- The runs a run started, oldest first.
 SELECT id, name, status, created_at, completed_at
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE parent_id = %(run)s
 ORDER BY created_at, id;
 
@@ -273,7 +279,7 @@ ORDER BY created_at, id;
 -- so that it is planned with its values: PostgreSQL then drops the
 -- conditions whose value is NULL, and the others can use their indexes.
 SELECT id, name, status, idempotency_key, claimed_by, created_at, completed_at
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE (%(parent)s::uuid IS NULL OR parent_id = %(parent)s::uuid)
   AND (%(status)s::text IS NULL OR status = %(status)s::text)
   AND (%(name)s::text IS NULL OR name = %(name)s::text)

@@ -23,7 +23,7 @@ SELECT everystep_now();
 -- Every schedule, retired ones included, with its last run's status.
 SELECT s.*, w.status AS last_run_status
 FROM everystep_schedule s
-LEFT JOIN everystep_workflow w ON w.id = s.last_run_id
+LEFT JOIN everystep_workflow_all w ON w.id = s.last_run_id
 ORDER BY s.key;
 
 -- name: due_schedules
@@ -33,7 +33,7 @@ ORDER BY s.key;
 -- stalling this one.
 SELECT s.*, w.status AS last_run_status
 FROM everystep_schedule s
-LEFT JOIN everystep_workflow w ON w.id = s.last_run_id
+LEFT JOIN everystep_workflow_all w ON w.id = s.last_run_id
 WHERE s.retired_at IS NULL AND NOT s.paused AND s.next_fire_at <= everystep_now()
 ORDER BY s.next_fire_at, s.key
 FOR UPDATE OF s SKIP LOCKED;
@@ -41,14 +41,14 @@ FOR UPDATE OF s SKIP LOCKED;
 -- name: load_schedule
 SELECT s.*, w.status AS last_run_status
 FROM everystep_schedule s
-LEFT JOIN everystep_workflow w ON w.id = s.last_run_id
+LEFT JOIN everystep_workflow_all w ON w.id = s.last_run_id
 WHERE s.key = %(key)s;
 
 -- name: load_schedule_for_update
 -- load_schedule, its row locked until the transaction ends.
 SELECT s.*, w.status AS last_run_status
 FROM everystep_schedule s
-LEFT JOIN everystep_workflow w ON w.id = s.last_run_id
+LEFT JOIN everystep_workflow_all w ON w.id = s.last_run_id
 WHERE s.key = %(key)s
 FOR UPDATE OF s;
 
@@ -107,7 +107,7 @@ CROSS JOIN LATERAL (
            (array_agg(e.id ORDER BY e.fire_at DESC))[1] AS last_run_id
     FROM (SELECT w.id, w.status, r.fire_at
           FROM everystep_schedule_run r
-          JOIN everystep_workflow w ON w.id = r.run_id
+          JOIN everystep_workflow_all w ON w.id = r.run_id
           WHERE r.schedule_key = s.key AND r.fired_at >= s.updated_at AND w.status = ANY(%(ended)s)
           ORDER BY r.fire_at DESC
           LIMIT s.auto_pause_after) e

@@ -44,11 +44,11 @@ SELECT least(
 -- name: runs_of_workflow
 -- The runs of one workflow, oldest first, with what a test asserts on.
 SELECT id, name, args, status, result, error, created_at, due_at, completed_at, parent_id, idempotency_key
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE name = %(name)s
 ORDER BY created_at, id;
 
 -- name: run_statuses
 SELECT id, status
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE id = ANY(%(ids)s::uuid[]);

@@ -14,7 +14,7 @@ SELECT w.id, w.name, w.status, w.idempotency_key, w.claimed_by, w.created_at, w.
        s.steps_done, s.steps_total
 FROM (
     SELECT id, name, status, idempotency_key, claimed_by, created_at, completed_at
-    FROM everystep_workflow
+    FROM everystep_workflow_all
     WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
       AND (%(workflow)s::text IS NULL OR name = %(workflow)s::text)
       AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
@@ -30,7 +30,7 @@ FROM (
 ) w
 LEFT JOIN LATERAL (
     SELECT count(*) FILTER (WHERE status = 'done') AS steps_done, count(*) AS steps_total
-    FROM everystep_step
+    FROM everystep_step_all
     WHERE workflow_id = w.id
 ) s ON true
 ORDER BY w.created_at DESC, w.id DESC;
@@ -38,9 +38,13 @@ ORDER BY w.created_at DESC, w.id DESC;
 -- name: ui_overview
 -- What every open live page shows, in one statement: the newest runs (as
 -- ui_runs without conditions), the counts per status (exact up to `cap`, a
--- count above it means "more"), what the planner's statistics say for the
--- statuses past the cap (reltuples and the most common values of status:
--- no statement here scans the table), the runners with work in flight, and
+-- count above it means "more"; in completed_at order, which only the
+-- history's (status, completed_at) index gives: each count is a bounded
+-- walk of it, never a scan of a partition for a status it has none of), what the planner's statistics say for the
+-- statuses past the cap (reltuples and the most common values of status
+-- of the hot table and of every partition of the history, summed: no
+-- statement here scans a table; OFFSET 0 keeps pg_stats a lookup per
+-- table, not a scan of pg_class), the runners with work in flight, and
 -- a change counter.
 SELECT
     (SELECT coalesce(json_agg(p), '[]')
@@ -48,28 +52,47 @@ SELECT
                   s.steps_done, s.steps_total
            FROM (
                SELECT id, name, status, idempotency_key, claimed_by, created_at, completed_at
-               FROM everystep_workflow
+               FROM everystep_workflow_all
                ORDER BY created_at DESC, id DESC
                LIMIT %(limit)s
            ) w
            LEFT JOIN LATERAL (
                SELECT count(*) FILTER (WHERE status = 'done') AS steps_done, count(*) AS steps_total
-               FROM everystep_step
+               FROM everystep_step_all
                WHERE workflow_id = w.id
            ) s ON true
            ORDER BY w.created_at DESC, w.id DESC) p),
     (SELECT json_object_agg(s.status, (SELECT count(*)
                                        FROM (SELECT 1
-                                             FROM everystep_workflow w
+                                             FROM everystep_workflow_all w
                                              WHERE w.status = s.status
+                                             ORDER BY w.completed_at
                                              LIMIT %(cap)s + 1) c))
      FROM unnest(%(statuses)s::text[]) s(status)),
-    (SELECT json_build_object('rows', greatest(c.reltuples, 0), 'values', st.most_common_vals::text::text[],
-                              'freqs', st.most_common_freqs)
-     FROM pg_class c
-     LEFT JOIN pg_stats st ON st.schemaname = current_schema() AND st.tablename = 'everystep_workflow'
-                              AND st.attname = 'status'
-     WHERE c.oid = 'everystep_workflow'::regclass),
+    (WITH tables AS (
+         SELECT c.relname, greatest(c.reltuples, 0) AS rows
+         FROM pg_class c
+         WHERE c.oid = 'everystep_workflow'::regclass
+         UNION ALL
+         SELECT c.relname, greatest(c.reltuples, 0)
+         FROM pg_inherits i
+         JOIN pg_class c ON c.oid = i.inhrelid
+         WHERE i.inhparent = 'everystep_workflow_history'::regclass
+     ),
+     per_status AS (
+         SELECT v.status, sum(t.rows * v.freq) AS n
+         FROM tables t
+         CROSS JOIN LATERAL (SELECT st.most_common_vals, st.most_common_freqs
+                             FROM pg_stats st
+                             WHERE st.schemaname = current_schema() AND st.tablename = t.relname
+                               AND st.attname = 'status'
+                             OFFSET 0) st
+         CROSS JOIN LATERAL unnest(st.most_common_vals::text::text[], st.most_common_freqs) AS v(status, freq)
+         GROUP BY v.status
+     )
+     SELECT json_build_object('rows', (SELECT sum(rows) FROM tables), 'values', array_agg(status),
+                              'freqs', array_agg(n / nullif((SELECT sum(rows) FROM tables), 0)))
+     FROM per_status),
     (SELECT coalesce(json_object_agg(claimed_by, n), '{}')
      FROM (SELECT claimed_by, count(*) AS n
            FROM everystep_workflow
@@ -87,7 +110,7 @@ SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY;
 -- Every recorded step of a run, with all its columns, whatever the schema
 -- version has.
 SELECT to_jsonb(s) - 'workflow_id'
-FROM everystep_step s
+FROM everystep_step_all s
 WHERE s.workflow_id = %(run)s
 ORDER BY s.id;
 
@@ -101,9 +124,9 @@ WHERE workflow_id = %(run)s;
 -- index: one index probe per name, however many runs there are.
 WITH RECURSIVE n AS (
     SELECT min(name) AS name
-    FROM everystep_workflow
+    FROM everystep_workflow_all
     UNION ALL
-    SELECT (SELECT min(name) FROM everystep_workflow WHERE name > n.name)
+    SELECT (SELECT min(name) FROM everystep_workflow_all WHERE name > n.name)
     FROM n
     WHERE n.name IS NOT NULL
 )
@@ -118,7 +141,7 @@ LIMIT %(limit)s;
 SELECT name AS workflow, coalesce(error->>'type', '?') AS error_type, count(*) AS runs,
        max(completed_at) AS last_at, (array_agg(id ORDER BY created_at DESC))[1] AS latest_run,
        (array_agg(error->>'message' ORDER BY created_at DESC))[1] AS latest_message
-FROM everystep_workflow
+FROM everystep_workflow_all
 WHERE status = 'failed' AND created_at >= everystep_now() - make_interval(hours => %(hours)s)
 GROUP BY 1, 2
 ORDER BY 3 DESC, 1, 2
@@ -161,7 +184,7 @@ WITH ins AS (
     INSERT INTO everystep_workflow (id, name, args, status, limited, priority)
     SELECT %(id)s, w.name, w.args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name),
            w.priority
-    FROM everystep_workflow w
+    FROM everystep_workflow_all w
     WHERE w.id = %(run)s
     RETURNING id
 )
