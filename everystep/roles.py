@@ -69,7 +69,7 @@ GRANT SELECT (run_id, idempotency_key) ON {s}.everystep_message TO {producer};
 GRANT SELECT (status, wakes, waiting_on, due_at) ON {workflow} TO {producer};
 GRANT UPDATE (wakes, due_at) ON {workflow} TO {producer};
 GRANT SELECT ON {s}.everystep_event TO {producer};
--- The history (0015_history.sql): idempotency keys, send() and get_event()
+-- The history (0017_history.sql): idempotency keys, send() and get_event()
 -- on runs that have moved there.
 GRANT SELECT (id, name, idempotency_key, status) ON {s}.everystep_workflow_all TO {producer};
 GRANT SELECT (name, idempotency_key) ON {s}.everystep_workflow_history TO {producer};
@@ -89,7 +89,7 @@ GRANT DELETE ON {s}.everystep_slot TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_priority, {s}.everystep_key_limit, {s}.everystep_key,
     {s}.everystep_rate_limit TO {worker};
 GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers while a slot is free
--- the console (0016): the executions a requeue or a reclaim ends, and the
+-- the console (0015): the executions a requeue or a reclaim ends, and the
 -- charts' per-minute figures the maintenance child keeps.
 GRANT INSERT ON {s}.everystep_execution TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_minute TO {worker};
@@ -109,7 +109,7 @@ GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
 GRANT SELECT, INSERT ON {s}.everystep_execution TO {operator};
 GRANT SELECT ON {s}.everystep_minute, {s}.everystep_schedule_run TO {operator};
 GRANT pg_read_all_stats TO {operator};
--- Every role may read which environment the database is (0017_environment.sql):
+-- Every role may read which environment the database is (0016_environment.sql):
 -- the CLI checks it before it acts; `migrate --environment` (the owner) writes it.
 GRANT SELECT ON {s}.everystep_environment TO {producer}, {worker}, {operator};
 -- The history: reading it, and `everystep prune` (dropping its partitions

@@ -1,4 +1,4 @@
-"""The history (0015_history.sql, everystep.retention): finished runs move
+"""The history (0017_history.sql, everystep.retention): finished runs move
 from the hot tables to the weekly-partitioned history, every read finds
 them there, partitions are made ahead, the retention by end status drops
 whole partitions (batches otherwise), and an idempotency key stays unique
@@ -435,11 +435,11 @@ HOT = ("everystep_workflow", "everystep_step", "everystep_message", "everystep_e
 
 
 def migrated_before_history(server_url: str, schema: str) -> None:
-    """A schema as the migrations before 0015_history leave it."""
+    """A schema as the migrations before 0017_history leave it."""
     from importlib import resources  # noqa: PLC0415
 
     files = sorted((f for f in resources.files("everystep.migrations").iterdir()
-                    if f.name.endswith(".sql") and f.name < "0015"), key=lambda f: f.name)
+                    if f.name.endswith(".sql") and f.name < "0017"), key=lambda f: f.name)
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {schema}")
     with psycopg.connect(server_url, options=f"-c search_path={schema}") as conn, conn.transaction():
@@ -490,7 +490,7 @@ def test_a_database_with_runs_in_flight_and_a_history_migrates_in_place(server_u
                  else False, timeout=60, what="the runs held mid-step")
         started = time.monotonic()
         with db.connect() as conn:
-            assert everystep.db.migrate(conn) == ["0015_history"]
+            assert everystep.db.migrate(conn) == ["0017_history"]
         took = time.monotonic() - started
         assert took < 10, took  # an instant: nothing is copied
         release.touch()
@@ -558,3 +558,36 @@ def test_prune_applies_the_config_files_retention(db, tmp_path):
     assert all(db.run(run) is None for run in done) and db.run(failed)["status"] == "failed"
     record = db.query("SELECT details FROM everystep_audit WHERE action = 'prune'")[0][0]
     assert record["deleted"] == 2 and record["retention"] == {"completed": DAY, "failed": 30 * DAY}
+
+
+def test_a_moved_run_keeps_its_executions_can_be_re_run_and_retention_takes_both(db):
+    """The executions of a run (0015_console.sql) stay when it moves; a run
+    that failed and moved is re-run from a step like a hot one; retention
+    removes its executions with it, by batch and by a dropped week."""
+    from tests.apps.console_workflows import BUG, pay_then_deliver  # noqa: PLC0415
+
+    BUG["on"] = True
+    [original] = [run.id for run in db.schedule_many(pay_then_deliver, [("o-1",)])]
+    with db.connect() as conn:
+        [held] = everystep.db.claim(conn, "gone", 1)
+        everystep.db.requeue_held(conn, "gone", [everystep.db.Claim(held.id, held.token)], "swept")
+    db.run_pending()
+    assert db.run(original)["status"] == "failed"
+    assert archive(db) == 1 and history_ids(db) == {original}
+    assert db.query("SELECT claimer, outcome FROM everystep_execution WHERE run_id = %s", (original,)) == [
+        ("gone", "swept")]
+    BUG["on"] = False
+    try:
+        with db.connect() as conn, everystep.transaction(conn):
+            rerun = everystep.rerun(original, from_step="4")
+        assert sorted(s["step_id"] for s in db.steps(rerun)) == ["1", "2", "3.0.1", "3.1.1"]
+        db.run_pending()
+        assert db.run(rerun)["status"] == "completed"
+    finally:
+        BUG["on"] = True
+    assert db.value("SELECT rerun_of FROM everystep_workflow_all WHERE id = %s", (rerun,)) == original
+    advance(db, 40 * DAY)
+    with db.connect() as conn:
+        retention.apply(conn, {"completed": DAY, "failed": DAY})
+    assert db.run(original) is None and db.run(rerun) is None
+    assert db.value("SELECT count(*) FROM everystep_execution") == 0

@@ -1,6 +1,6 @@
 """The history's upkeep: moving finished runs out of the hot tables, the
 history's weekly partitions, retention by end status. Statements:
-sql/history.sql (and the functions of 0015_history.sql)."""
+sql/history.sql (and the functions of 0017_history.sql)."""
 
 from __future__ import annotations
 

@@ -48,8 +48,8 @@ def resolve_step(
 
 
 def rerun_source(conn: psycopg.Connection, run: uuid.UUID) -> tuple[str, list[dict]] | None:
-    """The status of the run a re-run copies from (its row locked FOR SHARE
-    to the end of the caller's transaction) and its recorded steps (id,
+    """The status of the run a re-run copies from (hot or in the history)
+    and its recorded steps (id,
     step_id, name, status, started_at, finished_at; times as ISO text), in
     recorded order; None when there is no such run."""
     row = conn.execute(queries.get("rerun_source"), {"run": run}).fetchone()

@@ -95,7 +95,7 @@ CREATE TABLE everystep_workflow (
     -- wait parks only if the count is still the one it saw
     wakes               bigint NOT NULL DEFAULT 0,
     -- 0009: the run that started it (a child workflow); no foreign key since
-    -- 0015: the parent may have moved to the history
+    -- 0017: the parent may have moved to the history
     parent_id           uuid,
     -- 0011: its workflow had a concurrency limit when it became claimable:
     -- the lane it is claimed from
@@ -111,7 +111,7 @@ CREATE TABLE everystep_workflow (
     -- 0014: claimed through its key's row (its workflow has a per-key limit);
     -- limited too, so out of the unlimited lane
     keyed               boolean NOT NULL DEFAULT false,
-    -- 0016: the run this one re-runs from a step (everystep.rerun); no
+    -- 0015: the run this one re-runs from a step (everystep.rerun); no
     -- foreign key: a re-run outlives its pruned original
     rerun_of            uuid
 );
@@ -159,7 +159,7 @@ CREATE INDEX everystep_workflow_ready_keyed ON everystep_workflow (name, concurr
 CREATE INDEX everystep_workflow_running_keyed ON everystep_workflow (name, concurrency_key)
     WHERE status = 'running' AND concurrency_key IS NOT NULL;
 
--- The re-runs of a run (0016); only re-runs are in it.
+-- The re-runs of a run (0015); only re-runs are in it.
 CREATE INDEX everystep_workflow_rerun_of ON everystep_workflow (rerun_of) WHERE rerun_of IS NOT NULL;
 
 -- Execution tokens: every claim of a run (first claim, catchup, successor
@@ -204,7 +204,7 @@ CREATE TABLE everystep_crash (
     steps_seen  integer NOT NULL                        -- step rows when last counted
 );
 
--- 0016: the executions of a run that ended other than by the run ending or
+-- 0015: the executions of a run that ended other than by the run ending or
 -- parking, written only by the rare statements that end them, in the same
 -- statement: a drain's requeue, the dead-claimer sweep, an operator's
 -- requeue, a runner's catchup after its crash, a claim whose answer was
@@ -213,7 +213,7 @@ CREATE TABLE everystep_crash (
 -- claim_token. The claim path writes nothing here.
 CREATE TABLE everystep_execution (
     id       bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    run_id   uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    run_id   uuid NOT NULL,                              -- no foreign key: kept when the run moves to the history
     token    bigint,                                     -- the execution token of the claim that ended
     claimer  varchar(255),                               -- the runner that held it
     ended_at timestamptz NOT NULL DEFAULT everystep_now(),
@@ -221,7 +221,7 @@ CREATE TABLE everystep_execution (
 );
 CREATE INDEX everystep_execution_run ON everystep_execution (run_id, id);
 
--- 0016: the charts' figures per minute and workflow, kept by the
+-- 0015: the charts' figures per minute and workflow, kept by the
 -- maintenance child: the runs that ended in the minute by status, and at the
 -- minute's end the runs due and not claimed (the backlog), how long the
 -- oldest of them had waited (the pickup latency), and the runs blocked. A
@@ -356,7 +356,7 @@ CREATE TABLE everystep_event (
 );
 
 
--- ---------------------------------------------------------------- the history (0015)
+-- ---------------------------------------------------------------- the history (0017)
 
 -- Finished runs, with their steps, messages and events, moved out of the hot
 -- tables in batches by the maintenance child (history.sql): the same columns
@@ -374,6 +374,9 @@ CREATE INDEX everystep_workflow_history_key ON everystep_workflow_history (idemp
 CREATE INDEX everystep_workflow_history_parent ON everystep_workflow_history (parent_id)
     WHERE parent_id IS NOT NULL;
 CREATE INDEX everystep_workflow_history_ended ON everystep_workflow_history (status, completed_at);
+-- 0017: the re-runs of a moved run
+CREATE INDEX everystep_workflow_history_rerun_of ON everystep_workflow_history (rerun_of)
+    WHERE rerun_of IS NOT NULL;
 
 CREATE TABLE everystep_step_history (LIKE everystep_step) PARTITION BY RANGE (workflow_id);
 ALTER TABLE everystep_step_history ADD PRIMARY KEY (workflow_id, step_id);
@@ -498,7 +501,7 @@ CREATE TABLE everystep_schedule (
     -- the state, advanced by the scheduler in the transaction that fires
     next_fire_at         timestamptz NOT NULL,          -- the earliest fire time not yet decided
     last_fire_at         timestamptz,                   -- the fire time of the latest run it made
-    last_run_id          uuid,                          -- no foreign key since 0015: the run may be in the history
+    last_run_id          uuid,                          -- no foreign key since 0017: the run may be in the history
     last_error           text,                          -- why a due time did not fire; cleared when it does
     created_at           timestamptz NOT NULL DEFAULT everystep_now(),
     updated_at           timestamptz NOT NULL DEFAULT everystep_now(),
@@ -516,7 +519,7 @@ CREATE TABLE everystep_schedule (
 CREATE INDEX everystep_schedule_due ON everystep_schedule (next_fire_at) WHERE retired_at IS NULL AND NOT paused;
 
 -- The runs a schedule made, by fire time: what auto-pause counts. The
--- retention that removes a run deletes its row (no foreign key since 0015:
+-- retention that removes a run deletes its row (no foreign key since 0017:
 -- the run may be in the history).
 CREATE TABLE everystep_schedule_run (
     schedule_key varchar(200) NOT NULL,

@@ -450,7 +450,7 @@ class Console:
             try:
                 minutes = db.chart_minutes(conn, workflow, CHART_WINDOWS[window])
             except psycopg.errors.UndefinedTable:
-                minutes = []  # a schema before 0016: no figures yet
+                minutes = []  # a schema before 0015: no figures yet
             now = db.database_now(conn)
             steps = db.chart_step_durations(conn, workflow, STEP_DURATION_RUNS)
         return {"window": window, "workflow": workflow, "now": now, "minutes": minutes, "steps": steps,

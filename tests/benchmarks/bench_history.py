@@ -12,7 +12,7 @@ into the history's weekly partitions, ten weeks of them; then
   while another w1 batch drains (target < 5 s, the drain >= 0.9 of w1);
 - the UI's first page (the live overview) and filtered pages (by status,
   by workflow), p95 of 30 each (target < 50 ms);
-- migrating in place: a schema of the version before 0015 with M finished
+- migrating in place: a schema of the version before 0017 with M finished
   runs (a step each) in its hot tables and a w1 batch draining; the
   migration's seconds, the longest the drain stood still around it, and how
   long the maintenance child then takes to move the M runs to the history.
@@ -170,13 +170,13 @@ def ui_pages(db: Database) -> dict[str, float]:
 
 
 def before_history(server_url: str) -> Database:
-    """A schema of its own as the migrations before 0015_history leave it."""
+    """A schema of its own as the migrations before 0017_history leave it."""
     name = f"bench_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {name}")
     database = Database(server_url, name)
     files = sorted((f for f in resources.files("everystep.migrations").iterdir()
-                    if f.name.endswith(".sql") and f.name < "0015"), key=lambda f: f.name)
+                    if f.name.endswith(".sql") and f.name < "0017"), key=lambda f: f.name)
     with database.connect() as conn, conn.transaction():
         conn.execute("CREATE TABLE everystep_migration (name text PRIMARY KEY,"
                      " applied_at timestamptz NOT NULL DEFAULT now())")

@@ -1,5 +1,5 @@
 -- The charts of the operators' console: the per-minute figures the
--- maintenance child keeps in everystep_minute (0016_console.sql), and the
+-- maintenance child keeps in everystep_minute (0015_console.sql), and the
 -- bounded reads the pages draw from. Read by everystep/db/charts.py. No
 -- statement here reads more than a bounded part of the runs' history: what
 -- each costs on a large table is in docs/ui.md.
@@ -13,11 +13,12 @@
 -- counted if it ended at most `lookback_s` seconds after it was created (an
 -- older one is not: finding it would mean reading every run that ended, as
 -- no index is on completed_at, which the end of every run would pay for).
+-- Hot and history both: a run may have moved since it ended.
 INSERT INTO everystep_minute AS m (minute, workflow, completed, failed, cancelled, stopped)
 SELECT date_trunc('minute', w.completed_at), coalesce(w.name, '*'),
        count(*) FILTER (WHERE w.status = 'completed'), count(*) FILTER (WHERE w.status = 'failed'),
        count(*) FILTER (WHERE w.status = 'cancelled'), count(*) FILTER (WHERE w.status = 'stopped')
-FROM everystep_workflow w
+FROM everystep_workflow_all w
 WHERE w.status IN ('completed', 'failed', 'stopped', 'cancelled')
   AND w.created_at >= %(since)s::timestamptz - make_interval(secs => %(lookback_s)s)
   AND w.completed_at >= %(since)s::timestamptz
@@ -97,7 +98,7 @@ ORDER BY minute;
 -- engine's own rows (sleeps, waits, child starts, events) are left out.
 WITH r AS (
     SELECT id
-    FROM everystep_workflow
+    FROM everystep_workflow_all
     WHERE (%(workflow)s::text IS NULL OR name = %(workflow)s::text)
     ORDER BY created_at DESC
     LIMIT %(runs)s
@@ -108,7 +109,7 @@ SELECT s.name, count(*) AS steps, count(*) FILTER (WHERE s.status = 'failed') AS
        percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at)) AS p99,
        max(extract(epoch FROM s.finished_at - s.started_at))::float8 AS max
 FROM r
-JOIN everystep_step s ON s.workflow_id = r.id
+JOIN everystep_step_all s ON s.workflow_id = r.id
 WHERE s.started_at IS NOT NULL AND s.finished_at IS NOT NULL AND s.name NOT LIKE 'everystep.%%'
 GROUP BY s.name
 ORDER BY count(*) DESC, s.name
@@ -119,7 +120,7 @@ LIMIT 50;
 -- (NULL status: the run was pruned), from its primary key.
 SELECT f.fire_at, f.fired_at, f.run_id, w.status, w.completed_at
 FROM everystep_schedule_run f
-LEFT JOIN everystep_workflow w ON w.id = f.run_id
+LEFT JOIN everystep_workflow_all w ON w.id = f.run_id
 WHERE f.schedule_key = %(key)s
 ORDER BY f.fire_at DESC
 LIMIT %(limit)s;

@@ -1,6 +1,6 @@
 -- The history: moving finished runs out of the hot tables, the partitions
 -- of the history tables, and the retention by end status
--- (0015_history.sql). Read by everystep/db/history.py.
+-- (0017_history.sql). Read by everystep/db/history.py.
 --
 -- The history's upkeep (a move, a partition dropped, a retention batch)
 -- runs in transactions that first take the history lock
@@ -160,8 +160,15 @@ WHERE h.id >= everystep_uuid_at(%(week)s::date::timestamp AT TIME ZONE 'UTC')
   AND h.id < everystep_uuid_at((%(week)s::date + 7)::timestamp AT TIME ZONE 'UTC');
 
 -- name: drop_week_records
--- The schedules' records of the runs in the partition of `week` that is
--- about to be dropped (but of runs still in the hot table).
+-- The schedules' records and the executions of the runs in the partition
+-- of `week` that is about to be dropped (but of runs still in the hot
+-- table).
+WITH executions AS (
+    DELETE FROM everystep_execution e
+    WHERE e.run_id >= everystep_uuid_at(%(week)s::date::timestamp AT TIME ZONE 'UTC')
+      AND e.run_id < everystep_uuid_at((%(week)s::date + 7)::timestamp AT TIME ZONE 'UTC')
+      AND NOT EXISTS (SELECT FROM everystep_workflow w WHERE w.id = e.run_id)
+)
 DELETE FROM everystep_schedule_run r
 WHERE r.run_id >= everystep_uuid_at(%(week)s::date::timestamp AT TIME ZONE 'UTC')
   AND r.run_id < everystep_uuid_at((%(week)s::date + 7)::timestamp AT TIME ZONE 'UTC')
@@ -173,8 +180,8 @@ SELECT everystep_history_drop(%(week)s::date);
 
 -- name: retention_batch
 -- Up to `limit` runs of `status` in the history that ended more than
--- `seconds` ago, deleted with their steps, messages, events and schedule
--- records: how many runs.
+-- `seconds` ago, deleted with their steps, messages, events, schedule
+-- records and executions: how many runs.
 WITH
     gone AS (
         DELETE FROM everystep_workflow_history h
@@ -204,6 +211,11 @@ WITH
         DELETE FROM everystep_schedule_run r
         USING gone
         WHERE r.run_id = gone.id
+    ),
+    executions AS (
+        DELETE FROM everystep_execution x
+        USING gone
+        WHERE x.run_id = gone.id
     )
 SELECT count(*)::int
 FROM gone;
@@ -212,7 +224,7 @@ FROM gone;
 -- Up to `limit` runs of `status` still in the hot table that ended more
 -- than `seconds` ago (not moved yet, or with an id that never moves),
 -- deleted with their steps, messages, events and crash counts (foreign key
--- cascades) and schedule records: how many runs. Rows locked by someone
+-- cascades), schedule records and executions: how many runs. Rows locked by someone
 -- else are skipped rather than waited for.
 WITH
     gone AS (
@@ -229,6 +241,11 @@ WITH
         DELETE FROM everystep_schedule_run r
         USING gone
         WHERE r.run_id = gone.id
+    ),
+    executions AS (
+        DELETE FROM everystep_execution x
+        USING gone
+        WHERE x.run_id = gone.id
     )
 SELECT count(*)::int
 FROM gone;

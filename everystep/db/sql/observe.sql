@@ -116,7 +116,7 @@ SELECT count(*) FROM (
 
 
 -- name: table_health
--- What vacuum has left in the hot tables (0015_history.sql: they hold the
+-- What vacuum has left in the hot tables (0017_history.sql: they hold the
 -- runs in flight, and every finished run's dead tuples until vacuum): per
 -- table, the statistics collector's live and dead tuples and the Unix
 -- time of the last autovacuum and of the last vacuum of any kind (NULL:

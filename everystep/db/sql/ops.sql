@@ -10,7 +10,7 @@ WHERE id = %(run)s
 FOR UPDATE;
 
 -- name: history_run_status
--- The status of a run that has moved to the history (0015_history.sql).
+-- The status of a run that has moved to the history (0017_history.sql).
 SELECT status
 FROM everystep_workflow_history
 WHERE id = %(run)s;
@@ -61,7 +61,7 @@ ORDER BY id DESC
 LIMIT %(limit)s;
 
 -- name: environment_table_exists
--- Whether the schema has the environment table (migration 0017), before it is read.
+-- Whether the schema has the environment table (migration 0016), before it is read.
 SELECT to_regclass('everystep_environment') IS NOT NULL;
 
 -- name: recorded_environment
@@ -77,18 +77,17 @@ ON CONFLICT (one) DO UPDATE
 SET name = excluded.name, recorded_at = excluded.recorded_at, recorded_by = excluded.recorded_by;
 
 -- name: rerun_source
--- The run a re-run copies from: its status, locked against a change while
--- the re-run is written, and every recorded step of it (what the copy
--- chooses from).
+-- The run a re-run copies from, hot or in the history: its status and every
+-- recorded step of it (what the copy chooses from). Only an ended run is
+-- re-run, and an ended run's steps no longer change.
 SELECT w.status,
        to_json(ARRAY(SELECT json_build_object('id', s.id, 'step_id', s.step_id, 'name', s.name, 'status', s.status,
                                               'started_at', s.started_at, 'finished_at', s.finished_at)
-                     FROM everystep_step s
+                     FROM everystep_step_all s
                      WHERE s.workflow_id = w.id
                      ORDER BY s.id))
-FROM everystep_workflow w
-WHERE w.id = %(run)s
-FOR SHARE;
+FROM everystep_workflow_all w
+WHERE w.id = %(run)s;
 
 -- name: insert_rerun
 -- The re-run: a new run of the same workflow and args (no idempotency key,
@@ -101,7 +100,7 @@ WITH ins AS (
     INSERT INTO everystep_workflow (id, name, args, status, limited, rerun_of, priority, concurrency_key, keyed)
     SELECT %(id)s, w.name, w.args, 'scheduled', k.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name),
            w.id, w.priority, w.concurrency_key, k.keyed
-    FROM everystep_workflow w
+    FROM everystep_workflow_all w
     CROSS JOIN LATERAL (SELECT w.concurrency_key IS NOT NULL
                                AND EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name) AS keyed) AS k
     WHERE w.id = %(run)s
@@ -124,6 +123,6 @@ INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, re
                             attempts)
 SELECT %(id)s, s.step_id, s.name, s.args, s.kwargs, s.status, s.result, s.error, s.started_at, s.finished_at,
        s.attempts
-FROM everystep_step s
+FROM everystep_step_all s
 WHERE s.workflow_id = %(run)s AND s.step_id = ANY(%(step_ids)s::text[])
 ORDER BY s.id;

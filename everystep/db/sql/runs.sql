@@ -11,7 +11,7 @@
 -- A run due at once (due_at takes its default, everystep_now()). With an
 -- idempotency key that exists already, nothing is inserted and no row comes
 -- back: a key is unique among the hot runs by the unique index, and
--- against the history's by everystep_key_archived (0015_history.sql). Its
+-- against the history's by everystep_key_archived (0017_history.sql). Its
 -- priority: %(priority)s, else its workflow's default as the workers wrote it (everystep_priority), else %(default_priority)s (the
 -- decorator's). With a concurrency key of a workflow with a per-key limit,
 -- the run is keyed (0014_priorities.sql) and its key has a row, ready (a

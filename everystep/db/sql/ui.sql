@@ -210,10 +210,11 @@ WHERE key = %(key)s;
 -- name: ui_run_links
 -- What a run's page shows beyond load_run: its current (or last) execution
 -- token, what a parked wait waits for, the run it re-runs, and its re-runs
--- (the partial index everystep_workflow_rerun_of).
+-- (the partial indexes everystep_workflow_rerun_of and
+-- everystep_workflow_history_rerun_of).
 SELECT w.claim_token, w.waiting_on, w.wakes, w.rerun_of,
-       ARRAY(SELECT r.id FROM everystep_workflow r WHERE r.rerun_of = w.id ORDER BY r.id) AS reruns
-FROM everystep_workflow w
+       ARRAY(SELECT r.id FROM everystep_workflow_all r WHERE r.rerun_of = w.id ORDER BY r.id) AS reruns
+FROM everystep_workflow_all w
 WHERE w.id = %(run)s;
 
 -- name: ui_run_executions

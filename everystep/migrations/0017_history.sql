@@ -35,6 +35,9 @@ CREATE INDEX everystep_workflow_history_key ON everystep_workflow_history (idemp
 CREATE INDEX everystep_workflow_history_parent ON everystep_workflow_history (parent_id)
     WHERE parent_id IS NOT NULL;
 CREATE INDEX everystep_workflow_history_ended ON everystep_workflow_history (status, completed_at);
+-- The re-runs of a moved run (as everystep_workflow_rerun_of, 0015_console.sql).
+CREATE INDEX everystep_workflow_history_rerun_of ON everystep_workflow_history (rerun_of)
+    WHERE rerun_of IS NOT NULL;
 
 CREATE TABLE everystep_step_history (LIKE everystep_step) PARTITION BY RANGE (workflow_id);
 ALTER TABLE everystep_step_history ADD PRIMARY KEY (workflow_id, step_id);

@@ -16,10 +16,12 @@ CREATE INDEX everystep_workflow_rerun_of ON everystep_workflow (rerun_of) WHERE 
 -- catchup after its crash, a claim whose answer was lost, a shutdown), in
 -- the same statement. The current or last execution is the run row's
 -- (claimed_by, claim_token); the executions that parked the run are those
--- of its step rows' claim_token. The claim path writes nothing here.
+-- of its step rows' claim_token. The claim path writes nothing here. No
+-- foreign key: the rows stay when their run moves to the history
+-- (0017_history.sql), and retention removes them with their run.
 CREATE TABLE everystep_execution (
     id       bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    run_id   uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    run_id   uuid NOT NULL,
     token    bigint,                                     -- the execution token of the claim that ended
     claimer  varchar(255),                               -- the runner that held it
     ended_at timestamptz NOT NULL DEFAULT everystep_now(),
