@@ -69,6 +69,12 @@ def test_every_expression_of_the_dashboard_and_the_rules_returns_series(db, supe
     wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status IN ('completed', 'failed')")
              == 7, timeout=60, what="the workload's runs to end")
     sup.kill_worker("dash-0")
+    # A step attempt abandoned at its timeout, on a worker that stays up (its
+    # gauge of abandoned threads is the live processes').
+    with db.connect() as conn, everystep.transaction(conn):
+        everystep.schedule(flows.timed_out_once, "slow")
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status IN ('completed', 'failed')")
+             == 8, timeout=60, what="the timed-out run to end")
 
     scrape = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
               "scrape_configs": [{"job_name": "everystep", "static_configs": [{"targets": [f"127.0.0.1:{sup.port}"]}]}]}

@@ -4,8 +4,11 @@ answer (and each error) reaching only its own run."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import uuid
+from importlib import resources
 
 import psycopg
 import pytest
@@ -13,7 +16,7 @@ import pytest
 import everystep
 import everystep.db
 from everystep import metrics
-from everystep.runner import Runner
+from everystep.ids import uuid7_many
 from everystep.writer import GroupWriter
 from tests.apps import workflows
 from tests.apps.workflows import marks_of
@@ -179,53 +182,60 @@ def test_limited_runs_are_not_starved_by_an_unlimited_backlog(db, start_worker, 
     assert last_limited < unlimited_ends[200], "the limited runs waited for the unlimited backlog"
 
 
-def test_a_database_of_the_previous_version_migrates_in_place_with_runs_in_flight(db, start_worker, marks):
-    """0011 (the two lanes) on a database at 0010 with runs in flight: a run
-    held by a worker of the previous version ends under its claim; queued
-    runs of a limited workflow move to the limited lane and run within their
-    limit; a delayed run, a parent parked on its child and the child all
-    finish under a worker of this version."""
+def test_a_database_of_the_previous_version_migrates_in_place_with_runs_in_flight(server_url, tmp_path, marks):
+    """A database as 0010 (the last version before the lanes) left it, with
+    runs in flight: a run held by a worker of that version ends under its
+    claim after the migrations; queued runs of a limited workflow move to the
+    limited lane and run within their limit; a delayed run finishes too,
+    under a worker of this version."""
+    from everystep.testing import server  # noqa: PLC0415
     from tests.apps import flow_workflows  # noqa: PLC0415
+    from tests.conftest import Database  # noqa: PLC0415
+    from tests.support.migrations import migrated_before  # noqa: PLC0415
+    from tests.support.processes import WorkerProcess  # noqa: PLC0415
 
-    limited_name = flow_workflows.limited.__everystep_workflow__
-    with db.connect() as conn:
-        everystep.db.apply_limits(conn, {limited_name: 3})
-    limited_runs = db.schedule_many(flow_workflows.limited, [(marks, 0.0)] * 5)
-    with db.connect() as conn, everystep.transaction(conn):
-        delayed = everystep.schedule(workflows.quick, marks, after=1.0)
-        parent = everystep.schedule(flow_workflows.parent_calls, 20)
-    with db.connect() as conn, everystep.transaction(conn):
-        quick = everystep.schedule(workflows.quick, marks)
-    with db.connect() as conn:  # one run held by the old worker; the parent starts its child and parks
-        (in_flight,) = everystep.db.claim(conn, "old-worker", 1, everystep.db.routes_of([quick.name]))
-        (parent_claim,) = everystep.db.claim(conn, "old-worker", 1, everystep.db.routes_of([parent.name]))
-    engine = Runner(db.pool, "old-worker")
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    migrated_before(server_url, schema, "0011")
+    db = Database(server_url, schema)
+    worker = None
     try:
-        assert engine.execute(parent_claim).outcome == "sleeping"  # parked on its child
+        limited_name = flow_workflows.limited.__everystep_workflow__
+        quick_name = workflows.quick.__everystep_workflow__
+        limited_runs, (delayed, in_flight) = uuid7_many(5), uuid7_many(2)
+        with db.connect() as conn:  # as 0010's statements leave them
+            conn.execute("INSERT INTO everystep_limit (name, concurrency) VALUES (%s, 3)", (limited_name,))
+            conn.execute("INSERT INTO everystep_slot (name, slot) SELECT %s, n FROM generate_series(1, 3) AS n",
+                         (limited_name,))
+            conn.execute("INSERT INTO everystep_workflow (id, name, args, status) SELECT id, %s, %s::jsonb,"
+                         " 'scheduled' FROM unnest(%s::uuid[]) AS id",
+                         (limited_name, json.dumps([marks, 0.0]), limited_runs))
+            conn.execute("INSERT INTO everystep_workflow (id, name, args, status, due_at)"
+                         " VALUES (%s, %s, %s::jsonb, 'waiting', now() + interval '1 second')",
+                         (delayed, quick_name, json.dumps([marks])))
+            token = conn.execute(
+                "INSERT INTO everystep_workflow (id, name, args, status, claimed_by, claim_token)"
+                " VALUES (%s, %s, %s::jsonb, 'running', 'old-worker', nextval('everystep_claim_token'))"
+                " RETURNING claim_token", (in_flight, quick_name, json.dumps([marks]))).fetchone()[0]
+        with db.connect() as conn:
+            newer = sorted(f.name.removesuffix(".sql") for f in resources.files("everystep.migrations").iterdir()
+                           if f.name.endswith(".sql") and f.name >= "0011")
+            assert everystep.db.migrate(conn) == newer
+            assert everystep.db.migrate(conn) == []
+            lanes = dict(conn.execute("SELECT limited, count(*) FROM everystep_workflow"
+                                      " WHERE status IN ('scheduled', 'waiting') GROUP BY limited").fetchall())
+            assert lanes == {True: 5, False: 1}  # the limited runs; the delayed run
+            ended = everystep.db.finish_run(conn, in_flight, "old-worker", token, "completed", "null", None,
+                                            row("1"))
+        assert ended.status == "completed"
+        worker = WorkerProcess(db.url, "new-worker", tmp_path / "logs", threads=8,
+                               imports=("tests.apps.workflows", "tests.apps.flow_workflows"))
+        wait_for(lambda: all(db.run(r)["status"] == "completed" for r in [*limited_runs, delayed]), 60,
+                 what="every run in flight completed")
+        steps = db.query("SELECT s.started_at, s.finished_at FROM everystep_step s JOIN everystep_workflow_all w"
+                         " ON w.id = s.workflow_id WHERE w.name = %s", (limited_name,))
+        assert len(steps) == 5
+        assert max(sum(1 for a, b in steps if a <= t < b) for t, _ in steps) <= 3
     finally:
-        engine.close()
-    with db.connect() as conn:  # back to the layout of 0010
-        conn.execute("DROP INDEX everystep_workflow_ready_unlimited")
-        conn.execute("DROP INDEX everystep_workflow_ready_limited")
-        conn.execute("ALTER TABLE everystep_workflow DROP COLUMN limited")
-        conn.execute("CREATE INDEX everystep_workflow_ready ON everystep_workflow (due_at, id)"
-                     " WHERE status IN ('scheduled', 'waiting')")
-        conn.execute("DELETE FROM everystep_migration WHERE name = '0011_lanes'")
-    with db.connect() as conn:
-        assert everystep.db.migrate(conn) == ["0011_lanes"]
-        assert everystep.db.migrate(conn) == []
-        lanes = dict(conn.execute("SELECT limited, count(*) FROM everystep_workflow"
-                                  " WHERE status IN ('scheduled', 'waiting') GROUP BY limited").fetchall())
-        assert lanes == {True: 5, False: 3}  # the limited runs; the delayed run, the parent, its child
-        ended = everystep.db.finish_run(conn, in_flight.id, "old-worker", in_flight.token, "completed", "null", None,
-                                 row("1"))
-    assert ended.status == "completed"
-    start_worker("new-worker", threads=8, imports=("tests.apps.workflows", "tests.apps.flow_workflows"))
-    everyone = [*limited_runs, delayed, parent]
-    wait_for(lambda: all(db.run(r.id)["status"] == "completed" for r in everyone), 60,
-             what="every run in flight completed")
-    assert db.run(parent.id)["result"][1] == 40
-    steps = db.query("SELECT s.started_at, s.finished_at FROM everystep_step s JOIN everystep_workflow w"
-                     " ON w.id = s.workflow_id WHERE w.name = %s", (limited_name,))
-    assert len(steps) == 5
-    assert max(sum(1 for a, b in steps if a <= t < b) for t, _ in steps) <= 3
+        if worker is not None:
+            worker.close()
+        server.drop(db, server_url)

@@ -28,6 +28,7 @@ from everystep.testing import clock
 from tests.apps.cli_workflows import fails, greet
 from tests.apps.flow_workflows import mailbox, parent_calls, publisher
 from tests.support.engine import schedule_one
+from tests.support.migrations import migrated_before
 from tests.support.processes import wait_for
 
 DAY = 86400.0
@@ -436,18 +437,7 @@ HOT = ("everystep_workflow", "everystep_step", "everystep_message", "everystep_e
 
 def migrated_before_history(server_url: str, schema: str) -> None:
     """A schema as the migrations before 0017_history leave it."""
-    from importlib import resources  # noqa: PLC0415
-
-    files = sorted((f for f in resources.files("everystep.migrations").iterdir()
-                    if f.name.endswith(".sql") and f.name < "0017"), key=lambda f: f.name)
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    with psycopg.connect(server_url, options=f"-c search_path={schema}") as conn, conn.transaction():
-        conn.execute("CREATE TABLE everystep_migration (name text PRIMARY KEY,"
-                     " applied_at timestamptz NOT NULL DEFAULT now())")
-        for f in files:
-            conn.execute(f.read_text())
-            conn.execute("INSERT INTO everystep_migration (name) VALUES (%s)", (f.name.removesuffix(".sql"),))
+    migrated_before(server_url, schema, "0017")
 
 
 def test_a_database_with_runs_in_flight_and_a_history_migrates_in_place(server_url, tmp_path):

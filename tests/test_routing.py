@@ -115,7 +115,7 @@ def test_a_workers_options_come_from_the_config_for_the_supervisor_and_the_cli_a
     assert config.worker_options(None) == {"threads": 8, "async_slots": 100, "poll": 1.0, "drain": 30.0,
                                            "grace": 10.0, "max_crashes": 3, "workflows": None, "limits": {},
                                            "per_key_limits": {}, "priorities": {}, "rate_limits": {}}
-    assert config.maintenance_options(loaded) == {"interval": 5.0, "grace": 2, "max_crashes": 4}
+    assert config.maintenance_options(loaded) == {"interval": 5.0, "grace": 2, "max_crashes": 4, "retention": {}}
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import everystep
@@ -108,6 +109,24 @@ def flaky_once(key: str) -> str:
 @workflow
 def retried_once(key: str) -> str:
     return flaky_once(key)
+
+
+_slow_once: set[str] = set()
+
+
+@step(timeout=0.2, retries=1, backoff=0)
+def slow_once(key: str) -> str:
+    """Runs past its timeout at its first attempt in this process (the
+    attempt is abandoned), then returns at once: one step timeout."""
+    if key not in _slow_once:
+        _slow_once.add(key)
+        time.sleep(1.0)
+    return key
+
+
+@workflow
+def timed_out_once(key: str) -> str:
+    return slow_once(key)
 
 
 @step

@@ -198,6 +198,8 @@ function route() {
   }
   document.querySelectorAll("nav a").forEach((a) => a.classList.toggle("active", a.dataset.view === current.view));
   onSnapshot = () => {};
+  clearTimeout(refetchTimer);  // a refetch the previous view asked for would draw this one again
+  refetchTimer = null;
   refresh();
 }
 
