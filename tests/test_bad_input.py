@@ -325,7 +325,7 @@ CLI_CASES = [
     ("prune-zero-days", "prune --older-than 0", 2, "expected a whole number from 1 to 36500"),
     ("prune-too-many-days", "prune --older-than 36501", 2, "expected a whole number from 1 to 36500"),
     ("prune-not-a-number", "prune --older-than soon", 2, "expected a whole number"),
-    ("prune-no-bound", "prune", 2, "the following arguments are required: --older-than"),
+    ("prune-no-bound", "prune", 2, "nothing to prune: give --older-than DAYS, or -c FILE with a `retention:` section"),
     ("plan-without-manifest", "schedules plan", 2, "schedules plan needs the manifest: -c everystep.yaml"),
     ("apply-without-manifest", "schedules apply", 2, "schedules apply needs the manifest"),
     ("retire-bad-source", "schedules retire nightly --source 'no way'", 2, "--source: must be 1 to 100"),
