@@ -435,11 +435,6 @@ HOT = ("everystep_workflow", "everystep_step", "everystep_message", "everystep_e
 # ---------------------------------------------------------------- migrating in place
 
 
-def migrated_before_history(server_url: str, schema: str) -> None:
-    """A schema as the migrations before 0017_history leave it."""
-    migrated_before(server_url, schema, "0017")
-
-
 def test_a_database_with_runs_in_flight_and_a_history_migrates_in_place(server_url, tmp_path):
     """Runs held mid-step by a real worker, and 20,000 finished runs with a
     step each, in a schema of the version before: the migration takes an
@@ -451,7 +446,7 @@ def test_a_database_with_runs_in_flight_and_a_history_migrates_in_place(server_u
     from tests.support.processes import WorkerProcess  # noqa: PLC0415
 
     schema = f"t_{uuid.uuid4().hex[:12]}"
-    migrated_before_history(server_url, schema)
+    migrated_before(server_url, schema, "0017")  # the layout before the history
     db = Database(server_url, schema)
     worker = None
     try:

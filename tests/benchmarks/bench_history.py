@@ -27,7 +27,6 @@ import datetime as dt
 import threading
 import time
 import uuid
-from importlib import resources
 
 import psycopg
 
@@ -36,6 +35,7 @@ from everystep import retention
 from everystep.db.rows import RunFilter
 from tests.benchmarks import harness, workflows
 from tests.conftest import Database, find_server
+from tests.support.migrations import migrated_before
 
 QUICK = {"history": 100_000, "runs": 500, "migrate": 20_000, "repeat": 1}
 CHUNK = 1_000_000  # rows per transaction while generating
@@ -172,18 +172,8 @@ def ui_pages(db: Database) -> dict[str, float]:
 def before_history(server_url: str) -> Database:
     """A schema of its own as the migrations before 0017_history leave it."""
     name = f"bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {name}")
-    database = Database(server_url, name)
-    files = sorted((f for f in resources.files("everystep.migrations").iterdir()
-                    if f.name.endswith(".sql") and f.name < "0017"), key=lambda f: f.name)
-    with database.connect() as conn, conn.transaction():
-        conn.execute("CREATE TABLE everystep_migration (name text PRIMARY KEY,"
-                     " applied_at timestamptz NOT NULL DEFAULT now())")
-        for f in files:
-            conn.execute(f.read_text())
-            conn.execute("INSERT INTO everystep_migration (name) VALUES (%s)", (f.name.removesuffix(".sql"),))
-    return database
+    migrated_before(server_url, name, "0017")
+    return Database(server_url, name)
 
 
 def migrate_in_place(finished: int, runs: int) -> dict:
