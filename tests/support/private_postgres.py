@@ -3,6 +3,7 @@ for tests that stop, restart or cut off the database."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -63,4 +64,11 @@ class PrivatePostgres:
         self._pg_ctl("promote")
 
     def close(self) -> None:
+        # The library stops only the postmaster it started itself: after a
+        # stop and start of ours it would delete the folder of a live server.
+        if (self.server.pgdata / "postmaster.pid").exists():
+            try:
+                self._pg_ctl("-m", "immediate", "stop")
+            except subprocess.CalledProcessError:
+                pass  # a stale pid file: no server is running
         self.server.cleanup()
