@@ -120,8 +120,8 @@ def test_a_schedule_fires_with_the_real_database_clock(db):
     with db.connect() as conn:
         scheduler.apply(conn, {"minute": every_minute})
         assert scheduler.tick(conn) == []  # applied now: its first fire time is in the future
-        conn.execute("UPDATE everystep_schedule SET next_fire_at = date_trunc('minute', now())")
-        minute = conn.execute("SELECT date_trunc('minute', now())").fetchone()[0]
+        minute = conn.execute("UPDATE everystep_schedule SET next_fire_at = date_trunc('minute', now())"
+                              " RETURNING next_fire_at").fetchone()[0]
         [fired] = scheduler.tick(conn)
     assert fired.fire_time == minute
     assert db.run_pending() == {fired.run_id: "completed"}
