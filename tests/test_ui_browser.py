@@ -152,6 +152,24 @@ def test_resolving_a_blocked_run_from_the_page_completes_it(db, browser, ui_url)
     page.close()
 
 
+# The runs list's first fetch answers 2 s late: a view left before its
+# answers came must not draw itself over the one the page moved on to.
+SLOW_WORKFLOWS = """const fetched = window.fetch;
+window.fetch = (url, ...rest) => String(url).includes("/api/workflows")
+  ? new Promise((done) => setTimeout(done, 2000)).then(() => fetched(url, ...rest)) : fetched(url, ...rest);"""
+
+
+def test_a_view_left_before_its_answers_came_does_not_cover_the_next(db, browser, ui_url):
+    run = blocked_run(db)
+    page = open_page(browser, ui_url, OPERATOR, init_script=SLOW_WORKFLOWS)
+    page.goto(f"{ui_url}/#run/{run}")
+    expect(page.locator("#resolve")).to_be_visible()
+    page.wait_for_timeout(2500)  # the runs list's answers are in by now
+    expect(page.locator("#resolve")).to_be_visible()
+    expect(page.locator("#runs-table")).to_have_count(0)
+    page.close()
+
+
 def test_a_viewer_cannot_act_and_csrf_is_refused(db, browser, ui_url):
     run = blocked_run(db)
     viewer = open_page(browser, ui_url, VIEWER)

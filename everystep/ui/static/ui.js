@@ -239,12 +239,15 @@ function filterHash() {
 const unfiltered = () => !Object.values(filters).some(Boolean);
 
 async function showRuns(quiet) {
+  const asked = current;
   if (!quiet || !document.getElementById("runs-table")) await buildRunsPage();
+  if (current !== asked) return;  // the page moved on meanwhile: drawing this would cover the new view
   if (unfiltered() && live.snapshot && listState.pages <= 1) {
     listState.runs = live.snapshot.runs;
     listState.next = live.snapshot.runs.length >= 50 ? cursorOf(live.snapshot.runs) : null;
   } else {
     const answer = await getJSON(`/api/runs?${filterQuery()}`);
+    if (current !== asked) return;
     listState.runs = answer.runs;
     listState.next = answer.next;
   }
@@ -264,7 +267,9 @@ async function showRuns(quiet) {
 const cursorOf = (runs) => `${runs[runs.length - 1].created_at}|${runs[runs.length - 1].id}`;
 
 async function buildRunsPage() {
+  const asked = current;
   const names = await getJSON("/api/workflows").catch(() => ({ workflows: [] }));
+  if (current !== asked) return;
   const input = (name, attrs) => h("input", { name, value: filters[name], ...attrs });
   const form = h("form", { id: "filters", class: "filters", onsubmit: (ev) => {
     ev.preventDefault();
@@ -898,7 +903,9 @@ async function showCharts(quiet) {
 const FIRE_COLORS = { completed: "completed", failed: "failed", cancelled: "cancelled", stopped: "stopped", running: "running" };
 
 async function showFires() {
+  const asked = current;
   const { key, fires } = await getJSON(`/api/schedules/${encodeURIComponent(current.key)}/fires`);
+  if (current !== asked) return;
   const strip = h("div", { class: "fires", id: "fire-strip" }, [...fires].reverse().map((f) => h("a", { href: `#run/${f.run_id}`,
     class: `fire status ${FIRE_COLORS[f.status] || f.status || "pruned"}`, "data-status": f.status || "pruned",
     title: `${when(f.fire_at)}: ${f.status || "pruned"}` })));
@@ -918,7 +925,9 @@ async function showFires() {
 // ------------------------------------------------------------------ other pages
 
 async function showSchedules() {
+  const asked = current;
   const { schedules } = await getJSON("/api/schedules");
+  if (current !== asked) return;
   const verb = (s, v, q) => h("button", { onclick: () => confirmed(q, "schedule", { key: s.key, verb: v }) }, v);
   fill(main, h("h2", {}, "Schedules"), schedules.length ? h("table", { id: "schedules" },
     h("thead", {}, h("tr", {}, ["key", "workflow", "cron", "state", "next fire", "last fire", "last run", "last error", ""].map((t) => h("th", {}, t)))),
@@ -936,7 +945,9 @@ async function showSchedules() {
 }
 
 async function showWorkers() {
+  const asked = current;
   const { workers } = await getJSON("/api/workers");
+  if (current !== asked) return;
   fill(main, h("h2", {}, "Workers"),
     h("p", { class: "muted" }, "Every runner holding its lock in this database now: its pool connections, its runs in flight, and since when its control session (which holds the lock) exists."),
     workers.length ? h("table", { id: "workers" }, h("thead", {}, h("tr", {}, ["runner", "client", "pool connections", "in flight", "lock held since"].map((t) => h("th", {}, t)))),
@@ -948,7 +959,9 @@ async function showWorkers() {
 
 let failureWindow = "hour";
 async function showFailures() {
+  const asked = current;
   const { groups } = await getJSON(`/api/failures?window=${failureWindow}`);
+  if (current !== asked) return;
   fill(main, h("h2", {}, "Failures"),
     h("p", {}, ["hour", "day", "week"].map((w) => h("button", { class: w === failureWindow ? "active" : "", onclick: () => { failureWindow = w; refresh(); } }, `last ${w}`))),
     groups.length ? h("table", { id: "failures" }, h("thead", {}, h("tr", {}, ["workflow", "exception", "runs", "last", "latest run", "latest message"].map((t) => h("th", {}, t)))),
@@ -989,12 +1002,15 @@ async function showAudit() {
   h("button", { type: "submit" }, "filter"),
   h("button", { type: "button", onclick: () => { Object.keys(auditFilters).forEach((k) => { auditFilters[k] = ""; }); refresh(); } }, "clear"));
   let records;
+  const asked = current;
   try {
     ({ records } = await getJSON(`/api/audit?${query}`));
   } catch (err) {
+    if (current !== asked) return;
     fill(main, h("h2", {}, "Audit"), form, h("p", { class: "error", id: "audit-error" }, err.message));
     return;
   }
+  if (current !== asked) return;
   const filtered = Object.values(auditFilters).some(Boolean);
   fill(main, h("h2", {}, "Audit"), form, records.length ? auditTable(records, true)
     : h("p", { class: "muted" }, filtered ? "no actions recorded match these filters" : "no actions recorded"));
