@@ -168,11 +168,6 @@ class Worker(Successors):
         # while a slot is free: a full worker needs no notification).
         self._waiting = False
         self._extra = {"runner": name}
-        # Whether any workflow has a concurrency limit, as last looked (every
-        # PING_INTERVAL at most): while none has, a claim takes the unlimited
-        # lane only (db.claim's unlimited_only).
-        self._limits_exist = True
-        self._limits_checked_at = -PING_INTERVAL
 
     # ---------------------------------------------------------------- control
 
@@ -445,10 +440,7 @@ class Worker(Successors):
         if not self._waiting:
             db.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
             self._waiting = True
-        if time.monotonic() >= self._limits_checked_at + PING_INTERVAL:
-            self._limits_exist = db.any_limit(conn)
-            self._limits_checked_at = time.monotonic()
-        runs = db.claim(conn, self.name, free, self.routes, unlimited_only=not self._limits_exist)
+        runs = db.claim(conn, self.name, free, self.routes, unlimited_only=True)
         if runs:
             metrics.CLAIMS.labels(self.name).inc(len(runs))
             for run in runs:

@@ -35,12 +35,14 @@ from everystep import db, metrics
 # Writes per transaction at most: the run slots of a process stay far below
 # it; parallel branches and late outcomes may add some.
 MAX_BATCH = 64
-# Ends claim their successors among unlimited workflows only (for plain
-# ends, db's end_plain_runs: a fraction of the plan, which PostgreSQL sets up
-# again for every batch) until one such batch finds a limited workflow with
-# a free slot and runs to claim; from then on, for this many seconds, with
-# the whole claim, limits and slots included. So a limited workflow's runs
-# wait at most one batch behind later runs of unlimited ones.
+# Ends claim their successors among the priority-0 runs of unlimited
+# workflows only (for plain ends, db's end_plain_runs: a fraction of the
+# plan, which PostgreSQL sets up again for every batch) until one such batch
+# finds a limited workflow with a free slot and runs to claim, or a run of
+# another priority waiting; from then on, for this many seconds, with the
+# whole claim, limits, slots and priorities included. So a limited
+# workflow's runs wait at most one batch behind later runs of unlimited ones,
+# and a prioritized run never waits behind one of priority 0.
 WHOLE_CLAIM = 1.0
 # Seconds without a write after which the thread ends and its connection goes
 # back to the pool (the next write starts it again).
@@ -147,7 +149,7 @@ class GroupWriter:
                 ended = db.end_runs(self._conn, self.runner, [w.write for w in ends], self.routes(),
                                        unlimited_only)
                 finished = ended.finished
-                if ended.limited_waiting:
+                if ended.whole_claim_wanted:
                     self._whole_claim_until = time.monotonic() + WHOLE_CLAIM
         except db.CONNECTION_ERRORS as exc:
             self._give_back()  # the pool discards a broken connection; the retries get another

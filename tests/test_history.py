@@ -475,7 +475,7 @@ def test_a_database_with_runs_in_flight_and_a_history_migrates_in_place(server_u
                  else False, timeout=60, what="the runs held mid-step")
         started = time.monotonic()
         with db.connect() as conn:
-            assert everystep.db.migrate(conn) == ["0017_history"]
+            assert everystep.db.migrate(conn)[:1] == ["0017_history"]  # and those after it
         took = time.monotonic() - started
         assert took < 10, took  # an instant: nothing is copied
         release.touch()

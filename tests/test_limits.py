@@ -28,22 +28,25 @@ def end(db, run: everystep.db.ClaimedRun, runner: str, claim: bool = False) -> l
         return everystep.db.finish_run(conn, run.id, runner, run.token, "completed", "null", None, claim=claim).claimed
 
 
-def test_the_claim_admits_a_limited_workflow_up_to_its_limit_in_order(db):
+@pytest.mark.parametrize("unlimited_only", [False, True], ids=["whole claim", "plain claim first"])
+def test_the_claim_admits_a_limited_workflow_up_to_its_limit_in_order(db, unlimited_only):
+    # The plain claim (claim_unlimited) sees a free slot with runs to take
+    # and gives way to the whole claim; with none, it claims alone.
     with db.connect() as conn:
         everystep.db.apply_limits(conn, {LIMITED: 2})
     limited_runs = db.schedule_many(limited, [("m", i) for i in range(5)])
     unlimited_runs = db.schedule_many(unlimited, [("m", i) for i in range(3)])
     with db.connect() as conn:
-        claimed = everystep.db.claim(conn, "w1", 10)
+        claimed = everystep.db.claim(conn, "w1", 10, unlimited_only=unlimited_only)
         assert [r.id for r in claimed] == [r.id for r in limited_runs[:2] + unlimited_runs]
-        assert everystep.db.claim(conn, "w1", 10) == []  # the limited runs wait
+        assert everystep.db.claim(conn, "w1", 10, unlimited_only=unlimited_only) == []  # the limited runs wait
     # Ending one frees its slot for the next in line (and wakes the claimers).
     with db.connect() as listener:
         everystep.db.listen(listener)
         end(db, claimed[0], "w1")
         assert list(listener.notifies(timeout=2, stop_after=1))
     with db.connect() as conn:
-        assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [limited_runs[2].id]
+        assert [r.id for r in everystep.db.claim(conn, "w1", 10, unlimited_only=unlimited_only)] == [limited_runs[2].id]
     assert running(db, LIMITED) == 2
 
 

@@ -73,6 +73,54 @@ def test_the_successor_of_an_end_is_the_highest_priority_due_run(db):
         assert [r.id for r in everystep.db.claim(conn, "w", 3)] == [low.id]
 
 
+def test_the_plain_statements_give_way_to_the_whole_claim_while_a_prioritized_run_waits(db):
+    """claim_unlimited and end_plain_runs read only the priority-0 runs: with
+    a run of another priority in the lane they claim nothing (the whole claim
+    is taken instead), so no priority-0 run goes before it."""
+    backlog = db.schedule_many(plain, [("m", i) for i in range(3)])
+
+    def plain_end(conn, run):
+        write = everystep.db.EndWrite(run.id, run.token, "completed", "null", None, None, claim=True, plain=True)
+        return everystep.db.end_runs(conn, "w", [write], None, unlimited_only=True)
+
+    with db.connect() as conn:
+        (run,) = everystep.db.claim(conn, "w", 1, unlimited_only=True)
+        assert run.id == backlog[0].id
+        ended = plain_end(conn, run)
+        assert (ended.finished[0].successor.id, ended.whole_claim_wanted) == (backlog[1].id, False)
+        low = schedule(db, plain, "m", 0, priority=-1)
+        ended = plain_end(conn, ended.finished[0].successor)
+        assert ended.finished[0].status == "completed"
+        assert (ended.finished[0].successor, ended.whole_claim_wanted) == (None, True)
+        assert [r.id for r in everystep.db.claim(conn, "w", 1, unlimited_only=True)] == [backlog[2].id]
+        high = schedule(db, plain, "m", 0, priority=1)
+        assert {r.id for r in everystep.db.claim(conn, "w", 2, unlimited_only=True)} == {high.id, low.id}
+
+
+@pytest.mark.parametrize("prioritized", [0, 3000], ids=["empty priority lane", "3000 prioritized runs waiting"])
+def test_only_the_plain_statements_probe_read_the_due_prioritized_index(db, prioritized):
+    """Their probe (abs(priority) > 0, as the index's predicate) can be served
+    by everystep_workflow_due_prioritized alone, and the whole statements'
+    priority heads (priority > 0, < 0) never take it: generic plans, made
+    once per connection on whatever the tables hold then."""
+    with db.connect() as conn:
+        conn.execute("INSERT INTO everystep_workflow (id, name, args, status)"
+                     " SELECT gen_random_uuid(), 'app.done', '[]', 'completed' FROM generate_series(1, 20000)")
+        conn.execute("INSERT INTO everystep_workflow (id, name, args, status, priority, due_at)"
+                     " SELECT gen_random_uuid(), 'app.p', '[]', 'waiting', 1 + i %% 7, now() + interval '1 hour'"
+                     " FROM generate_series(1, %s) i", (prioritized,))
+        conn.execute("ANALYZE everystep_workflow")
+        everystep.db.prepare_claiming_session(conn)
+        used = {}
+        for name in ("claim", "claim_unlimited", "end_runs", "end_plain_runs"):
+            statement = everystep.db.queries.numbered(name)
+            conn.execute(f"PREPARE {name} AS {statement.text}")
+            nulls = ", ".join(["NULL"] * len(statement.params))
+            plan = [row[0] for row in conn.execute(f"EXPLAIN (COSTS OFF) EXECUTE {name}({nulls})")]
+            used[name] = any("everystep_workflow_due_prioritized" in line for line in plan)
+    assert used == {"claim": False, "claim_unlimited": True, "end_runs": False, "end_plain_runs": True}
+
+
 def test_a_workflows_default_priority_from_the_decorator_and_the_workers_config(db):
     run = schedule(db, urgent, "m", 0)
     explicit = schedule(db, urgent, "m", 0, priority=-3)
@@ -123,15 +171,18 @@ def per_key(db, limits: dict) -> None:
         everystep.db.apply_limits(conn, {}, per_key=limits)
 
 
-def test_a_key_is_admitted_up_to_its_limit_and_the_keys_in_turn(db):
+@pytest.mark.parametrize("unlimited_only", [False, True], ids=["whole claim", "plain claim first"])
+def test_a_key_is_admitted_up_to_its_limit_and_the_keys_in_turn(db, unlimited_only):
+    # The plain claim (claim_unlimited) sees keys with room and runs, and
+    # gives way to the whole claim; with every key at its limit, it claims alone.
     per_key(db, {TENANT: 2})
     big = [schedule(db, tenant_job, "big", 0, concurrency_key="big") for _ in range(6)]
     small = [schedule(db, tenant_job, key, 0, concurrency_key=key) for key in ("a", "b") for _ in range(2)]
     unkeyed = schedule(db, tenant_job, "none", 0)  # no key: no per-key limit
     with db.connect() as conn:
-        got = claim_ids(conn, "w", 20)
+        got = claim_ids(conn, "w", 20, unlimited_only=unlimited_only)
         assert set(got) == {*[r.id for r in big[:2]], *[r.id for r in small], unkeyed.id}
-        assert everystep.db.claim(conn, "w", 20) == []  # every key is at its limit
+        assert everystep.db.claim(conn, "w", 20, unlimited_only=unlimited_only) == []  # every key is at its limit
         running = {r.id: r for r in everystep.db.reclaim_held(conn, "w")}
         # Ending a big run frees room in its key only: the successor is big's next.
         assert [r.id for r in end(conn, running[big[0].id], "w", claim=True)] == [big[2].id]

@@ -92,7 +92,6 @@ from everystep.db.ops import (
     resolve_step,
 )
 from everystep.db.queue import (
-    any_limit,
     apply_limits,
     cancel_requests,
     claim,
@@ -238,7 +237,7 @@ __all__ = [
     "prepare_session",
     "reset_claiming_session", "try_lock", "unlock",
     # queue
-    "any_limit", "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims",
+    "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims",
     "limits", "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer",
     "requeue_from_dead_claimers", "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting",
     "wait_for_runs", "key_limits", "priorities", "put_rate_limits", "rate_limits", "sweep_keys", "take_token",

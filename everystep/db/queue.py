@@ -69,14 +69,18 @@ def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] |
     steps: of unlimited workflows, and of limited ones as far as they have
     free slots; only of workflows matching `routes` (LIKE patterns, see
     `routes_of`; None: all). `unlimited_only` (for a claimer of every
-    workflow that knows no limit is set): the head of the unlimited lane, a
-    statement without the slots (queue.sql: claim_unlimited)."""
+    workflow): first the head of the unlimited lane's priority-0 runs, a
+    statement without the slots and the priorities (queue.sql:
+    claim_unlimited), which gives way to the whole claim when that would
+    take runs it does not see (a run of another priority, a limited
+    workflow's or a key's with room)."""
     if unlimited_only and routes is None:
         rows = conn.execute(queries.get("claim_unlimited"), {"runner": runner, "limit": limit},
                             prepare=True).fetchall()
-    else:
-        rows = conn.execute(queries.get("claim"), {"runner": runner, "limit": limit, "routes": routes},
-                            prepare=True).fetchall()
+        if rows != [(None,) * len(ClaimedRun._fields)]:  # that row: it claimed nothing, the whole claim would
+            return sorted((ClaimedRun(*row) for row in rows), key=lambda r: r.id)  # UUIDv7: creation order
+    rows = conn.execute(queries.get("claim"), {"runner": runner, "limit": limit, "routes": routes},
+                        prepare=True).fetchall()
     runs = [ClaimedRun(*row) for row in rows]
     runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
     return runs
@@ -143,11 +147,6 @@ def sweep_keys(conn: psycopg.Connection) -> tuple[int, int]:
     except errors.ForeignKeyViolation:  # the per-key limit was removed meanwhile: its runs are sorted out of the lane
         ready = []
     return len(idle), len(ready)
-
-
-def any_limit(conn: psycopg.Connection) -> bool:
-    """Whether any workflow has a concurrency limit."""
-    return conn.execute(queries.get("any_limit"), {}, prepare=True).fetchone()[0]
 
 
 def limits(conn: psycopg.Connection) -> dict[str, int]:
@@ -285,7 +284,7 @@ def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes
         "claims": libpq.array_literal(["t" if e.claim else "f" for e in ends]), "runner": runner,
         "routes": libpq.array_literal(routes), **_step_columns([e.last_step for e in ends])})
     successors = libpq.claimed_runs(conn, result, first_column=3)
-    receivers, statuses, exists, limited_waiting = [], {}, set(), False
+    receivers, statuses, exists, whole_claim_wanted = [], {}, set(), False
     for i in range(result.ntuples):
         kind = result.get_value(i, 0)
         if kind == b"h":
@@ -295,11 +294,11 @@ def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes
         elif kind == b"s":
             exists.add(int(result.get_value(i, 1)))
         elif kind == b"l":
-            limited_waiting = True
+            whole_claim_wanted = True
     successors.sort(key=lambda r: r.id)  # UUIDv7: the oldest to the first asking
     given = dict(zip(sorted(receivers), successors))
     return EndedRuns([BatchEnd(statuses.get(n), n in exists, given.get(n)) for n in range(1, len(ends) + 1)],
-                     limited_waiting)
+                     whole_claim_wanted)
 
 
 def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:

@@ -90,7 +90,7 @@ class BatchEnd(NamedTuple):
 
 class EndedRuns(NamedTuple):
     finished: list[BatchEnd]  # for each end
-    limited_waiting: bool  # (end_plain_runs) a limited workflow has a free slot and runs to claim: use end_runs
+    whole_claim_wanted: bool  # (end_plain_runs) the whole claim would take runs it does not see: use end_runs
 
 
 class Ended(NamedTuple):

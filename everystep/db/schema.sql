@@ -145,6 +145,10 @@ CREATE INDEX everystep_workflow_ready_unlimited ON everystep_workflow (due_at, i
 -- highest first, then in due order.
 CREATE INDEX everystep_workflow_ready_priority ON everystep_workflow (priority DESC, due_at, id)
     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND priority <> 0;
+-- The same runs by due time alone (0018): whether one is due is one probe
+-- (abs(priority) > 0: the migration says why).
+CREATE INDEX everystep_workflow_due_prioritized ON everystep_workflow (due_at)
+    WHERE status IN ('scheduled', 'waiting') AND NOT limited AND abs(priority) > 0;
 -- The limited lane, per workflow in claim order: the claim of a limited
 -- workflow's earliest due runs, as far as it has free slots; its runs of
 -- another priority than 0 (0014) by workflow, highest first.

@@ -307,90 +307,75 @@ RETURNING w.id, w.name, w.args,
 
 
 -- name: claim_unlimited
--- `claim` for a runner of every workflow while no limited workflow has a
--- free slot: the head of the unlimited lane, nothing else. The NOT EXISTS
--- skips a run inserted while its workflow's limit was being set (see
--- 0011_lanes.sql): it is late at worst, never over its limit.
-WITH RECURSIVE high_levels(priority) AS (
-    (SELECT w.priority FROM everystep_workflow w
-     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-     ORDER BY w.priority DESC
-     LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.priority FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-              AND w.priority < lv.priority
-            ORDER BY w.priority DESC
-            LIMIT 1)
-    FROM high_levels lv
-    WHERE lv.priority IS NOT NULL
-), low_levels(priority) AS (
-    (SELECT w.priority FROM everystep_workflow w
-     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-     ORDER BY w.priority DESC
-     LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.priority FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-              AND w.priority < lv.priority
-            ORDER BY w.priority DESC
-            LIMIT 1)
-    FROM low_levels lv
-    WHERE lv.priority IS NOT NULL
-), high AS (
-    SELECT w.id
-    FROM high_levels lv CROSS JOIN LATERAL (
-        SELECT w.id
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-          AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          AND NOT (w.concurrency_key IS NOT NULL
-                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-        ORDER BY w.due_at, w.id
-        LIMIT %(limit)s
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-    WHERE lv.priority IS NOT NULL
-    LIMIT %(limit)s
-), plain AS (
-    SELECT w.id
-    FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0 AND w.due_at <= everystep_now()
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.due_at, w.id
-    LIMIT %(limit)s - (SELECT count(*) FROM high)
-    FOR UPDATE OF w SKIP LOCKED
-), low AS (
-    SELECT w.id
-    FROM low_levels lv CROSS JOIN LATERAL (
-        SELECT w.id
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-          AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          AND NOT (w.concurrency_key IS NOT NULL
-                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-        ORDER BY w.due_at, w.id
-        LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-    WHERE lv.priority IS NOT NULL
-    LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
+-- `claim` for a runner of every workflow while the whole claim would take
+-- nothing this one does not see: the head of the unlimited lane's index of
+-- priority-0 runs, nothing else. Otherwise (`elsewhere`: a due run in the
+-- priority lane, one probe of the first entry of
+-- everystep_workflow_due_prioritized; a limited workflow with a free slot
+-- and runs to claim; a ready key with room and runs to claim: the tests of
+-- `end_plain_runs`'s ('l') row) it claims nothing and returns one row of
+-- NULLs: the caller takes the whole `claim` then, which orders the
+-- priorities and fills the slots. The NOT EXISTS skips a run inserted while its workflow's limit was
+-- being set (see 0011_lanes.sql): it is late at worst, never over its
+-- limit.
+WITH elsewhere AS MATERIALIZED (
+    -- abs(priority) > 0, as the index's predicate: see 0018_due_prioritized.sql.
+    SELECT EXISTS (SELECT 1 FROM everystep_workflow w
+                   WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND abs(w.priority) > 0
+                     AND w.due_at <= everystep_now())
+        OR EXISTS (SELECT 1 FROM everystep_slot s
+                  WHERE (SELECT count(*) FROM everystep_workflow h
+                         WHERE h.id = s.run_id
+                           AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
+                    AND (EXISTS (SELECT 1 FROM everystep_workflow w
+                                 WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+                                   AND w.priority = 0
+                                   AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
+                                 OFFSET 0)
+                         OR EXISTS (SELECT 1 FROM everystep_workflow w
+                                    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
+                                      AND w.priority <> 0 AND w.name = s.name AND w.due_at <= everystep_now()
+                                    OFFSET 0)))
+        OR EXISTS (SELECT 1 FROM everystep_key k
+                  WHERE k.ready AND (SELECT count(*) FROM everystep_workflow h
+                         WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
+                    AND EXISTS (SELECT 1 FROM everystep_workflow w
+                                WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
+                                  AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
+                                OFFSET 0)
+                    AND (SELECT count(*) FROM everystep_workflow r
+                         WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
+                           AND r.name = k.name AND r.concurrency_key = k.key)
+                        < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)) AS waiting
 ), picked AS MATERIALIZED (
-    SELECT id, nextval('everystep_claim_token') AS token
-    FROM (SELECT id FROM high UNION ALL SELECT id FROM plain UNION ALL SELECT id FROM low) AS head
+    SELECT w.id, nextval('everystep_claim_token') AS token
+    FROM (SELECT w.id
+          FROM everystep_workflow w
+          WHERE NOT (SELECT waiting FROM elsewhere)
+            AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0
+            AND w.due_at <= everystep_now()
+            AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
+            AND NOT (w.concurrency_key IS NOT NULL
+                     AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
+          ORDER BY w.due_at, w.id
+          LIMIT %(limit)s
+          FOR UPDATE OF w SKIP LOCKED) w
+), claimed AS (
+    UPDATE everystep_workflow w
+    SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = NULL
+    FROM picked p
+    WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
+    RETURNING w.id, w.name, w.args,
+        to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
+                      FROM everystep_step s WHERE s.workflow_id = w.id)),
+        w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE,
+        extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
 )
-UPDATE everystep_workflow w
-SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = NULL
-FROM picked p
-WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
-RETURNING w.id, w.name, w.args,
-    to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
-                  FROM everystep_step s WHERE s.workflow_id = w.id)),
-    w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id;
+SELECT * FROM claimed
+UNION ALL
+SELECT NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8, NULL::integer,
+       NULL::uuid
+WHERE (SELECT waiting FROM elsewhere);
 
 
 -- name: sort_lanes
@@ -505,10 +490,6 @@ RETURNING key;
 -- anti-join against everystep_limit) is above jit_above_cost, and compiling
 -- it took 250 ms at every sweep.
 SELECT set_config('jit', 'off', true);
-
-
--- name: any_limit
-SELECT EXISTS (SELECT FROM everystep_limit) OR EXISTS (SELECT FROM everystep_key_limit);
 
 
 -- name: drop_limits
@@ -1067,36 +1048,18 @@ WHERE EXISTS (SELECT FROM ended
 -- name: end_plain_runs
 -- `end_runs` for ends that free no slot and wake no parent (their runs are
 -- of unlimited workflows, and have no parent), of a runner of every
--- workflow, while no limited workflow has a free slot: successors come from
--- the head of the unlimited lane. Rows as for `end_runs`, and ('l') when a
--- limited workflow has a free slot and runs to claim: the caller goes back
+-- workflow, while no limited workflow has a free slot and no run of another
+-- priority than 0 is due in the unlimited lane: successors come from the head
+-- of that lane's priority-0 runs (as in `claim_unlimited`). Rows as for
+-- `end_runs`, and ('l') when the whole claim would take runs this one does
+-- not see: a limited workflow has a free slot and runs to claim, or a run of
+-- another priority is due (then this one claims none); the caller goes back
 -- to `end_runs` then.
-WITH RECURSIVE high_levels(priority) AS (
-    (SELECT w.priority FROM everystep_workflow w
-     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-     ORDER BY w.priority DESC
-     LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.priority FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-              AND w.priority < lv.priority
-            ORDER BY w.priority DESC
-            LIMIT 1)
-    FROM high_levels lv
-    WHERE lv.priority IS NOT NULL
-), low_levels(priority) AS (
-    (SELECT w.priority FROM everystep_workflow w
-     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-     ORDER BY w.priority DESC
-     LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.priority FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-              AND w.priority < lv.priority
-            ORDER BY w.priority DESC
-            LIMIT 1)
-    FROM low_levels lv
-    WHERE lv.priority IS NOT NULL
+WITH prioritized AS MATERIALIZED (
+    -- abs(priority) > 0, as the index's predicate: see 0018_due_prioritized.sql.
+    SELECT EXISTS (SELECT 1 FROM everystep_workflow w
+                   WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND abs(w.priority) > 0
+                     AND w.due_at <= everystep_now()) AS waiting
 ), i AS (
     SELECT *
     FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
@@ -1114,52 +1077,20 @@ WITH RECURSIVE high_levels(priority) AS (
       AND w.claim_token = i.token
 ), held AS (
     SELECT * FROM fenced WHERE NOT step_exists
-), high AS (
-    SELECT w.id
-    FROM high_levels lv CROSS JOIN LATERAL (
-        SELECT w.id
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-          AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          AND NOT (w.concurrency_key IS NOT NULL
-                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-        ORDER BY w.due_at, w.id
-        LIMIT (SELECT count(*) FROM held WHERE held.claim)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
-    LIMIT (SELECT count(*) FROM held WHERE held.claim)
 ), plain AS (
     SELECT w.id
     FROM everystep_workflow w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-            AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0 AND w.due_at <= everystep_now()
+    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND NOT (SELECT waiting FROM prioritized)
+      AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0 AND w.due_at <= everystep_now()
       AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
       AND NOT (w.concurrency_key IS NOT NULL
                AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
     ORDER BY w.due_at, w.id
-    LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high)
+    LIMIT (SELECT count(*) FROM held WHERE held.claim)
     FOR UPDATE OF w SKIP LOCKED
-), low AS (
-    SELECT w.id
-    FROM low_levels lv CROSS JOIN LATERAL (
-        SELECT w.id
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-          AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          AND NOT (w.concurrency_key IS NOT NULL
-                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-        ORDER BY w.due_at, w.id
-        LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
-    LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM plain)
 ), picked AS MATERIALIZED (
     SELECT id, nextval('everystep_claim_token') AS token
-    FROM (SELECT id FROM high UNION ALL SELECT id FROM plain UNION ALL SELECT id FROM low) AS head
+    FROM plain
 ), claimed AS (
     UPDATE everystep_workflow w
     SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = NULL
@@ -1206,7 +1137,8 @@ FROM fenced WHERE step_exists
 UNION ALL
 SELECT 'l', NULL, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
        NULL::integer, NULL::uuid
-WHERE EXISTS (SELECT 1 FROM everystep_slot s
+WHERE (SELECT waiting FROM prioritized)
+   OR EXISTS (SELECT 1 FROM everystep_slot s
               WHERE (SELECT count(*) FROM everystep_workflow h
                      WHERE h.id = s.run_id
                        AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
