@@ -39,7 +39,7 @@ MAX_BATCH = 64
 # workflows only (for plain ends, db's end_plain_runs: a fraction of the
 # plan, which PostgreSQL sets up again for every batch) until one such batch
 # finds a limited workflow with a free slot and runs to claim, or a run of
-# another priority waiting; from then on, for this many seconds, with the
+# another priority due; from then on, for this many seconds, with the
 # whole claim, limits, slots and priorities included. So a limited
 # workflow's runs wait at most one batch behind later runs of unlimited ones,
 # and a prioritized run never waits behind one of priority 0.

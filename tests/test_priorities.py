@@ -75,7 +75,7 @@ def test_the_successor_of_an_end_is_the_highest_priority_due_run(db):
 
 def test_the_plain_statements_give_way_to_the_whole_claim_while_a_prioritized_run_waits(db):
     """claim_unlimited and end_plain_runs read only the priority-0 runs: with
-    a run of another priority in the lane they claim nothing (the whole claim
+    a run of another priority due in the lane they claim nothing (the whole claim
     is taken instead), so no priority-0 run goes before it."""
     backlog = db.schedule_many(plain, [("m", i) for i in range(3)])
 

@@ -315,9 +315,9 @@ RETURNING w.id, w.name, w.args,
 -- and runs to claim; a ready key with room and runs to claim: the tests of
 -- `end_plain_runs`'s ('l') row) it claims nothing and returns one row of
 -- NULLs: the caller takes the whole `claim` then, which orders the
--- priorities and fills the slots. The NOT EXISTS skips a run inserted while its workflow's limit was
--- being set (see 0011_lanes.sql): it is late at worst, never over its
--- limit.
+-- priorities and fills the slots. The NOT EXISTS skips a run inserted
+-- while its workflow's limit was being set (see 0011_lanes.sql): it is late
+-- at worst, never over its limit.
 WITH elsewhere AS MATERIALIZED (
     -- abs(priority) > 0, as the index's predicate: see 0018_due_prioritized.sql.
     SELECT EXISTS (SELECT 1 FROM everystep_workflow w
