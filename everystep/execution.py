@@ -76,6 +76,12 @@ class Successors:
 
     # The workflows a successor may be of (LIKE patterns, db.routes_of; None: all).
     routes: list[str] | None = None
+    # The workflows a successor may not be of: those the runner cannot import.
+    skipped: list[str] = []
+
+    def cannot_import(self, workflow: str, why: str) -> None:
+        """A run of `workflow` is being given back: its workflow cannot be
+        imported here (`why`). Claim no more of its runs."""
 
     def reserve(self, run: db.ClaimedRun) -> bool:
         """Asked once, as this execution of the run is about to end. True
@@ -454,12 +460,12 @@ class HeldRun:
             pending, self._pending = self._pending, []
         return pending
 
-    def requeue(self) -> None:
-        """Put the run back in the queue (the worker drains): the outcomes
-        waiting to be written first."""
+    def requeue(self, why: str = "drained") -> None:
+        """Put the run back in the queue (the worker drains, or cannot import
+        its workflow: `why`): the outcomes waiting to be written first."""
         for step in self._ending():
             self._write_step(step, update=False)  # recorded before the requeue
-        self._fenced(lambda cur, run, runner, token: db.requeue_held(cur, runner, [db.Claim(run, token)]),
+        self._fenced(lambda cur, run, runner, token: db.requeue_held(cur, runner, [db.Claim(run, token)], why),
                      (), None, RunStatus.SCHEDULED, "requeueing the run")
         metrics.REQUEUED.labels(self.runner).inc()
 

@@ -51,6 +51,11 @@ REQUEUED = Counter(
 STARTED_AT = Gauge(
     "everystep_worker_started_at_seconds", "Unix time a worker started.", ["runner"], multiprocess_mode="livemax"
 )
+UNKNOWN_WORKFLOW_RUNS = Counter(
+    "everystep_unknown_workflow_runs",
+    "Runs a worker gave back because it cannot import their workflow (it claims no more of them).",
+    ["runner", "workflow"],
+)
 CLAIMS_LOST = Counter(
     "everystep_claims_lost", "Runs a worker abandoned because a fenced write matched nothing.", ["runner"]
 )

@@ -57,6 +57,7 @@ from everystep.errors import (
     WorkflowCodeError,
 )
 from everystep.execution import Fence, HeldRun, Lent, Successors
+from everystep.logs import first_line
 from everystep.plans import DONE, Stepper
 from everystep.retries import RetryPolicy
 from everystep.schema import RunStatus, StepStatus
@@ -194,10 +195,15 @@ def _run_metrics(workflow: str, outcome: str) -> tuple:
     return metrics.WORKFLOW_RUNS.labels(workflow, outcome), metrics.WORKFLOW_DURATION.labels(workflow, outcome)
 
 
+class UnknownWorkflow(Exception):
+    """This process cannot import the workflow of a claimed run (its module
+    is missing, fails to import, or does not define it yet)."""
+
+
 class Execution(NamedTuple):
     """What one execution of a run came to, as `Runner.execute` returns it."""
     outcome: str  # completed, failed, stopped, blocked, cancelled, sleeping (parked waiting),
-    # requeued (drain) or abandoned (claim lost)
+    # requeued (drain), unknown (given back: its workflow cannot be imported here) or abandoned (claim lost)
     successor: db.ClaimedRun | None  # claimed for this slot by the statement that ended the run
     look_again: bool  # the runner may hold runs it does not know of: an answer was lost, or another
     # execution's row was found
@@ -208,16 +214,19 @@ class Runner:
 
     def __init__(self, pool: ConnectionPool, name: str, fence: Fence | None = None,
                  successors: Successors | None = None, io_threads: int = IO_THREADS,
-                 step_threads: int = STEP_THREADS):
+                 step_threads: int = STEP_THREADS, give_back_unknown: bool = False):
+        """`give_back_unknown`: a run whose workflow cannot be imported here is
+        put back in the queue (for a worker that can import it), not failed."""
         self.pool = pool
         self.name = name
+        self.give_back_unknown = give_back_unknown
         self.fence = fence or Fence()
         self.successors = successors or Successors()
         # Step rows and run ends of all this runner's executions share commits:
         # step rows in batches of their own, so that none waits behind the
         # heavier statement that ends runs and claims their successors.
         self.step_writer = GroupWriter(pool, name, lambda: None)
-        self.end_writer = GroupWriter(pool, name, lambda: self.successors.routes)
+        self.end_writer = GroupWriter(pool, name, lambda: self.successors.routes, lambda: self.successors.skipped)
         self._lent = Lent(pool, name, self.fence, self.successors, self.step_writer, self.end_writer)
         self._io_threads, self._step_threads = io_threads, step_threads
         self._loop: aio.Loop | None = None
@@ -287,20 +296,19 @@ class Runner:
                 log.warning("claim lost, run abandoned: %s", exc, extra=extra)
                 metrics.CLAIMS_LOST.labels(self.name).inc()
                 outcome = "abandoned"
+            except UnknownWorkflow as exc:
+                if self.give_back_unknown:
+                    log.error("cannot import workflow %s: %s; run given back to the queue for a worker that can, "
+                              "and no more of its runs claimed here", run.name, exc, extra=extra)
+                    self.successors.cannot_import(run.name, str(exc))
+                    outcome = yield from self._give_back(held, extra)
+                else:
+                    outcome = yield from self._engine_error(held, replay, exc, extra)
             except Exception as exc:
                 # The engine itself failed on this run. (SystemExit or the like
                 # out of user code is not ours to record: it goes on up.)
                 log.exception("engine error on run; marking it failed", extra=extra)
-                observe.run_ending(replay, RunStatus.FAILED, exc)
-                try:
-                    yield _Io(held.end, (RunStatus.FAILED, None, serde.dumps(serde.encode_exception(exc))))
-                    outcome = RunStatus.FAILED
-                except LostClaim:
-                    outcome = "abandoned"
-                except Exception:
-                    log.exception("could not mark the run failed; it stays claimed", extra=extra)
-                    held.look_again = True  # still held here, executed by nobody: replay it
-                    outcome = "abandoned"
+                outcome = yield from self._engine_error(held, replay, exc, extra)
             finally:
                 self.live.pop(run.token, None)
                 replay.stop_tasks()
@@ -309,6 +317,32 @@ class Runner:
         runs.inc()
         duration.observe(time.perf_counter() - started)
         return Execution(outcome, held.successor, held.look_again)
+
+
+    @staticmethod
+    def _engine_error(held: HeldRun, replay: Replay, exc: Exception, extra: dict) -> Rules:
+        observe.run_ending(replay, RunStatus.FAILED, exc)
+        try:
+            yield _Io(held.end, (RunStatus.FAILED, None, serde.dumps(serde.encode_exception(exc))))
+            return RunStatus.FAILED
+        except LostClaim:
+            return "abandoned"
+        except Exception:
+            log.exception("could not mark the run failed; it stays claimed", extra=extra)
+            held.look_again = True  # still held here, executed by nobody: replay it
+            return "abandoned"
+
+    @staticmethod
+    def _give_back(held: HeldRun, extra: dict) -> Rules:
+        try:
+            yield _Io(held.requeue, ("unknown",))
+            return "unknown"
+        except LostClaim:
+            return "abandoned"
+        except Exception:
+            log.exception("could not give the run back; it stays claimed", extra=extra)
+            held.look_again = True
+            return "abandoned"
 
 
 class RecordedStep(NamedTuple):
@@ -386,6 +420,8 @@ class Replay:
             fn = registry.resolve(self.workflow_name)
         except TypeError as exc:
             raise EverystepError(str(exc)) from None
+        except Exception as exc:  # ImportError, or whatever importing its module raised
+            raise UnknownWorkflow(f"{type(exc).__name__}: {first_line(exc)}") from None
         args = serde.from_json(self.args)
         if inspect.iscoroutinefunction(fn) != self.asynchronous:
             raise EverystepError(f"{self.workflow_name} is {'not ' if self.asynchronous else ''}an async workflow "

@@ -141,6 +141,10 @@ class Worker(Successors):
         # The workflows this worker runs: name patterns (`*`, `?`), None for all.
         self.workflows = None if workflows is None else tuple(workflows)
         self.routes = db.routes_of(self.workflows)  # (Successors.) as LIKE patterns
+        # (Successors.) The workflows found not importable here: their runs are
+        # given back and not claimed any more (replaced whole, never changed in place).
+        self.skipped: list[str] = []
+        self._skipped_published: list[str] = []
         self.limits = dict(limits or {})  # concurrency overrides by workflow name (config)
         self.per_key_limits = dict(per_key_limits or {})  # concurrency_per_key overrides (config)
         self.priorities = dict(priorities or {})  # default priority overrides (config)
@@ -205,7 +209,7 @@ class Worker(Successors):
         )
         self.pool.open(wait=False)
         self.runner = Runner(self.pool, self.name, self.fence, successors=self, io_threads=io_threads,
-                             step_threads=self.threads)
+                             step_threads=self.threads, give_back_unknown=True)
         self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix=f"everystep-{self.name}")
         metrics.POOL_SIZE.labels(self.name).set(self.threads)
         metrics.ASYNC_SLOTS.labels(self.name).set(self.async_slots)
@@ -250,7 +254,8 @@ class Worker(Successors):
                         self._abandon_after_grace(taken_at)
                         self._sleep(min(self.poll, 1.0))
                     db.listen(conn)
-                    db.publish_route(conn, self.name, self.routes)
+                    db.publish_route(conn, self.name, self.routes, self.skipped)
+                    self._skipped_published = self.skipped
                     self._conn = conn
                     self._waiting = False
                     if catchup:
@@ -407,6 +412,10 @@ class Worker(Successors):
     def _fill_slots(self, conn: psycopg.Connection) -> bool:
         """Start runs in the free slots: the backlog first, then claims.
         True to claim again at once (a notification came in while claiming)."""
+        if self._skipped_published is not self.skipped:
+            skipped = self.skipped
+            db.publish_route(conn, self.name, self.routes, skipped)  # for readiness and the unserved gauge
+            self._skipped_published = skipped
         with self._lock:
             escaped, self._escaped = self._escaped, set()
             escaped = [claim for claim in escaped if claim.token not in self.fence.abandoned]
@@ -440,7 +449,7 @@ class Worker(Successors):
         if not self._waiting:
             db.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
             self._waiting = True
-        runs = db.claim(conn, self.name, free, self.routes, unlimited_only=True)
+        runs = db.claim(conn, self.name, free, self.routes, unlimited_only=True, skipped=self.skipped)
         if runs:
             metrics.CLAIMS.labels(self.name).inc(len(runs))
             for run in runs:
@@ -527,6 +536,14 @@ class Worker(Successors):
         self._executing[run.token] = run.id
         if asynchronous:
             self._async.add(run.token)
+
+    def cannot_import(self, workflow: str, why: str) -> None:
+        """(Successors.) A run of `workflow` is being given back: claim no more of them."""
+        metrics.UNKNOWN_WORKFLOW_RUNS.labels(self.name, workflow).inc()
+        with self._lock:
+            if workflow not in self.skipped:
+                self.skipped = [*self.skipped, workflow]
+        self._wake()  # the control loop says so in the database
 
     def reserve(self, run: db.ClaimedRun) -> bool:
         """(Successors.) Whether the statement that ends a run may claim a

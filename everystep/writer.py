@@ -69,10 +69,12 @@ class GroupWriter:
     """A writer of one runner name's step rows or run ends (a runner has one
     of each). Its thread starts with the first write; `close` ends it."""
 
-    def __init__(self, pool: ConnectionPool, runner: str, routes: Callable[[], list[str] | None]):
+    def __init__(self, pool: ConnectionPool, runner: str, routes: Callable[[], list[str] | None],
+                 skipped: Callable[[], list[str]] = list):
         self.pool = pool
         self.runner = runner
         self.routes = routes  # the workflows a successor may be of (db.routes_of), asked at each batch
+        self.skipped = skipped  # and the workflows it may not be of (the runner cannot import them)
         self._waiting: list[_Write] = []
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -147,7 +149,7 @@ class GroupWriter:
             if ends:
                 unlimited_only = time.monotonic() >= self._whole_claim_until
                 ended = db.end_runs(self._conn, self.runner, [w.write for w in ends], self.routes(),
-                                       unlimited_only)
+                                       unlimited_only, self.skipped())
                 finished = ended.finished
                 if ended.whole_claim_wanted:
                     self._whole_claim_until = time.monotonic() + WHOLE_CLAIM

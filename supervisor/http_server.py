@@ -323,7 +323,8 @@ def unready_because(runtime_dir: Path, database: Database) -> str | None:
     if isinstance(state, str):
         return state
     try:
-        free = database.call(lambda conn: db.runners_without_lock(conn, state.expected_workers))
+        free, unknown = database.call(lambda conn: (db.runners_without_lock(conn, state.expected_workers),
+                                                    db.unknown_workflows(conn, state.expected_workers)))
     except DatabaseUnavailable as exc:
         return f"the database does not answer: {exc}"
     # A worker that waits for its lock (another live process holds it: the
@@ -331,6 +332,11 @@ def unready_because(runtime_dir: Path, database: Database) -> str | None:
     missing = [name for name in state.expected_workers if name in free or name not in state.locked_workers]
     if missing:
         return "workers not holding their lock: " + ", ".join(missing)
+    # Nor is one that cannot import a workflow it was given runs of (its
+    # `imports:` miss a module, or the code is older than the runs).
+    if unknown:
+        return "workers cannot import workflows (their runs wait for a worker that can): " + "; ".join(
+            f"{runner}: {', '.join(names)}" for runner, names in unknown.items())
     return None
 
 

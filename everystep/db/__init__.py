@@ -77,6 +77,7 @@ from everystep.db.observe import (
     server,
     set_statement_timeout,
     table_health,
+    unknown_workflows,
     unserved_runs,
     vacuum_horizon,
 )
@@ -262,7 +263,7 @@ __all__ = [
     "Moved", "Week", "archive_batch", "count_expired", "drop_week", "history_ahead", "history_weeks", "retention_batch",
     "retention_batch_hot", "week_expired",
     "fleet_load", "publish_route", "queue_stats", "runners_without_lock", "server", "set_statement_timeout",
-    "table_health", "unserved_runs", "vacuum_horizon",
+    "table_health", "unknown_workflows", "unserved_runs", "vacuum_horizon",
     "ui_failures", "ui_overview", "ui_reschedule", "ui_run", "ui_runs", "ui_set_schedule_paused", "ui_workers",
     "ui_workflow_names",
     # the console: re-runs, execution history, charts

@@ -38,9 +38,17 @@ def runners_without_lock(conn: psycopg.Connection, runners: list[str]) -> list[s
     return [row[0] for row in conn.execute(queries.get("runners_without_lock"), {"runners": runners}).fetchall()]
 
 
-def publish_route(conn: psycopg.Connection, runner: str, routes: list[str] | None) -> None:
-    """Say which workflows this runner claims (LIKE patterns; None: all)."""
-    conn.execute(queries.get("publish_route"), {"runner": runner, "patterns": routes})
+def publish_route(conn: psycopg.Connection, runner: str, routes: list[str] | None,
+                  unknown: list[str] | None = None) -> None:
+    """Say which workflows this runner claims (LIKE patterns; None: all), and
+    which it cannot import (`unknown`: it claims none of their runs)."""
+    conn.execute(queries.get("publish_route"), {"runner": runner, "patterns": routes, "unknown": list(unknown or [])})
+
+
+def unknown_workflows(conn: psycopg.Connection, runners: list[str]) -> dict[str, list[str]]:
+    """The workflows each of `runners` said it cannot import (only those
+    that said some)."""
+    return dict(conn.execute(queries.get("unknown_workflows"), {"runners": runners}).fetchall())
 
 
 def unserved_runs(conn: psycopg.Connection) -> dict[str, int]:

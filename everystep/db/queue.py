@@ -10,6 +10,7 @@ still being `running`, claimed by the writer and carrying the writer's token.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 import psycopg
 from psycopg import errors
@@ -64,7 +65,7 @@ def routes_of(patterns: list[str] | tuple[str, ...] | None) -> list[str] | None:
 
 
 def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] | None = None,
-          unlimited_only: bool = False) -> list[ClaimedRun]:
+          unlimited_only: bool = False, skipped: Sequence[str] = ()) -> list[ClaimedRun]:
     """Claim up to `limit` scheduled runs, oldest first, with their recorded
     steps: of unlimited workflows, and of limited ones as far as they have
     free slots; only of workflows matching `routes` (LIKE patterns, see
@@ -73,14 +74,15 @@ def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] |
     statement without the slots and the priorities (queue.sql:
     claim_unlimited), which gives way to the whole claim when that would
     take runs it does not see (a run of another priority, a limited
-    workflow's or a key's with room)."""
-    if unlimited_only and routes is None:
+    workflow's or a key's with room). `skipped`: workflow names not to
+    claim (the claimer cannot import them)."""
+    if unlimited_only and routes is None and not skipped:
         rows = conn.execute(queries.get("claim_unlimited"), {"runner": runner, "limit": limit},
                             prepare=True).fetchall()
         if rows != [(None,) * len(ClaimedRun._fields)]:  # that row: it claimed nothing, the whole claim would
             return sorted((ClaimedRun(*row) for row in rows), key=lambda r: r.id)  # UUIDv7: creation order
-    rows = conn.execute(queries.get("claim"), {"runner": runner, "limit": limit, "routes": routes},
-                        prepare=True).fetchall()
+    rows = conn.execute(queries.get("claim"), {"runner": runner, "limit": limit, "routes": routes,
+                                               "skipped": list(skipped)}, prepare=True).fetchall()
     runs = [ClaimedRun(*row) for row in rows]
     runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
     return runs
@@ -268,21 +270,23 @@ def record_steps(conn: psycopg.Connection, runner: str, steps: list[StepWrite]) 
 
 
 def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes: list[str] | None,
-             unlimited_only: bool = False) -> EndedRuns:
+             unlimited_only: bool = False, skipped: Sequence[str] = ()) -> EndedRuns:
     """End runs of `runner`'s executions in one statement, claiming their
-    successors. `routes`: the workflows a successor may be of (see `claim`);
+    successors. `routes`, `skipped`: the workflows a successor may be of,
+    and may not be (see `claim`);
     `unlimited_only`: of workflows without a concurrency limit only. A batch
     of plain ends (EndWrite.plain: no slot to free, no parent to wake) of a
     claimer of every workflow then takes queue.sql's end_plain_runs, a
     statement without the limit, route and parent machinery."""
-    plain = unlimited_only and routes is None and all(e.plain for e in ends)
+    plain = unlimited_only and routes is None and not skipped and all(e.plain for e in ends)
     result = libpq.run(conn, _END_PLAIN_RUNS if plain else _END_RUNS, {
         "runs": libpq.array_literal([e.run for e in ends]), "tokens": libpq.array_literal([e.token for e in ends]),
         "statuses": libpq.array_literal([e.status for e in ends]),
         "results": libpq.array_literal([e.result for e in ends]),
         "errors": libpq.array_literal([e.error for e in ends]),
         "claims": libpq.array_literal(["t" if e.claim else "f" for e in ends]), "runner": runner,
-        "routes": libpq.array_literal(routes), **_step_columns([e.last_step for e in ends])})
+        "routes": libpq.array_literal(routes), "skipped": libpq.array_literal(list(skipped)),
+        **_step_columns([e.last_step for e in ends])})
     successors = libpq.claimed_runs(conn, result, first_column=3)
     receivers, statuses, exists, whole_claim_wanted = [], {}, set(), False
     for i in range(result.ntuples):

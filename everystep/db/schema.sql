@@ -326,7 +326,8 @@ CREATE TABLE everystep_rate_limit (
 CREATE TABLE everystep_route (
     runner     varchar(255) PRIMARY KEY,
     patterns   text[],
-    updated_at timestamptz NOT NULL DEFAULT everystep_now()
+    updated_at timestamptz NOT NULL DEFAULT everystep_now(),
+    unknown    text[] NOT NULL DEFAULT '{}'             -- 0019: workflows it cannot import (not claimed there)
 );
 
 

@@ -42,17 +42,25 @@ WHERE NOT EXISTS (
 ORDER BY expected.position;
 
 -- name: publish_route
--- Which workflows this runner claims (LIKE patterns; NULL: all).
-INSERT INTO everystep_route (runner, patterns)
-VALUES (%(runner)s, %(patterns)s)
+-- Which workflows this runner claims (LIKE patterns; NULL: all), and which
+-- it found it cannot import (not claimed).
+INSERT INTO everystep_route (runner, patterns, unknown)
+VALUES (%(runner)s, %(patterns)s, %(unknown)s)
 ON CONFLICT (runner) DO UPDATE
-SET patterns = EXCLUDED.patterns, updated_at = everystep_now();
+SET patterns = EXCLUDED.patterns, unknown = EXCLUDED.unknown, updated_at = everystep_now();
+
+-- name: unknown_workflows
+-- The workflows each of these runners found it cannot import.
+SELECT runner, unknown
+FROM everystep_route
+WHERE runner = ANY(%(runners)s) AND cardinality(unknown) > 0
+ORDER BY runner;
 
 -- name: unserved_runs
 -- Claimable runs, by workflow name, that no live runner claims: none of
--- their routes matches.
+-- their routes matches, or the runners they match cannot import them.
 WITH live AS MATERIALIZED (
-    SELECT r.patterns
+    SELECT r.patterns, r.unknown
     FROM everystep_route r
     WHERE EXISTS (
         SELECT 1
@@ -68,7 +76,8 @@ WITH live AS MATERIALIZED (
 SELECT w.name, count(*)
 FROM everystep_workflow w
 WHERE status IN ('scheduled', 'waiting') AND due_at <= everystep_now()
-  AND NOT EXISTS (SELECT 1 FROM live WHERE live.patterns IS NULL OR w.name LIKE ANY(live.patterns))
+  AND NOT EXISTS (SELECT 1 FROM live WHERE (live.patterns IS NULL OR w.name LIKE ANY(live.patterns))
+                                        AND w.name <> ALL(live.unknown))
 GROUP BY w.name
 ORDER BY w.name;
 

@@ -39,7 +39,9 @@
 --              id), claimed through their key's everystep_key row: the ready
 --              keys with room, least recently claimed first (round robin).
 --   routed     (routes IS NULL OR w.name LIKE ANY(routes)): the workflows a
---              claimer runs, as LIKE patterns (NULL: all).
+--              claimer runs, as LIKE patterns (NULL: all); and not one of
+--              `skipped` (w.name <> ALL(skipped)), the workflows it found it
+--              cannot import (empty: none).
 --   "running"  written as (status = 'running') IS TRUE in the fenced lookups
 --              of a run by its primary key, so that no index on status can
 --              serve them: seeing few running rows, the planner would
@@ -123,17 +125,17 @@ WITH RECURSIVE high_levels(priority) AS (
       AND (EXISTS (SELECT 1 FROM everystep_workflow w
                    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
                      AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                     AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                     AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
                    OFFSET 0)
            OR EXISTS (SELECT 1 FROM everystep_workflow w
                       WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
                         AND w.name = s.name AND w.due_at <= everystep_now()
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
                       OFFSET 0)
            OR EXISTS (SELECT 1 FROM everystep_workflow w
                       WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
                         AND w.name = s.name AND w.due_at <= everystep_now()
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
                       OFFSET 0))
     LIMIT %(limit)s
     FOR UPDATE OF s SKIP LOCKED
@@ -151,7 +153,7 @@ WITH RECURSIVE high_levels(priority) AS (
       AND EXISTS (SELECT 1 FROM everystep_workflow w
                   WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
                     AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
-                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
                   OFFSET 0)
       AND (SELECT count(*) FROM everystep_workflow r
            WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
@@ -167,7 +169,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
           AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
           AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
           AND NOT (w.concurrency_key IS NOT NULL
                    AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
@@ -182,7 +184,7 @@ WITH RECURSIVE high_levels(priority) AS (
     FROM everystep_workflow w
     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0
       AND w.due_at <= everystep_now()
-      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
       AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
       AND NOT (w.concurrency_key IS NOT NULL
                AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
@@ -196,7 +198,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
           AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
           AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
           AND NOT (w.concurrency_key IS NOT NULL
                    AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
@@ -213,7 +215,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority > 0
           AND w.name = room.name AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
         ORDER BY w.priority DESC, w.due_at, w.id
         LIMIT least(room.n, %(limit)s)
         FOR UPDATE OF w SKIP LOCKED
@@ -225,7 +227,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
           AND w.name = room.name AND (w.name, w.due_at) <= (room.name, everystep_now())
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
         ORDER BY w.due_at, w.id
         LIMIT least(room.n, %(limit)s)
         FOR UPDATE OF w SKIP LOCKED
@@ -237,7 +239,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority < 0
           AND w.name = room.name AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
         ORDER BY w.priority DESC, w.due_at, w.id
         LIMIT least(room.n, %(limit)s)
         FOR UPDATE OF w SKIP LOCKED
@@ -249,7 +251,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
           AND w.name = keys.name AND w.concurrency_key = keys.key AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
         ORDER BY w.due_at, w.id
         LIMIT least(keys.n, %(limit)s)
         FOR UPDATE OF w SKIP LOCKED
@@ -802,17 +804,17 @@ WITH RECURSIVE high_levels(priority) AS (
       AND (EXISTS (SELECT 1 FROM everystep_workflow w
                    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
                      AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                     AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                     AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
                    OFFSET 0)
            OR EXISTS (SELECT 1 FROM everystep_workflow w
                       WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
                         AND w.name = s.name AND w.due_at <= everystep_now()
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
                       OFFSET 0)
            OR EXISTS (SELECT 1 FROM everystep_workflow w
                       WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
                         AND w.name = s.name AND w.due_at <= everystep_now()
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
                       OFFSET 0))
     LIMIT (SELECT count(*) FROM held WHERE held.claim)
     FOR UPDATE OF s SKIP LOCKED
@@ -832,7 +834,7 @@ WITH RECURSIVE high_levels(priority) AS (
       AND EXISTS (SELECT 1 FROM everystep_workflow w
                   WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
                     AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
-                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
                   OFFSET 0)
       AND (SELECT count(*) FROM everystep_workflow r
            WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
@@ -849,7 +851,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
           AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
           AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
           AND NOT (w.concurrency_key IS NOT NULL
                    AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
@@ -865,7 +867,7 @@ WITH RECURSIVE high_levels(priority) AS (
     WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
       AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0
       AND w.due_at <= everystep_now()
-      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
       AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
       AND NOT (w.concurrency_key IS NOT NULL
                AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
@@ -879,7 +881,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
           AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
           AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
           AND NOT (w.concurrency_key IS NOT NULL
                    AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
@@ -896,7 +898,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority > 0
           AND w.name = room.name AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
         ORDER BY w.priority DESC, w.due_at, w.id
         LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
         FOR UPDATE OF w SKIP LOCKED
@@ -908,7 +910,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
           AND w.name = room.name AND (w.name, w.due_at) <= (room.name, everystep_now())
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
         ORDER BY w.due_at, w.id
         LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
         FOR UPDATE OF w SKIP LOCKED
@@ -920,7 +922,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority < 0
           AND w.name = room.name AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
         ORDER BY w.priority DESC, w.due_at, w.id
         LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
         FOR UPDATE OF w SKIP LOCKED
@@ -932,7 +934,7 @@ WITH RECURSIVE high_levels(priority) AS (
         FROM everystep_workflow w
         WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
           AND w.name = keys.name AND w.concurrency_key = keys.key AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[]))
+          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
         ORDER BY w.due_at, w.id
         LIMIT least(keys.n, (SELECT count(*) FROM held WHERE held.claim))
         FOR UPDATE OF w SKIP LOCKED
