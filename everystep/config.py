@@ -65,6 +65,10 @@ class DatabaseConfig:
     # --environment NAME`); empty: any. The CLI with -c and the supervisor
     # refuse another one before they write anything.
     expected_environment: str = ""
+    # True: a schema migrated by a newer everystep (migrations this version
+    # does not know) is declared compatible; false: migrate, the supervisor
+    # and the workers refuse it.
+    allow_newer_schema: bool = False
 
 
 @dataclass(frozen=True)
@@ -301,7 +305,8 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
     return Config(
         path=path,
         database=DatabaseConfig(url=_database_url(database), direct_url=_direct_url(database),
-                                expected_environment=_environment_name(database, "expected_environment")),
+                                expected_environment=_environment_name(database, "expected_environment"),
+                                allow_newer_schema=database.boolean("allow_newer_schema")),
         name=_runner_base_name(top),
         imports=tuple(_module_names(top)),
         migrate=top.boolean("migrate"),

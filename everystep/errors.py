@@ -117,3 +117,18 @@ class Parked(BaseException):
 # Ends of a run that are decided by the run itself, whatever the body does
 # with them: once raised, every later step call raises the same again.
 HALTS = (Terminal, EffectUncertain, LostClaim, WorkflowCodeError, Drain, Parked)
+
+
+class DatabaseRefused(EverystepError):
+    """The database answers, and what it answers will not change by trying
+    again: a process refuses to run (one line, no retry)."""
+
+
+class NewerSchema(DatabaseRefused):
+    """The database was migrated by a newer everystep: it has migrations this
+    code does not know. Refused unless the newer schema is declared
+    compatible (`--allow-newer-schema`, `database.allow_newer_schema`)."""
+
+
+class NoSuchDatabase(DatabaseRefused):
+    """The server answers that the URL's database or role does not exist."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -31,6 +32,7 @@ from collections.abc import Iterable, Iterator
 import psycopg
 
 from everystep import db, metrics, serde
+from everystep.errors import NoSuchDatabase
 
 log = logging.getLogger("everystep")
 
@@ -51,6 +53,21 @@ def connection_kwargs(application_name: str) -> dict:
         "keepalives_interval": KEEPALIVE_INTERVAL, "keepalives_count": KEEPALIVE_COUNT,
         "tcp_user_timeout": USER_TIMEOUT_MS,
     }
+
+
+# What a server that answers says of a database or a role it does not have
+# (no SQLSTATE reaches the client from a refused connection: its text does).
+_MISSING = re.compile(r'\b(database|role) "[^"]*" does not exist')
+
+
+def refuse_missing_database(exc: BaseException) -> None:
+    """Raise NoSuchDatabase when `exc`, a failed connection, is the server
+    saying the URL's database or role does not exist: not an outage to wait
+    out. Anything else (no answer, a server starting) returns."""
+    found = _MISSING.search(str(exc))
+    if found:
+        raise NoSuchDatabase(f"the server answers that {found.group(0)} (check database.url, or create it; "
+                             "not retrying)") from None
 
 
 def fail_poison_runs(

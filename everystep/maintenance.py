@@ -112,7 +112,9 @@ class Outage:
         self.wait: float | None = None  # None: the database answers
 
     def failed(self, exc: psycopg.Error) -> float:
-        """Seconds to wait before the next attempt."""
+        """Seconds to wait before the next attempt. Raises NoSuchDatabase
+        when the server answers that the database or role does not exist."""
+        liveness.refuse_missing_database(exc)
         if self.wait is None:
             log.warning("%s: the database is unreachable (%s); retrying until it answers", self.who, first_line(exc))
             self.wait = self.first_wait

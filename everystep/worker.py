@@ -119,11 +119,14 @@ class Worker(Successors):
         per_key_limits: Mapping[str, int | None] | None = None,
         priorities: Mapping[str, int | None] | None = None,
         rate_limits: Mapping[str, tuple[float, float, int]] | None = None,
+        allow_newer_schema: bool = False,
     ):
         """`direct_url`: when `database_url` goes through a pooler in
         transaction mode (PgBouncer), a URL straight to PostgreSQL for the
         control session (its advisory lock, LISTEN and claims need a session
-        of their own); the pool then keeps no session state."""
+        of their own); the pool then keeps no session state.
+        `allow_newer_schema`: run on a schema a newer everystep migrated (else
+        `run()` raises NewerSchema before it claims anything)."""
         if not name or len(name) > MAX_KEY:
             raise ValueError(f"a worker name must have 1 to {MAX_KEY} characters")
         self.database_url = database_url
@@ -149,6 +152,7 @@ class Worker(Successors):
         self.per_key_limits = dict(per_key_limits or {})  # concurrency_per_key overrides (config)
         self.priorities = dict(priorities or {})  # default priority overrides (config)
         self.rate_limits = dict(rate_limits or {})  # (rate, per, burst) by name (config `rate_limits:`)
+        self.allow_newer_schema = allow_newer_schema
 
         self.fence = WorkerFence()
         self._stopping = False
@@ -242,6 +246,8 @@ class Worker(Successors):
                 conn = control_connection(self.direct_url or self.database_url, self.name)
                 taken_at = None  # when this session first found the lock held by another
                 try:
+                    if catchup:
+                        db.check_schema(conn, self.allow_newer_schema)  # NewerSchema: refused, nothing claimed
                     while not db.try_lock(conn, self.name):
                         taken_at = taken_at or time.monotonic()
                         if not waiting_logged:
@@ -272,6 +278,7 @@ class Worker(Successors):
                 log.info("holding the lock of %s", self.name, extra=self._extra)
                 return True
             except db.CONNECTION_ERRORS as exc:
+                liveness.refuse_missing_database(exc)  # NoSuchDatabase: an answer, not an outage
                 log.warning("database unreachable (%s); retrying in %.1f s", first_line(exc), delay,
                             extra=self._extra)
             if self._stopping and not self._executing:

@@ -34,6 +34,7 @@ from supervisor.children import (
     BOOTED,
     CLAIMED,
     EXIT_BOOT_FAILED,
+    EXIT_REFUSED,
     LOCKED,
     PORT,
     SUPERVISOR_SIGNALS,
@@ -285,6 +286,10 @@ class Arbiter:
         expected = slot.stopping or self.phase == "stopping"
         if slot.role == "setup":
             self._set_up(slot, status, cause)
+            return
+        if not expected and os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_REFUSED:
+            # It refused the database (a newer schema): so would every restart.
+            self._fail(f"{slot.role} {slot.name} refused the database (see its log line above); stopping")
             return
         boot_failed = not expected and os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_BOOT_FAILED
         if boot_failed and not slot.booted:

@@ -22,6 +22,7 @@ import psycopg
 from setproctitle import setproctitle
 
 from everystep import liveness, logs, observe
+from everystep.errors import DatabaseRefused
 from everystep.signals import stop_on_signals
 
 log = logging.getLogger("everystep.supervisor")
@@ -32,6 +33,7 @@ LOCKED = b"L"
 UNLOCKED = b"U"
 PORT = b"P"  # followed by the port number
 EXIT_BOOT_FAILED = 3  # the child could not start (see the arbiter for what it does then)
+EXIT_REFUSED = 4  # the child refused the database (a newer schema, no such database): the supervisor stops
 _PR_SET_PDEATHSIG = 1
 # The signals the supervisor handles: blocked around the fork, back to their
 # defaults in the child (see `_after_fork`).
@@ -65,6 +67,9 @@ def run_child(spec: ChildSpec, config, status_fd: int, parent_pid: int) -> None:
         )
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
+    except DatabaseRefused as exc:
+        log.error("%s %s: %s", spec.role, spec.name, exc)  # one line: no traceback to read
+        code = EXIT_REFUSED
     except BaseException:
         log.exception("%s %s %s", spec.role, spec.name, "failed" if status.was_booted else "could not boot")
         code = 1 if status.was_booted else EXIT_BOOT_FAILED
@@ -135,6 +140,7 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
         spec.database_url, spec.name, **worker_options(config), on_claim=status.claimed_work,
         on_load=lambda inflight, threads: setproctitle(f"everystep: worker {spec.name} [{inflight}/{threads}]"),
         on_lock=status.lock, direct_url=spec.direct_url or None,
+        allow_newer_schema=config.database.allow_newer_schema,
     )
     metrics.declare_runner(spec.name)
     stop_on_signals(worker)
@@ -188,7 +194,7 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
         try:
             with psycopg.connect(spec.session_url, **liveness.connection_kwargs("everystep setup")) as conn:
                 if config.migrate:
-                    applied = db.migrate(conn)
+                    applied = db.migrate(conn, config.database.allow_newer_schema)
                     log.info("migrations: %s", f"applied {', '.join(applied)}" if applied else "up to date")
                 if config.schedules:
                     for entry in scheduler.apply(conn, config.schedules).entries:

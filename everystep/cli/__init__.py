@@ -34,8 +34,8 @@ A command either does all it was asked or nothing: bad input and refusals are
 found before anything is written, and reported as one line on stderr.
 
 Exit codes: 0 success; 1 the command ran and refused (a run in the wrong
-state, a claimer that is alive; replay-check: a run diverges) or the
-database rejected it; 2 bad input
+state, a claimer that is alive; replay-check: a run diverges; a schema a
+newer everystep migrated) or the database rejected it; 2 bad input
 (usage, a malformed id or JSON value, an unknown run, step, workflow or
 module, a database of another environment); 3 the database is unreachable; 4 `schedules apply --plan-digest`
 found the plan changed since it was reviewed (nothing written); 130
@@ -54,6 +54,7 @@ import psycopg
 
 from everystep.cli import actions, admin, history, processes, runs, schedules
 from everystep.cli.common import EXIT_DATABASE, EXIT_REFUSED, EXIT_USAGE, CliError
+from everystep.errors import DatabaseRefused
 from everystep.logs import first_line
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except CliError as exc:
         message, code = str(exc), exc.code
+    except DatabaseRefused as exc:
+        message, code = str(exc), EXIT_REFUSED
     except psycopg.OperationalError as exc:
         message = f"database error: {first_line(exc)}"
         code = EXIT_DATABASE if _connection_lost(exc) else EXIT_REFUSED

@@ -12,6 +12,7 @@ from everystep.cli.common import (
     CliError,
     acted_on,
     actor,
+    allow_newer_schema,
     audit,
     connect,
     expected_environment,
@@ -30,6 +31,9 @@ def add_commands(commands: Any, add: Add) -> None:
     migrate.add_argument("--environment", metavar="NAME",
                          help="record which environment this database is (staging, production, ...): "
                               "commands whose --context expects another refuse to act on it")
+    migrate.add_argument("--allow-newer-schema", action="store_true",
+                         help="go on when a newer everystep migrated the schema (migrations this version does not "
+                              "know), declaring it compatible (config: database.allow_newer_schema)")
     migrate.add_argument("--force", action="store_true",
                          help="with --environment: record it even though the database records another "
                               "(a copy of production restored as staging, say)")
@@ -56,7 +60,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         if args.force:
             raise CliError("--force only goes with --environment NAME")
         with connect(args) as conn:
-            applied = db.migrate(conn)
+            applied = db.migrate(conn, allow_newer_schema(args))
         print(f"applied {', '.join(applied)}" if applied else "nothing to apply: the schema is up to date")
         acted_on(args)
         return 0
@@ -70,7 +74,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             raise CliError(f"this database is recorded as {recorded!r}, not {name!r}: nothing done (if it is "
                            f"{name} now, a copy say, pass --force)")
         with conn.transaction():
-            applied = db.migrate(conn)
+            applied = db.migrate(conn, allow_newer_schema(args))
             if recorded != name:
                 who = actor()
                 db.record_environment(conn, name, who.name)

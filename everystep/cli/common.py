@@ -95,6 +95,14 @@ def expected_environment(args: argparse.Namespace) -> tuple[str | None, str]:
     return None, ""
 
 
+def allow_newer_schema(args: argparse.Namespace) -> bool:
+    """Whether --allow-newer-schema, or -c FILE's database.allow_newer_schema,
+    declares a schema migrated by a newer everystep compatible."""
+    if getattr(args, "allow_newer_schema", False):
+        return True
+    return bool(getattr(args, "config", None)) and load_config(args.config).database.allow_newer_schema
+
+
 def open_connection(args: argparse.Namespace) -> psycopg.Connection:
     """A connection to the command's database, with no environment check."""
     from everystep.config import port_problem  # noqa: PLC0415

@@ -15,6 +15,7 @@ from everystep.cli.common import (
     EXIT_REFUSED,
     Add,
     CliError,
+    allow_newer_schema,
     check_environment,
     database_url,
     import_modules,
@@ -58,6 +59,9 @@ def add_commands(commands: Any, add: Add) -> None:
     worker.add_argument("--direct-url", metavar="URL",
                         help="when the database URL goes through PgBouncer (transaction pooling): a URL straight to "
                         "PostgreSQL for the control session (default: -c FILE's database.direct_url)")
+    worker.add_argument("--allow-newer-schema", action="store_true",
+                        help="run on a schema a newer everystep migrated, declaring it compatible "
+                             "(config: database.allow_newer_schema)")
     worker.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
 
     maintenance = add(commands, "maintenance", cmd_maintenance,
@@ -119,7 +123,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         for problem in unmatched_patterns(options["workflows"] or (),
                                           [*(config.imports if config else ()), *args.imports]):
             log.warning("worker %s: --workflows: %s", args.name, problem)
-        worker = Worker(url, args.name, **options, direct_url=direct_url)
+        worker = Worker(url, args.name, **options, direct_url=direct_url, allow_newer_schema=allow_newer_schema(args))
         stop_on_signals(worker)
         worker.run()
     sys.stdout.flush()

@@ -68,7 +68,7 @@ from everystep.db.history import (
     retention_batch_hot,
     week_expired,
 )
-from everystep.db.migrations import migrate, missing_migrations
+from everystep.db.migrations import check_schema, migrate, missing_migrations
 from everystep.db.observe import (
     fleet_load,
     publish_route,
@@ -235,7 +235,7 @@ __all__ = [
     "TransactionPooledConnection", "VacuumHorizon", "Wait", "Written",
     # session, migrations
     "listen", "migrate", "missing_migrations", "ping", "prepare_claiming_session", "prepare_control_session",
-    "prepare_session",
+    "prepare_session", "check_schema",
     "reset_claiming_session", "try_lock", "unlock",
     # queue
     "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims",
