@@ -302,7 +302,7 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
     logging = _Section(file, "logging", top.raw.get("logging"), LoggingConfig)
     tracing = _Section(file, "tracing", top.raw.get("tracing"), TracingConfig)
     sentry = _Section(file, "sentry", top.raw.get("sentry"), SentryConfig)
-    return Config(
+    config = Config(
         path=path,
         database=DatabaseConfig(url=_database_url(database), direct_url=_direct_url(database),
                                 expected_environment=_environment_name(database, "expected_environment"),
@@ -334,6 +334,10 @@ def _read_config(file: str, path: Path, document: Any) -> Config:
         rate_limits=_rate_limits(file, top.raw.get("rate_limits")),
         retention=_retention(file, top.raw.get("retention")),
     )
+    if config.ui is not None and config.ui.port == config.http.port != 0:
+        raise ConfigError(f"{file}: ui.port: {config.ui.port} is http.port as well: the UI and /metrics each need "
+                          f"a port of their own (the UI's default is {UiConfig.port})")
+    return config
 
 
 # A workflow name pattern: a dotted name where `*` stands for any run of

@@ -23,6 +23,7 @@ from setproctitle import setproctitle
 
 from everystep import liveness, logs, observe
 from everystep.errors import DatabaseRefused
+from everystep.logs import first_line
 from everystep.signals import stop_on_signals
 
 log = logging.getLogger("everystep.supervisor")
@@ -204,3 +205,8 @@ def _setup(spec: ChildSpec, config, status: _Status) -> None:
             return
         except psycopg.OperationalError as exc:
             time.sleep(outage.failed(exc))
+        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName) as exc:
+            # A role without the grants (no USAGE on the schema: none to create in).
+            raise DatabaseRefused(f"the database refuses the setup: {first_line(exc)} (migrations need the role "
+                                  "that owns the tables; a role with only the grants of `everystep roles` needs "
+                                  "migrate: false)") from None

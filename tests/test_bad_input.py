@@ -208,6 +208,9 @@ CONFIG_CASES = [
     ("http-port-70000", "http: {port: 70000}", "http.port: must be an integer from 0 to 65535"),
     ("http-bind-blank", "http: {bind: ' '}", "http.bind: must be an address"),
     ("ui-port-negative", "ui: {port: -1}", "ui.port: must be an integer from 0 to 65535"),
+    ("ui-port-is-the-http-port", "http: {port: 9200}\nui: {port: 9200}",
+     "ui.port: 9200 is http.port as well: the UI and /metrics each need a port of their own"),
+    ("ui-port-is-the-default-http-port", "ui: {port: 9117}", "ui.port: 9117 is http.port as well"),
     ("ui-open-bind-without-credentials", "ui: {bind: 0.0.0.0}", "ui.bind: bind '0.0.0.0' is not a loopback"),
     ("ui-user-without-token", "ui: {users: {bob: {role: viewer}}}", "ui.users.bob.token: is required"),
     ("ui-user-role-unknown", "ui: {users: {bob: {token: bob-token-0123, role: admin}}}",
@@ -244,6 +247,8 @@ CONFIG_CASES = [
     ("logging-format", "logging: {format: xml}", "logging.format: must be one of text, json"),
     ("name-with-space", "name: 'web 1'", "name: must be printable characters without whitespace"),
     ("migrate-not-boolean", "migrate: sometimes", "migrate: must be true or false"),
+    ("allow-newer-schema-not-boolean", "database: {allow_newer_schema: maybe}",
+     "database.allow_newer_schema: must be true or false"),
     ("tracing-not-boolean", "tracing: {enabled: sometimes}", "tracing.enabled: must be true or false"),
 ]
 

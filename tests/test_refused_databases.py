@@ -6,6 +6,8 @@ not exist (a server that does not answer is still waited for)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from psycopg import conninfo
@@ -118,3 +120,20 @@ def test_a_server_that_does_not_answer_is_still_waited_for(tmp_path):
         assert worker.alive()
     finally:
         worker.close()
+
+
+def test_a_role_without_grants_is_one_setup_line(db, supervisors):
+    role = f"{db.schema}_nobody"
+    with db.connect() as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        sup = supervisors(config(conninfo.make_conninfo(db.url, user=role), "ungranted", workers={"processes": 1}))
+        assert sup.wait() != 0
+        output = sup.output()
+        assert re.search(r"setup setup: the database refuses the setup: [^\n]+ \(migrations need the role that owns "
+                         r"the tables; a role with only the grants of `everystep roles` needs migrate: false\)\n",
+                         output), output
+        assert "Traceback" not in output
+    finally:
+        with db.connect() as conn:
+            conn.execute(f"DROP ROLE {role}")
