@@ -28,7 +28,15 @@ from everystep.context import SEGMENT, current_scope, run_branches
 from everystep.errors import EverystepError, RunFailed, StepFailure, WorkflowArgumentsError
 from everystep.ids import uuid7, uuid7_many
 from everystep.retries import Backoff, RetryPolicy
-from everystep.schema import MAX_KEY, MAX_NAME, MAX_PRIORITY, MIN_PRIORITY, RunStatus, StepStatus
+from everystep.schema import (
+    DEFAULT_MAX_STEPS,
+    MAX_KEY,
+    MAX_NAME,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    RunStatus,
+    StepStatus,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,12 +45,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 def workflow(fn: F) -> F: ...
 @overload
 def workflow(*, concurrency: int | None = None, timeout: float | datetime.timedelta | None = None,
-             priority: int | None = None, concurrency_per_key: int | None = None) -> Callable[[F], F]: ...
+             priority: int | None = None, concurrency_per_key: int | None = None,
+             max_steps: int | None = DEFAULT_MAX_STEPS) -> Callable[[F], F]: ...
 
 
 def workflow(fn: Callable | None = None, *, concurrency: int | None = None,
              timeout: float | datetime.timedelta | None = None, priority: int | None = None,
-             concurrency_per_key: int | None = None) -> Any:
+             concurrency_per_key: int | None = None, max_steps: int | None = DEFAULT_MAX_STEPS) -> Any:
     """Mark a function as a workflow, registered under `module.qualname`.
     Called directly, it is a plain function call. `concurrency=N`: at most N
     runs of it running at once across every worker sharing the database (the
@@ -54,17 +63,22 @@ def workflow(fn: Callable | None = None, *, concurrency: int | None = None,
     `priority=N` (-100..100, higher first): its runs' priority when
     schedule() names none. `concurrency_per_key=N`: at most N of its runs
     running at once per concurrency key (schedule(concurrency_key=...)),
-    the keys taken in turn."""
+    the keys taken in turn. `max_steps`: a run that calls more steps (sleeps,
+    waits, forks, ... each counts; replayed ones too) fails at the call past
+    it, whatever the body does with the error (default 100,000; None: no
+    bound)."""
     if concurrency is not None and (type(concurrency) is not int or concurrency < 1):
         raise EverystepError(f"concurrency must be a whole number >= 1 or None, got {concurrency!r}")
     if concurrency_per_key is not None and (type(concurrency_per_key) is not int or concurrency_per_key < 1):
         raise EverystepError(f"concurrency_per_key must be a whole number >= 1 or None, got {concurrency_per_key!r}")
     if priority is not None:
         check_priority("@workflow(priority=...)", priority)
+    if max_steps is not None and (type(max_steps) is not int or max_steps < 1):
+        raise EverystepError(f"max_steps must be a whole number >= 1 or None (no bound), got {max_steps!r}")
     timeout = None if timeout is None else _timeout("@workflow(timeout=...)", timeout)
     if fn is None:
         return functools.partial(workflow, concurrency=concurrency, timeout=timeout, priority=priority,
-                                 concurrency_per_key=concurrency_per_key)
+                                 concurrency_per_key=concurrency_per_key, max_steps=max_steps)
     if "<locals>" in getattr(fn, "__qualname__", ""):
         raise EverystepError(
             f"@workflow {fn.__qualname__} is defined inside a function: a worker finds a workflow by its "
@@ -73,6 +87,7 @@ def workflow(fn: Callable | None = None, *, concurrency: int | None = None,
     fn.__everystep_timeout__ = timeout  # type: ignore[attr-defined]
     fn.__everystep_priority__ = priority  # type: ignore[attr-defined]
     fn.__everystep_concurrency_per_key__ = concurrency_per_key  # type: ignore[attr-defined]
+    fn.__everystep_max_steps__ = max_steps  # type: ignore[attr-defined]
     registry.register(fn)
     return fn
 
@@ -411,9 +426,7 @@ def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: 
               after: Any, deadline: Any) -> tuple[str, str, datetime.datetime | None, float | None, db.Deadline]:
     """schedule()'s checks, before anything is inserted: the workflow's name,
     the arguments as JSON, the due time, the deadline."""
-    name = registry.workflow_name(workflow_fn)
-    if name is None:
-        raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
+    name = _scheduled_name(caller, workflow_fn)
     _check_key(idempotency_key)
     if at is not None and after is not None:
         raise EverystepError(f"{caller} takes at= or after=, not both")
@@ -422,6 +435,20 @@ def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: 
     _check_signature(caller, name, workflow_fn, args)
     limit = _deadline(f"{caller.removesuffix('()')}(deadline=...)", deadline, workflow_fn)
     return name, serde.dumps(list(args)), at, after, limit  # unserializable args refused before any insert
+
+
+def _scheduled_name(caller: str, workflow_fn: Callable) -> str:
+    """The name a run of `workflow_fn` is stored under, once it is one a
+    worker can import."""
+    name = registry.workflow_name(workflow_fn)
+    if name is None:
+        raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
+    if name.startswith("__main__."):
+        raise EverystepError(
+            f"{caller}: {name.removeprefix('__main__.')} is defined in the script being run (__main__), a name no "
+            "worker can import: define the workflow in a module (myapp/flows.py, say), import it from the script, "
+            "and give the worker that module (imports:, --import)")
+    return name
 
 
 def _deadline(what: str, deadline: Any, workflow_fn: Callable) -> db.Deadline:
@@ -478,9 +505,7 @@ async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any
 def _many_args(caller: str, workflow_fn: Callable, args_list: Any,
                idempotency_keys: Any) -> tuple[str, list[str], list[str | None]]:
     """schedule_many()'s checks: the workflow's name, each run's arguments as JSON, its key."""
-    name = registry.workflow_name(workflow_fn)
-    if name is None:
-        raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
+    name = _scheduled_name(caller, workflow_fn)
     if isinstance(args_list, (str, bytes)) or not isinstance(args_list, Iterable):
         raise EverystepError(f"{caller} takes a list of argument tuples, one per run")
     args_list = list(args_list)

@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 
+from everystep.context import current_scope
 from everystep.errors import EverystepError
 
 _bound: ContextVar[Any] = ContextVar("everystep_connection", default=None)
@@ -48,6 +49,16 @@ async def atransaction(aconn: psycopg.AsyncConnection) -> AsyncIterator[psycopg.
             yield aconn
 
 
+def _refuse_in_body(caller: str) -> None:
+    """A run scheduled from a workflow body would be scheduled again by
+    every replay: the body starts a child instead."""
+    if current_scope.get() is not None and caller.removeprefix("a").startswith("schedule"):
+        start = "await everystep.start" if caller.startswith("a") else "everystep.start"
+        raise EverystepError(
+            f"{caller} in a workflow body: start a child run with `{start}(workflow, *args)` instead (recorded "
+            f"once, not scheduled again by a replay); {caller} is for code outside workflows, in its own transaction")
+
+
 def bound_connection() -> Any:
     """The connection bound in this context, if any."""
     return _bound.get()
@@ -59,6 +70,7 @@ def transaction_connection(conn: Any, caller: str, write: bool = True) -> Any:
     transaction, so what it writes commits or rolls back with the caller's work."""
     conn = conn or _bound.get() or _django_connection()
     if conn is None:
+        _refuse_in_body(caller)
         raise EverystepError(
             f"{caller} found no transaction: pass conn=<psycopg connection or SQLAlchemy session>, bind one with "
             "`with everystep.transaction(conn):` or `everystep.use(conn)`, or configure Django"
@@ -78,6 +90,7 @@ async def async_connection(conn: Any, caller: str, write: bool = True) -> psycop
     AsyncConnection)."""
     conn = conn or _bound.get()
     if conn is None:
+        _refuse_in_body(caller)
         raise EverystepError(
             f"{caller} found no transaction: pass conn=<psycopg AsyncConnection or SQLAlchemy AsyncSession>, or "
             "bind one with `async with everystep.atransaction(aconn):` or `everystep.use(aconn)`"

@@ -139,11 +139,15 @@ def import_module(name: str) -> ModuleType:
     starts with its own bin folder instead). With DJANGO_SETTINGS_MODULE
     set, Django is set up first: a project's tasks and models import only
     in a set-up Django."""
+    _current_directory_first()
+    _set_up_django()
+    return importlib.import_module(name)
+
+
+def _current_directory_first() -> None:
     here = os.getcwd()
     if sys.path[:1] != [here]:
         sys.path.insert(0, here)
-    _set_up_django()
-    return importlib.import_module(name)
 
 
 def _set_up_django() -> None:
@@ -161,7 +165,10 @@ _ready: set[str] = set()
 
 
 def import_path(path: str) -> Any:
-    """Import `module.qualname`, trying the longest importable module prefix."""
+    """Import `module.qualname`, trying the longest importable module prefix
+    (the current directory first on sys.path, as for `import_module`: a
+    stored name finds the module `everystep schedule` found there)."""
+    _current_directory_first()
     parts = path.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:cut])

@@ -26,6 +26,8 @@ import contextvars
 import functools
 import inspect
 import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -60,7 +62,7 @@ from everystep.execution import Fence, HeldRun, Lent, Successors
 from everystep.logs import first_line
 from everystep.plans import DONE, Stepper
 from everystep.retries import RetryPolicy
-from everystep.schema import RunStatus, StepStatus
+from everystep.schema import DEFAULT_MAX_STEPS, RunStatus, StepStatus
 from everystep.writer import GroupWriter
 
 log = logging.getLogger("everystep")
@@ -75,6 +77,9 @@ START = "everystep.start"
 RESULT = "everystep.result"
 # The step name a patch decision is recorded under (see Replay.patched).
 PATCH_STEP = "everystep.patched"
+# A body that goes on calling steps after its Cancelled (cleanup) is ended,
+# cancelled, at the call past this many.
+CANCEL_CLEANUP_CALLS = 100
 # A wait no longer than this (seconds) is waited on the run's thread; a longer
 # one parks the run (`waiting`), its slot given back.
 MOMENT = 1.0
@@ -161,6 +166,16 @@ class _Body(NamedTuple):
         body = asyncio.Task(self.fn(*self.args), context=context)
         loop.labels.put(body, f"run {self.replay.run_id} ({self.replay.workflow_name}), in its body")
         return await body
+
+
+class Bounded(BaseException):
+    """Internal: the run went past a bound (max_steps, or the calls after its
+    Cancelled). A BaseException, so that a body catching Exception (or
+    Cancelled) lets it through; the run ends with `error`."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 class Preempted(BaseException):
@@ -345,6 +360,18 @@ class Runner:
             return "abandoned"
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller_line() -> str:
+    """file:line of the call into everystep that is being made (the first
+    frame outside the package)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    return "an unknown line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 class RecordedStep(NamedTuple):
     """A step as recorded when the run was claimed (or since, by this
     execution): `result` and `error` are plain JSON data, not yet decoded."""
@@ -385,6 +412,11 @@ class Replay:
         # Whether the body got its `Cancelled` yet (the request itself is the
         # HeldRun's: from the claim or a write's answer).
         self.cancel_delivered: Cancelled | None = None
+        # The calls of the API that took a step id, in all, and since the
+        # Cancelled; the bound of the former (@workflow(max_steps=)).
+        self.calls = 0
+        self.calls_after_cancel = 0
+        self.max_steps: int | None = DEFAULT_MAX_STEPS
         self.context = RunContext(run.id, run.name, held.runner, self)
         self.trace: Any = None  # the tracing and error-report hooks' state (everystep.observe)
         # An async run's: the tasks its body started, its async steps' tasks
@@ -393,6 +425,9 @@ class Replay:
         self._steps_running: set[asyncio.Task] = set()
         self._driving = 0
         self._preempted: asyncio.Event | None = None
+        # An async run's step calls whose coroutine the body has not awaited
+        # (yet): (coroutine, step id, step name, the caller's file:line).
+        self._unawaited: dict[object, tuple] = {}
 
     @property
     def asynchronous(self) -> bool:
@@ -423,6 +458,7 @@ class Replay:
         except Exception as exc:  # ImportError, or whatever importing its module raised
             raise UnknownWorkflow(f"{type(exc).__name__}: {first_line(exc)}") from None
         args = serde.from_json(self.args)
+        self.max_steps = getattr(fn, "__everystep_max_steps__", DEFAULT_MAX_STEPS)
         if inspect.iscoroutinefunction(fn) != self.asynchronous:
             raise EverystepError(f"{self.workflow_name} is {'not ' if self.asynchronous else ''}an async workflow "
                                  "in this process's code")
@@ -442,8 +478,12 @@ class Replay:
         if isinstance(exc, Drain):
             yield _Io(self.held.requeue)
             return "requeued"
+        if isinstance(exc, Bounded):
+            exc = exc.error
         if exc is not None and not isinstance(exc, Exception):
             raise exc  # KeyboardInterrupt, SystemExit: not ours to record
+        if self._unawaited:
+            exc = self.never_awaited() or exc  # what went wrong first, whatever the body made of it
         if self.cancel_delivered is not None:
             # Cancelled at a step call: the run ends `cancelled`, with what the
             # body returned, or with what it raised (the Cancelled itself when
@@ -495,10 +535,23 @@ class Replay:
         }
 
     def _next_id(self, scope: Scope, everystep_id: str | None) -> str:
-        """The id of this call, unless the run is halted."""
+        """The id of this call, unless the run is halted, or this call goes
+        past the run's bounds (a halt too: whatever the body does with it,
+        every later call raises it again and the run ends with it)."""
         step_id = scope.next_id(everystep_id)
         if self.held.halt is not None:
             raise self.held.halt
+        self.calls += 1
+        if self.max_steps is not None and self.calls > self.max_steps:
+            raise self.held.stop_with(Bounded(EverystepError(
+                f"the run went past its max_steps={self.max_steps} at step {step_id!r}: a body that loops for "
+                "ever? (raise @workflow(max_steps=...), or None for no bound)")))
+        if self.cancel_delivered is not None:
+            self.calls_after_cancel += 1
+            if self.calls_after_cancel > CANCEL_CLEANUP_CALLS:
+                raise self.held.stop_with(Bounded(Cancelled(
+                    f"ended at step {step_id!r}: the body went on for {CANCEL_CLEANUP_CALLS} calls after its "
+                    f"Cancelled ({self.cancel_delivered}), more than a cleanup")))
         return step_id
 
     def _code_changed(self, step_id: str, recorded: RecordedStep, doing: str) -> BaseException:
@@ -588,7 +641,38 @@ class Replay:
              everystep_id: str | None, retry: RetryPolicy | None = None, timeout: float | None = None,
              rate_limit: str | None = None) -> Any:
         step_id = self._next_id(scope, everystep_id)
-        return self._perform(self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry, timeout, rate_limit))
+        rules = self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry, timeout, rate_limit)
+        if self.loop is None:
+            return drive(rules)
+        # The body must await what this returns: until it does, the call is
+        # kept with where it was made, so that a step never awaited fails the
+        # run naming it (rather than a RuntimeWarning about this coroutine).
+        key = object()
+        coroutine = self._awaited_step(rules, key)
+        self._unawaited[key] = (coroutine, step_id, name, _caller_line())
+        return coroutine
+
+    @aio.own_scope
+    async def _awaited_step(self, rules: Rules, key: object) -> Any:
+        self._unawaited.pop(key, None)
+        self._driving += 1
+        try:
+            return await adrive(rules, self.loop)
+        finally:
+            self._driving -= 1
+
+    def never_awaited(self) -> EverystepError | None:
+        """The error that fails a run whose body called async steps without
+        awaiting them (they never ran); their coroutines are closed."""
+        calls, self._unawaited = list(self._unawaited.values()), {}
+        for coroutine, *_ in calls:
+            coroutine.close()
+        if not calls:
+            return None
+        _, step_id, name, line = calls[0]
+        more = f" (and {len(calls) - 1} more step calls never awaited)" if len(calls) > 1 else ""
+        return EverystepError(f"step {step_id!r} ({name}) called at {line} was never awaited, so it never ran: "
+                              f"write `await {name.rsplit('.', 1)[-1]}(...)`{more}")
 
     def _step(self, scope: Scope, step_id: str, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
               retry: RetryPolicy | None, timeout: float | None = None, rate_limit: str | None = None) -> Rules:

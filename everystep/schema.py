@@ -32,3 +32,8 @@ MAX_NAME = 300  # a workflow's or a step's module.qualname
 MAX_STEP_ID = 300  # a step id, the whole dotpath
 MAX_KEY = 255  # an idempotency key, a runner name (claimed_by), a concurrency key, a rate limit's name
 MIN_PRIORITY, MAX_PRIORITY = -100, 100  # a run's priority (Django's tasks API's range): higher runs first
+
+# The bound of a run's step calls (steps, sleeps, waits, forks, ...; replayed
+# ones included) unless @workflow(max_steps=) says otherwise: generous, for a
+# body that loops for ever.
+DEFAULT_MAX_STEPS = 100_000

@@ -445,6 +445,17 @@ API_CASES = [
 ]
 
 
+def test_a_malformed_plan_digest_is_not_a_changed_plan(world, clean_env, unchanged):
+    path = clean_env / "everystep.yaml"
+    path.write_text(f"imports: [tests.apps.cli_workflows]\nschedules: {{a: {GOOD_SCHEDULE}}}\n")
+    code, out, err = cli("--database-url", world.db.url, "schedules", "apply", "-c", str(path),
+                         "--plan-digest", "nonsense")
+    assert (code, out) == (2, ""), err
+    one_line(err, "argument --plan-digest: 'nonsense' is not a plan digest (sha256: and 64 hex digits, as "
+                  "`everystep schedules plan` prints it)")
+    assert "changed" not in err
+
+
 @pytest.mark.parametrize(("call", "error", "needle"), [case[1:] for case in API_CASES],
                          ids=[case[0] for case in API_CASES])
 def test_a_bad_api_call_raises_one_line_and_writes_nothing(world, unchanged, call, error, needle):
@@ -508,6 +519,8 @@ UI_CASES = [
     ("wrong-token", "POST", "/api/actions/cancel", {"runs": ["{S}"]}, "guess-0123456789", 401, "token is needed"),
     ("header-from-an-untrusted-address", "POST", "/api/actions/cancel", {"runs": ["{S}"]}, "header:dave", 401,
      "token is needed"),
+    ("send-empty-topic", "POST", "/api/actions/send", {"run": "{S}", "topic": " "}, ALICE, 400,
+     "topic is empty: name the topic the run waits for"),
     ("resolve-outcome-bogus", "POST", "/api/actions/resolve", {"run": "{B}", "step": "1", "outcome": "maybe"},
      ALICE, 400, "outcome must be result, error or discard"),
     ("resolve-no-step", "POST", "/api/actions/resolve", {"run": "{B}", "outcome": "discard"}, ALICE, 400,
@@ -585,6 +598,41 @@ def test_a_browser_session_without_the_csrf_token_is_refused(world, ui_url, unch
     status, answer = browser.request("POST", "/api/actions/cancel", {"runs": [str(world.S)]})
     assert status == 403
     one_line(answer["error"], "CSRF token missing or wrong")
+
+
+TOUR_SCRIPT = """
+import sys
+
+import psycopg
+
+import everystep
+
+
+@everystep.workflow
+def provision_vm(name):
+    return name
+
+
+with psycopg.connect(sys.argv[1]) as conn, everystep.transaction(conn):
+    try:
+        everystep.schedule(provision_vm, "vm-1")
+    except everystep.EverystepError as exc:
+        sys.exit(str(exc))
+"""
+
+
+def test_scheduling_a_workflow_of_the_script_being_run_is_refused(world, unchanged, tmp_path):
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    script = tmp_path / "tour.py"
+    script.write_text(TOUR_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), world.db.url], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    assert done.stderr == (
+        "schedule(): provision_vm is defined in the script being run (__main__), a name no worker can import: "
+        "define the workflow in a module (myapp/flows.py, say), import it from the script, and give the worker "
+        "that module (imports:, --import)\n")
 
 
 def test_the_corpus_is_large(world):

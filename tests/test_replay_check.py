@@ -205,3 +205,17 @@ def test_a_workflow_no_longer_in_the_code_is_an_error(recorded, tmp_path):
     done = cli("replay-check", str(path), "--imports", MODULE, cwd=tmp_path, check_code=1)
     assert done.stdout.startswith(f"ERROR     {ids['done']}  checkout_flows.order  completed: the workflow is not in "
                                   "the code")
+
+
+def test_replay_check_finds_the_modules_of_the_current_directory_without_imports(recorded, tmp_path):
+    # As `everystep schedule MODULE:FUNC` does: the console script (`python -m`
+    # would put the current directory on sys.path by itself), no --imports, no PYTHONPATH.
+    from tests.support.processes import console_script  # noqa: PLC0415
+
+    path, _, _ = recorded
+    (tmp_path / f"{MODULE}.py").write_text(V1)
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    done = subprocess.run([console_script("everystep"), "replay-check", str(path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == "2 runs checked: 2 OK, 0 diverge"

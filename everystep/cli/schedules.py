@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,7 +39,7 @@ def add_commands(commands: Any, add: Add) -> None:
     output_option(plan)
     apply = add(actions, "apply", cmd_schedules_apply, "write the file's schedules; keys no longer in the file keep "
                 "firing until retired")
-    apply.add_argument("--plan-digest", metavar="DIGEST",
+    apply.add_argument("--plan-digest", metavar="DIGEST", type=_plan_digest,
                        help=f"apply only if the plan is still the one `plan` printed this digest for; else write "
                             f"nothing, show the plan now and exit {EXIT_PLAN_CHANGED}")
     output_option(apply)
@@ -53,6 +54,13 @@ def add_commands(commands: Any, add: Add) -> None:
     listing.add_argument("--all", action="store_true", help="include retired schedules")
     listing.add_argument("--source", help="only the schedules of this source")
     output_option(listing)
+
+
+def _plan_digest(text: str) -> str:
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", text):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a plan digest (sha256: and 64 hex digits, as "
+                                         "`everystep schedules plan` prints it)")
+    return text
 
 
 def cmd_schedules_plan(args: argparse.Namespace) -> int:

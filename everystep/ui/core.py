@@ -583,7 +583,7 @@ class Console:
     def _send(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         run, topic = _run_id(body.get("run")), body.get("topic")
         if not isinstance(topic, str) or not topic.strip():
-            raise Problem(400, "topic must be the topic the run waits for")
+            raise Problem(400, "topic is empty: name the topic the run waits for (its step says which)")
         payload = _value(body.get("payload") or "null", "payload")
         try:
             operations.send_message(conn, actor, run, topic.strip(), payload)
