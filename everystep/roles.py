@@ -96,6 +96,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_minute TO {worker};
 -- The history: a wait for a child that has moved there, schedules' last runs.
 GRANT SELECT ON {s}.everystep_workflow_all, {s}.everystep_step_all, {s}.everystep_message_all,
     {s}.everystep_event_all, {s}.everystep_workflow_history TO {worker};
+-- The migrations applied: a worker refuses a schema a newer everystep migrated.
+GRANT SELECT ON {s}.everystep_migration TO {worker};
 
 -- operator: the CLI's and the UI's actions, and reading everything.
 GRANT SELECT, INSERT, UPDATE, DELETE ON {workflow}, {step}, {s}.everystep_crash, {s}.everystep_schedule

@@ -46,8 +46,8 @@ def missing_migrations(conn: psycopg.Connection) -> list[str]:
 def check_schema(conn: psycopg.Connection, allow_newer: bool = False) -> None:
     """Raise NewerSchema when a newer everystep migrated this connection's
     schema (it has migrations this code does not ship), unless `allow_newer`.
-    Reads only."""
-    if conn.execute(queries.get("migration_ledger_exists"), {}).fetchone()[0]:
+    Reads only; nothing to check without a ledger this role may read."""
+    if conn.execute(queries.get("migration_ledger_readable"), {}).fetchone()[0]:
         _refuse_newer({row[0] for row in conn.execute(queries.get("applied_migrations"), {}).fetchall()},
                       allow_newer)
 

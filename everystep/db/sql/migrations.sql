@@ -16,6 +16,12 @@ CREATE TABLE IF NOT EXISTS everystep_migration (
 -- Whether the schema has the applier's ledger, before it is read.
 SELECT to_regclass('everystep_migration') IS NOT NULL;
 
+-- name: migration_ledger_readable
+-- Whether the ledger exists and this role may read it (a worker role
+-- granted before 0019 may not: its check of the schema's version is skipped).
+SELECT CASE WHEN to_regclass('everystep_migration') IS NULL THEN false
+            ELSE has_table_privilege(to_regclass('everystep_migration'), 'SELECT') END;
+
 -- name: applied_migrations
 SELECT name
 FROM everystep_migration;
