@@ -13,6 +13,7 @@ from tests.apps import workflows
 from tests.support.processes import wait_for
 from tests.support.scraping import get, samples, value
 from tests.support.supervisor_process import config
+from tests.support.ui_process import Client, UiProcess
 
 ELSEWHERE = "import everystep\n\n@everystep.workflow\ndef job(n):\n    return n * 2\n"
 
@@ -34,6 +35,16 @@ def test_a_worker_gives_back_a_run_it_cannot_import_and_one_that_can_runs_it(db,
     assert db.run(foreign)["status"] == "scheduled"
     assert db.query("SELECT claimer, outcome FROM everystep_execution WHERE run_id = %s", (foreign,)) == [
         ("blind", "unknown")]
+
+    # The run page says why it waits.
+    ui = UiProcess(db.url, tmp_path / "ui")
+    try:
+        status, page = Client(ui.url).get(f"/api/runs/{foreign}")
+    finally:
+        ui.close()
+    assert status == 200 and page["status"] == "scheduled"
+    assert [(e["claimer"], e["how"]) for e in page["execution_history"]] == [
+        ("blind", "given back: its worker cannot import the workflow (the run waits for a worker that can)")]
 
     # It claims no more of that workflow's runs, and goes on running the others.
     later = schedule_by_name(db, "elsewhere_flows.job", 1)

@@ -281,6 +281,7 @@ EXECUTION_ENDS = {
     "crashed": "its worker crashed; claimed again by the worker's next incarnation",
     "lost": "lost claim: the claim's answer never reached its worker; claimed again",
     "shutdown": "requeued at its worker's shutdown",
+    "unknown": "given back: its worker cannot import the workflow (the run waits for a worker that can)",
 }
 
 
