@@ -55,6 +55,9 @@ FIGURES = {
                 "drain_longest_pause_s", "move_s", "migrate_not_completed", "not_completed"},
     "held_back": {"runs_per_s_without", "runs_per_s_held", "held_over_without", "target",
                   "oldest_xmin_age_seconds", "dead_tuples_held", "not_completed"},
+    "write_cost": {"runs", "one_step", "three_steps", "not_completed"},
+    "sustained": {"backlog", "runs_per_s_first", "runs_per_s_last", "last_over_first", "target", "dead_tuples_peak",
+                  "autovacuums", "runs_done"},
 }
 
 
