@@ -36,10 +36,10 @@ WHERE schemaname = current_schema()
 # The WAL between two positions that is about this schema: its records about
 # the schema's tables, indexes and their TOAST, and the commit records of the
 # transactions that wrote them. B-tree leaf inserts (a split carries the new
-# entry too) are index entries written.
+# entry too) are index entries written; by index too.
 WAL_OF_SCHEMA = """
 WITH rels AS (
-    SELECT pg_relation_filenode(r.oid)::text AS node
+    SELECT pg_relation_filenode(r.oid)::text AS node, r.oid::regclass::text AS relation
     FROM pg_class c
     CROSS JOIN LATERAL (VALUES (c.oid), (c.reltoastrelid),
                                ((SELECT i.indexrelid FROM pg_index i WHERE i.indrelid = c.reltoastrelid LIMIT 1)))
@@ -52,16 +52,22 @@ records AS (
     FROM {ext}.pg_get_wal_records_info(%(start)s::pg_lsn, least(%(end)s::pg_lsn, pg_current_wal_flush_lsn())) w
 ),
 mine AS (
-    SELECT * FROM records WHERE node IN (SELECT node FROM rels)
+    SELECT records.*, rels.relation FROM records JOIN rels USING (node)
+),
+entries AS (
+    SELECT relation, count(*) AS n
+    FROM mine
+    WHERE resource_manager = 'Btree'
+      AND (record_type IN ('INSERT_LEAF', 'INSERT_POST')
+           OR (record_type IN ('SPLIT_L', 'SPLIT_R') AND description LIKE 'level 0%%'))
+    GROUP BY relation
 )
 SELECT coalesce((SELECT sum(record_length) FROM mine), 0)
        + coalesce((SELECT sum(record_length) FROM records
                    WHERE resource_manager = 'Transaction'
                      AND xid IN (SELECT xid FROM mine WHERE xid <> '0')), 0),
-       (SELECT count(*) FROM mine
-        WHERE resource_manager = 'Btree'
-          AND (record_type IN ('INSERT_LEAF', 'INSERT_POST')
-               OR (record_type IN ('SPLIT_L', 'SPLIT_R') AND description LIKE 'level 0%%')))
+       (SELECT coalesce(sum(n), 0) FROM entries),
+       (SELECT coalesce(jsonb_object_agg(relation, n), '{{}}') FROM entries)
 """
 
 
@@ -100,7 +106,7 @@ def measure(workflow, runs: int) -> dict:
             fleet.wait(60)
         time.sleep(1.0)
         after = table_writes(db)
-        wal_bytes, index_entries = db.query(WAL_OF_SCHEMA.format(ext=ext), {"start": start, "end": end})[0]
+        wal_bytes, index_entries, by_index = db.query(WAL_OF_SCHEMA.format(ext=ext), {"start": start, "end": end})[0]
         failed = harness.failures(db)
     delta = {name: [a - b for a, b in zip(counts, before.get(name, (0, 0, 0, 0)), strict=True)]
              for name, counts in after.items()}
@@ -111,13 +117,15 @@ def measure(workflow, runs: int) -> dict:
         "updates": round(updates / runs, 2),
         "hot_updates": round(hot / runs, 2),
         "deletes": round(deletes / runs, 2),
-        "index_entries": round(index_entries / runs, 2),
-        "wal_bytes": round(wal_bytes / runs),
+        "index_entries": round(int(index_entries) / runs, 2),
+        "wal_bytes": round(int(wal_bytes) / runs),
         "db_cpu_us": round(database_seconds * 1e6 / runs),
         "worker_cpu_us": round(worker_seconds * 1e6 / runs),
         # ins/upd/hot/del per run, by table, for the table of what each statement writes
         "by_table": {name: [round(n / runs, 2) for n in counts] for name, counts in sorted(delta.items())
                      if any(counts)},
+        # index entries per run, by index
+        "by_index": {name: round(n / runs, 2) for name, n in sorted(by_index.items())},
         "not_completed": failed,
     }
 
