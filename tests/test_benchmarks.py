@@ -64,7 +64,7 @@ FIGURES = {
 def test_every_benchmark_prints_its_figures_in_quick_mode(server_url):
     done = subprocess.run(
         [sys.executable, "-m", "tests.benchmarks", "--quick"], cwd=ROOT, capture_output=True, text=True,
-        timeout=600, env={**os.environ, "EVERYSTEP_TEST_DATABASE_URL": server_url},
+        timeout=900, env={**os.environ, "EVERYSTEP_TEST_DATABASE_URL": server_url},
     )
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]

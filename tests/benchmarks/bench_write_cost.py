@@ -133,7 +133,7 @@ def measure(workflow, runs: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3000, help="runs of each shape")
-    args = harness.arguments(parser, quick={"runs": 100})
+    args = harness.arguments(parser, quick={"runs": 50})
     one = measure(workflows.one_step, args.runs)
     three = measure(workflows.three_steps, args.runs)
     harness.emit({
