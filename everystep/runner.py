@@ -770,8 +770,8 @@ class Replay:
 
     def _take_token(self, scope: Scope, step_id: str, name: str, rate_limit: str) -> Rules:
         """A token of the step's rate limit, each attempt: none there, the run
-        waits until the next is due (parked, its slot given back, when that
-        is more than a moment away) and tries again. Returns when it was
+        waits until the time it was given (parked, its slot given back, unless
+        in a parallel branch) and tries again. Returns when it was
         taken (the server's clock, epoch seconds)."""
         while True:
             token = yield _Io(self.held.take_token, (rate_limit,))
@@ -782,7 +782,9 @@ class Replay:
             if token.taken_at is not None:
                 return token.taken_at
             metrics.RATE_LIMITED.labels(self.workflow_name, rate_limit).inc()
-            yield from self._wait(scope, token.now + token.wait, token.now)
+            # However near its token, a run waiting for one gives its slot
+            # back: the runs behind it needing no token pass it meanwhile.
+            yield from self._wait(scope, token.now + token.wait, token.now, moment=0.0)
             yield from self._deliver_cancel(step_id, name, update=step_id in self.recorded)
 
     def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,
@@ -879,16 +881,16 @@ class Replay:
             return False
         return self._driving == 1 if self.asynchronous else self.held.on_own_thread()
 
-    def _wait(self, scope: Scope, wake_at: float, now: float) -> Rules:
+    def _wait(self, scope: Scope, wake_at: float, now: float, moment: float = MOMENT) -> Rules:
         """Wait until `wake_at` (database time; `now` is the database's time
-        as last seen): a moment where the run is; longer, the run is parked
-        `waiting` (this execution ends with Parked) unless a cancel request
-        is on it (then it returns, and the next step call gets `Cancelled`).
-        Parallel branches always wait where they are."""
+        as last seen): up to `moment` seconds where the run is; longer, the
+        run is parked `waiting` (this execution ends with Parked) unless a
+        cancel request is on it (then it returns, and the next step call gets
+        `Cancelled`). Parallel branches always wait where they are."""
         remaining = wake_at - now
         if remaining <= 0:
             return
-        if remaining > MOMENT and self._parks(scope):
+        if remaining > moment and self._parks(scope):
             yield _Io(self.held.flush)
             yield _Io(self.held.park, (wake_at,))
             return  # the time came meanwhile, or a cancel request is on the run

@@ -14,6 +14,7 @@ import everystep
 import everystep.db
 from everystep import EverystepError
 from tests.apps.priority_workflows import rate_limited, unknown_limit
+from tests.apps.workflows import timed_steps
 from tests.support.processes import wait_for
 
 IMPORTS = ("tests.apps.workflows", "tests.apps.priority_workflows")
@@ -25,10 +26,13 @@ def take(db, name: str):
 
 
 def test_the_bucket_gives_burst_tokens_then_one_per_interval(db):
+    with db.connect() as conn:
+        # The engine's clock stands still from before the bucket is made: a
+        # loaded machine's moments between the two add no token.
+        conn.execute("SELECT everystep_set_clock(now(), true)")
     with db.connect() as conn, everystep.transaction(conn):
         everystep.rate_limit("api", rate=2, per=1, burst=3, conn=conn)
     with db.connect() as conn:
-        conn.execute("SELECT everystep_set_clock(now(), true)")  # the engine's clock stands still
         assert everystep.db.take_token(conn, "api").wait == pytest.approx(0.5, abs=0.05)  # a new bucket is empty
         conn.execute("SELECT everystep_set_clock(everystep_now() + interval '60 s', true)")  # 3 saved up at most
         assert [everystep.db.take_token(conn, "api")[0] for _ in range(3)] == [0.0, 0.0, 0.0]  # the burst
@@ -99,3 +103,33 @@ def test_rate_limit_from_code_writes_at_once_in_autocommit_and_changes_keep_the_
         everystep.rate_limit("api", rate=10, per=2, burst=5, conn=conn)
         assert everystep.db.rate_limits(conn) == {"api": (10.0, 2.0, 5)}
         assert db.value("SELECT tokens FROM everystep_rate_limit") == 1
+
+
+def test_runs_waiting_for_a_token_hold_no_slot(db, start_worker, tmp_path):
+    """60 runs whose step takes a token at 10 per second (burst 10) on 2
+    workers x 4 threads, then 5 plain three-step runs: the plain runs pass
+    the waiting ones (a run without a token gives its slot back, whatever
+    the wait) and finish while most rate-limited runs still wait."""
+    config = tmp_path / "everystep.yaml"
+    config.write_text("rate_limits:\n  test-api: {rate: 10, per: 1, burst: 10}\n")
+    with db.connect() as conn, everystep.transaction(conn):
+        limited = everystep.schedule_many(rate_limited, [(i,) for i in range(60)])
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    with db.connect() as conn, everystep.transaction(conn):
+        plain = everystep.schedule_many(timed_steps, [(str(marks), 3, 0.0) for _ in range(5)])
+    for i in range(2):
+        start_worker(f"w{i}", threads=4, imports=IMPORTS, config=config)
+    ids = [run.id for run in plain]
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE id = ANY(%s) AND status = 'completed'",
+                              (ids,)) == 5, 60, what="the plain runs completed")
+    first_token = db.value("SELECT min(started_at) FROM everystep_step WHERE name LIKE %s", ("%call_api",))
+    plain_done = db.value("SELECT max(completed_at) FROM everystep_workflow WHERE id = ANY(%s)", (ids,))
+    # Behind the rate-limited runs they would finish ~5 s after the first token.
+    assert (plain_done - first_token).total_seconds() < 3.0
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE id = ANY(%s) AND status = 'completed'",
+                              ([run.id for run in limited],)) == 60, 60, what="the rate-limited runs completed")
+    starts = sorted(row[0] for row in db.query("SELECT started_at FROM everystep_step WHERE name LIKE %s",
+                                               ("%call_api",)))
+    window = datetime.timedelta(seconds=1)
+    assert max(sum(1 for t in starts[i:] if t < start + window) for i, start in enumerate(starts)) <= 10

@@ -317,7 +317,10 @@ CREATE TABLE everystep_rate_limit (
     tokens      double precision NOT NULL,              -- as of refilled_at
     refilled_at timestamptz NOT NULL DEFAULT everystep_now(),
     takes       timestamptz[] NOT NULL DEFAULT '{}',    -- the last `burst` takes, oldest first
-    updated_at  timestamptz NOT NULL DEFAULT everystep_now()
+    updated_at  timestamptz NOT NULL DEFAULT everystep_now(),
+    -- 0030: the latest moment a step that found no token was told to come
+    -- back at; the next one is told one token's interval later at least
+    promised_at timestamptz
 );
 
 -- Routing: the workflows each worker runs (LIKE patterns; NULL: every

@@ -591,8 +591,10 @@ ORDER BY name;
 -- is now(): the wait for the lock, mostly), so that takers queued behind
 -- each other do not all take at the moment they started to wait. Rows: (true, 0, now, the
 -- same moment by the server's clock rather than the engine's) taken;
--- (false, seconds, now, NULL) none, the next one due in that many seconds
--- (epoch seconds); none at all: no such rate limit.
+-- (false, seconds, now, NULL) none: come back in that many seconds (epoch
+-- seconds), the later of the next token's time and the last such promise
+-- plus one token's interval (0030), so that the takers that found none come
+-- back one per token; none at all: no such rate limit.
 WITH took AS (
     UPDATE everystep_rate_limit r
     SET tokens = least(r.burst, r.tokens + greatest(extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())) - r.refilled_at)::float8, 0)
@@ -607,20 +609,26 @@ WITH took AS (
     RETURNING extract(epoch FROM r.takes[cardinality(r.takes)])::float8 AS at,
               extract(epoch FROM r.takes[cardinality(r.takes)] - everystep_now() + transaction_timestamp())::float8
                   AS real_at
+),
+promised AS (
+    UPDATE everystep_rate_limit r
+    SET promised_at = n.now + make_interval(secs => greatest(
+        (1 - least(r.burst, r.tokens + greatest(extract(epoch FROM n.now - r.refilled_at)::float8, 0)
+                                       * r.rate / r.per)) * r.per / r.rate,
+        CASE WHEN cardinality(r.takes) >= r.burst
+             THEN extract(epoch FROM r.takes[cardinality(r.takes) + 1 - r.burst] + make_interval(secs => r.per)
+                                     - n.now)::float8
+             ELSE 0 END,
+        extract(epoch FROM r.promised_at - n.now)::float8 + r.per / r.rate,
+        0.001))
+    FROM (SELECT everystep_now() + (clock_timestamp() - transaction_timestamp()) AS now) n
+    WHERE r.name = %(name)s AND NOT EXISTS (SELECT FROM took)
+    RETURNING extract(epoch FROM r.promised_at - n.now)::float8 AS wait, extract(epoch FROM n.now)::float8 AS now
 )
 SELECT true, 0::float8, at, real_at FROM took
 UNION ALL
-SELECT false, greatest(
-    (1 - least(r.burst, r.tokens + greatest(extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())) - r.refilled_at)::float8, 0)
-                                   * r.rate / r.per)) * r.per / r.rate,
-    CASE WHEN cardinality(r.takes) >= r.burst
-         THEN extract(epoch FROM r.takes[cardinality(r.takes) + 1 - r.burst] + make_interval(secs => r.per)
-                                 - (everystep_now() + (clock_timestamp() - transaction_timestamp())))::float8
-         ELSE 0 END,
-    0.001), extract(epoch FROM (everystep_now() + (clock_timestamp() - transaction_timestamp())))::float8,
-    NULL::float8
-FROM everystep_rate_limit r
-WHERE r.name = %(name)s AND NOT EXISTS (SELECT FROM took);
+SELECT false, wait, now, NULL::float8
+FROM promised;
 
 
 -- name: reclaim_held

@@ -1,0 +1,102 @@
+"""A database of the previous version migrates in place with `everystep
+migrate`, its runs in flight keep running: delayed, sleeping, waiting for a
+message and held mid-step by a live worker, beside 100,000 finished runs in
+the history; each finishes as it would have without the migration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+
+import everystep
+from everystep.ids import uuid7_many
+from tests.apps.cli_workflows import greet
+from tests.apps.flow_workflows import mailbox
+from tests.apps.time_workflows import sleeper
+from tests.apps.workflows import held
+from tests.support.migrations import migrated_before
+from tests.support.processes import ROOT, WorkerProcess, wait_for
+
+# The first migration the previous version did not have.
+FIRST_NEW = "0030"
+HISTORY = 100_000
+
+
+def fill_history(db, count: int) -> None:
+    """`count` finished one-step runs of greet, in the history's partitions:
+    written in the hot tables (their defaults) and moved there at once."""
+    ids = uuid7_many(count)
+    with db.connect() as conn:
+        for week in {ids[0], ids[-1]}:
+            conn.execute("SELECT everystep_history_partition(everystep_history_week(%s))", (week,))
+        conn.execute(
+            "INSERT INTO everystep_workflow (id, name, args, status, result, completed_at)"
+            " SELECT id, 'tests.apps.cli_workflows.greet', '[\"x\"]', 'completed', '\"hello X\"', now()"
+            " FROM unnest(%s::uuid[]) AS id", (ids,))
+        conn.execute(
+            "INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result)"
+            " SELECT id, '1', 'tests.apps.cli_workflows.shout', '[\"x\"]', '{}', 'done', '\"X\"'"
+            " FROM unnest(%s::uuid[]) AS id", (ids,))
+        conn.execute("WITH s AS (DELETE FROM everystep_step RETURNING *) INSERT INTO everystep_step_history"
+                     " SELECT * FROM s")
+        conn.execute("WITH w AS (DELETE FROM everystep_workflow RETURNING *) INSERT INTO everystep_workflow_history"
+                     " SELECT * FROM w")
+
+
+def schedule(db, fn, *args, **options) -> uuid.UUID:
+    with db.connect() as conn, everystep.transaction(conn):
+        return everystep.schedule(fn, *args, **options).id
+
+
+def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_place(server_url, tmp_path):
+    from everystep.testing import server  # noqa: PLC0415
+    from tests.conftest import Database  # noqa: PLC0415
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    migrated_before(server_url, schema, FIRST_NEW)
+    db = Database(server_url, schema)
+    worker = None
+    try:
+        fill_history(db, HISTORY)
+        marks, release = tmp_path / "marks", tmp_path / "release"
+        marks.mkdir()
+        sleeping = schedule(db, sleeper, str(marks), 10.0)
+        waiting = schedule(db, mailbox, str(marks), 1)
+        mid_step = [schedule(db, held, str(marks), str(release)) for _ in range(2)]
+        worker = WorkerProcess(db.url, "before", tmp_path / "logs", threads=4,
+                               imports=("tests.apps.workflows", "tests.apps.time_workflows",
+                                        "tests.apps.flow_workflows", "tests.apps.cli_workflows"))
+        wait_for(lambda: db.run(sleeping)["status"] == "waiting" and db.run(waiting)["status"] == "waiting",
+                 60, what="the sleeping and the waiting run parked")
+        wait_for(lambda: all(db.run(run)["status"] == "running" for run in mid_step)
+                 and (marks / "steps").exists() and (marks / "steps").read_text().count(" held ") == 2, 60,
+                 what="the runs held mid-step")
+        delayed = schedule(db, greet, "later", after=3)
+        assert db.run(sleeping)["status"] == db.run(delayed)["status"] == "waiting"  # not due yet
+
+        done = subprocess.run([sys.executable, "-m", "everystep.cli", "--database-url", db.url, "migrate"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert db.value("SELECT count(*) FROM everystep_migration WHERE name >= %s", (FIRST_NEW,)) >= 1
+
+        with db.connect() as conn, everystep.transaction(conn):
+            everystep.send(waiting, "in", "hello", conn=conn)
+        release.touch()
+        wait_for(lambda: all(db.run(run)["status"] == "completed"
+                             for run in [delayed, sleeping, waiting, *mid_step]), 60, what="every run finished")
+        assert db.run(delayed)["result"] == "hello LATER"
+        assert db.run(sleeping)["result"] == "slept"
+        assert db.run(waiting)["result"] == ["hello"]
+        assert all(db.run(run)["result"] == "held" for run in mid_step)
+        # Each step ran once (the held ones were not started again), and the
+        # history reads as before.
+        assert db.value("SELECT count(*) FROM everystep_step WHERE workflow_id = ANY(%s) AND name LIKE %s",
+                        (mid_step, "%.hold")) == 2
+        assert db.value("SELECT count(*) FROM everystep_workflow_history") == HISTORY
+        assert db.value("SELECT count(*) FROM everystep_workflow_all WHERE status = 'completed'") == HISTORY + 5
+        assert db.value("SELECT count(*) FROM everystep_execution") == 0  # no execution was lost or requeued
+    finally:
+        if worker is not None:
+            worker.close()
+        server.drop(db, server_url)
