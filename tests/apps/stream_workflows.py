@@ -73,3 +73,14 @@ async def atokens(n: int) -> int:
     for i in range(n):
         await everystep.awrite_stream("out", f"a{i}")
     return n
+
+
+@everystep.workflow
+def bad_value() -> None:
+    everystep.write_stream("out", "fine")
+    everystep.write_stream("out", object())
+
+
+@everystep.workflow
+def bad_key() -> None:
+    everystep.write_stream("k" * 301, 1)
