@@ -7,6 +7,7 @@ bad input refused with nothing written."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -188,3 +189,46 @@ def test_a_lost_claim_writes_no_entry(db):
     finally:
         runner.close()
     assert db.value("SELECT count(*) FROM everystep_stream") == 0
+
+
+# ---------------------------------------------------------------- over HTTP: the UI's Server-Sent Events
+
+VIEWER = "viewer-token-0123456789abcdef"
+
+
+@pytest.fixture
+def ui_url(db, tmp_path):
+    from tests.support.ui_process import UiProcess  # noqa: PLC0415
+
+    process = UiProcess(db.url, tmp_path / "ui", env={"EVERYSTEP_UI_VIEWER_TOKEN": VIEWER})
+    yield process.url
+    process.close()
+
+
+def test_the_ui_serves_a_stream_as_server_sent_events_resumable_by_offset(db, ui_url):
+    import httpx  # noqa: PLC0415
+
+    from tests.support.sse import events  # noqa: PLC0415
+
+    run = schedule_one(db, flows.waits_then_writes, 6)
+    path = f"{ui_url}/api/runs/{run.id}/streams/out"
+    auth = {"Authorization": f"Bearer {VIEWER}"}
+    worker = threading.Thread(target=db.run_pending)
+    with httpx.Client() as client:
+        assert client.get(path).status_code == 401  # under the UI's authentication
+        assert client.get(f"{ui_url}/api/runs/{everystep.ids.uuid7()}/streams/out", headers=auth).status_code == 404
+        got = []
+        worker.start()
+        for event in events(client, path, auth):  # a client that drops after three entries ...
+            got.append((event.id, json.loads(event.data)))
+            if len(got) == 3:
+                break
+        assert got == [("0", 0), ("1", 1), ("2", 2)]
+        # ... and reconnects with the last id it saw: the entries after it, then the end.
+        rest = list(events(client, path, {**auth, "Last-Event-ID": "2"}))
+        worker.join(10)
+        assert [(e.id, e.data) for e in rest[:-1]] == [("3", "3"), ("4", "4"), ("5", "5")]
+        assert rest[-1].event == "end"
+        assert [e.data for e in events(client, path + "?offset=4", auth)][:2] == ["4", "5"]
+        run_page = client.get(f"{ui_url}/api/runs/{run.id}", headers=auth).json()
+        assert run_page["streams"] == [{"key": "out", "entries": 6, "closed": True}]

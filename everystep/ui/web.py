@@ -18,6 +18,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from everystep import serde, streams
 from everystep.ui.core import Console, Problem, Who, to_json
 
 HERE = Path(__file__).parent
@@ -136,6 +137,19 @@ def create_app(console: Console) -> Starlette:
         return StreamingResponse(_stream(console), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+    async def stream(request: Request) -> Response:
+        """A run's stream as Server-Sent Events (`id:` the offset)."""
+        try:
+            who(request)
+            run, key, offset = await run_in_threadpool(
+                console.stream_start, request.path_params["run_id"], request.path_params["key"],
+                request.headers.get("last-event-id"), request.query_params.get("offset"))
+        except Problem as problem:
+            return _JSON({"error": str(problem)}, status_code=problem.status)
+        return StreamingResponse(_stream_entries(console.database_url, run, key, offset),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
     routes = [
         Route("/", page, name="page"),
         Route("/runs/{run_id}", page),
@@ -145,6 +159,7 @@ def create_app(console: Console) -> Starlette:
         Route("/api/me", me),
         Route("/api/runs", api(console.runs, with_query=True)),
         Route("/api/runs/{run_id}", api(console.run)),
+        Route("/api/runs/{run_id}/streams/{key:path}", stream),
         Route("/api/workflows", api(console.workflows)),
         Route("/api/schedules", api(console.schedules)),
         Route("/api/workers", api(console.workers)),
@@ -180,3 +195,19 @@ async def _stream(console: Console) -> AsyncIterator[str]:
                 yield f"id: {version}\nevent: overview\ndata: {to_json({'version': version, **snapshot})}\n\n"
     finally:
         stop()
+
+
+async def _stream_entries(database_url: str, run: Any, key: str, offset: int) -> AsyncIterator[str]:
+    """Server-Sent Events of a run's stream from `offset`: each entry as
+    `id: <offset>` and `data: <its value's JSON>`, a comment line as
+    heartbeat, and `event: end` once the stream is closed (the run ended)."""
+    while True:
+        try:
+            async for entry in streams.aread_stream(run, key, offset=offset, timeout=HEARTBEAT_SECONDS,
+                                                    conn=database_url):
+                yield f"id: {entry.offset}\ndata: {serde.dumps(entry.value)}\n\n"
+                offset = entry.offset + 1
+            yield "event: end\ndata: {}\n\n"
+            return
+        except TimeoutError:
+            yield ": heartbeat\n\n"
