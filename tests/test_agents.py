@@ -1,0 +1,105 @@
+"""A durable pydantic-ai agent (everystep.contrib.pydantic_ai): every model
+request and tool call is a step; a worker SIGKILLed mid-conversation
+resumes without calling the model again for a request it answered nor a
+finished tool; the model's text streams into the run's durable stream and
+a reader that reconnects halfway reads the whole answer; an unsafe tool is
+an unsafe_to_repeat step; the FastAPI app of docs/agents.md runs as written.
+The model is pydantic-ai's FunctionModel (no network), counting its calls
+in a table."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import pytest
+
+pytest.importorskip("pydantic_ai")
+
+import everystep  # noqa: E402
+from everystep.testing import crash_before_effect  # noqa: E402
+from tests.apps import agent_workflows as flows  # noqa: E402
+from tests.support.engine import schedule_one  # noqa: E402
+from tests.support.processes import wait_for  # noqa: E402
+
+
+@pytest.fixture
+def calls(db, monkeypatch, tmp_path):
+    """The table the model and the tools count their calls in; read() -> {what: how many times}."""
+    with db.connect() as conn:
+        conn.execute("CREATE TABLE agent_calls (what text)")
+    monkeypatch.setenv("EVERYSTEP_AGENT_TEST_URL", db.url)
+    monkeypatch.setenv("EVERYSTEP_AGENT_KILL_FILE", str(tmp_path / "kill"))
+    return lambda: collections.Counter(dict(db.query("SELECT what, count(*)::int FROM agent_calls GROUP BY 1")))
+
+
+EVERY_CALL_ONCE = {"model 1": 1, "model 2": 1, "model 3": 1, "model 4": 1,
+                   "tool Lyon": 1, "tool Dijon": 1, "tool Paris": 1}
+
+
+def last_tries(entries: list) -> str:
+    """The text of a stream as docs/streams.md says to read it: of each
+    step's entries, those of its last try."""
+    last = {}
+    for entry in entries:
+        if entry.step is not None:
+            last[entry.step] = entry.tried
+    return "".join(e.value for e in entries if e.step is None or e.tried == last[e.step])
+
+
+@pytest.mark.parametrize("workflow", [flows.deliver, flows.deliver_sync], ids=["async", "sync"])
+def test_every_model_request_and_tool_call_is_a_step(db, calls, workflow):
+    run = schedule_one(db, workflow, "where is my parcel?")
+    assert db.run_pending() == {run.id: "completed"}
+    assert db.run(run.id)["result"] == flows.ANSWER
+    assert calls() == EVERY_CALL_ONCE
+    names = [step["name"] for step in db.steps(run.id)]
+    assert names.count("courier__model.request_stream") == 4
+    assert [n.rsplit(":", 1)[1] for n in names if "call_tool" in n] == ["visit_lyon", "visit_dijon", "visit_paris"]
+    text = last_tries(list(everystep.read_stream(run.id, "answer", conn=db.url, timeout=5)))
+    assert text == flows.ANSWER
+
+
+def test_a_worker_killed_mid_conversation_resumes_without_calling_the_model_or_a_tool_again(
+        db, calls, start_worker, tmp_path):
+    # The worker dies (SIGKILL, from inside) as the third model request
+    # starts: after the second tool call, whose step is committed.
+    (tmp_path / "kill").write_text("model 3")
+    run = schedule_one(db, flows.deliver, "where is my parcel?")
+    read: list = []
+    reader_done = threading.Event()
+
+    def reader() -> None:
+        """Reads three entries, drops its connection, reconnects from the next offset."""
+        for entry in everystep.read_stream(run.id, "answer", conn=db.url, timeout=60):
+            read.append(entry)
+            if len(read) == 3:
+                break
+        for entry in everystep.read_stream(run.id, "answer", offset=read[-1].offset + 1, conn=db.url, timeout=60):
+            read.append(entry)
+        reader_done.set()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    first = start_worker("agent-0", imports=("tests.apps.agent_workflows",))
+    wait_for(lambda: not first.alive(), 60, what="the worker to be killed")
+    assert db.run(run.id)["status"] == "running"
+    assert calls() == {"model 1": 1, "model 2": 1, "tool Lyon": 1, "tool Dijon": 1}
+    # Restarted under its name, as the supervisor does: its catchup resumes the run.
+    start_worker("agent-0", imports=("tests.apps.agent_workflows",))
+    wait_for(lambda: db.run(run.id)["status"] == "completed", 60, what="the run to complete")
+    assert db.run(run.id)["result"] == flows.ANSWER
+    assert calls() == EVERY_CALL_ONCE
+    assert reader_done.wait(30)
+    assert len(read) > 3 and last_tries(read) == flows.ANSWER
+
+
+def test_a_tool_marked_unsafe_is_an_unsafe_to_repeat_step(db, calls):
+    run = schedule_one(db, flows.deliver_carefully, "where is my parcel?")
+    paris = "6"  # model, tool, model, tool, model, tool: the third tool call's step
+    with crash_before_effect(paris), pytest.raises(everystep.faults.Crash):
+        db.run_pending()
+    assert db.resume_held() == {run.id: "blocked"}  # its effect may or may not have happened
+    assert "tool Paris" not in calls()
+    step = {s["step_id"]: s for s in db.steps(run.id)}[paris]
+    assert step["name"].endswith("call_tool:visit_paris") and step["status"] == "started"
