@@ -55,6 +55,9 @@ FIGURES = {
                 "drain_longest_pause_s", "move_s", "migrate_not_completed", "not_completed"},
     "held_back": {"runs_per_s_without", "runs_per_s_held", "held_over_without", "target",
                   "oldest_xmin_age_seconds", "dead_tuples_held", "not_completed"},
+    "stream": {"entries", "readers", "sse_readers", "entries_per_s", "commit_to_reader_p50_ms",
+               "commit_to_reader_p99_ms", "target_entries_per_s", "target_p50_ms", "target_p99_ms", "entries_read",
+               "not_completed"},
 }
 
 
