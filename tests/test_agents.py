@@ -10,6 +10,7 @@ in a table."""
 from __future__ import annotations
 
 import collections
+import json
 import threading
 
 import pytest
@@ -103,3 +104,56 @@ def test_a_tool_marked_unsafe_is_an_unsafe_to_repeat_step(db, calls):
     assert "tool Paris" not in calls()
     step = {s["step_id"]: s for s in db.steps(run.id)}[paris]
     assert step["name"].endswith("call_tool:visit_paris") and step["status"] == "started"
+
+
+# ---------------------------------------------------------------- docs/agents.md's FastAPI app, as written
+
+def test_the_fastapi_app_of_the_docs_runs_as_written(db, start_worker, tmp_path, monkeypatch):
+    import sys  # noqa: PLC0415
+
+    import httpx  # noqa: PLC0415
+    import uvicorn  # noqa: PLC0415
+
+    from everystep.ui.server import bind  # noqa: PLC0415
+    from tests.support.docs import write_module  # noqa: PLC0415
+    from tests.support.sse import events  # noqa: PLC0415
+
+    folder = tmp_path / "app"
+    folder.mkdir()
+    write_module("agents.md", 1, folder, "support_app")  # the app (block 0 is the wrapper's sketch)
+    with db.connect() as conn:
+        conn.execute("CREATE TABLE question (id bigserial PRIMARY KEY, text text NOT NULL, run_id uuid)")
+    monkeypatch.setenv("DATABASE_URL", db.url)
+    monkeypatch.setenv("PYTHONPATH", f"{folder}{':' + p if (p := __import__('os').environ.get('PYTHONPATH')) else ''}")
+    monkeypatch.syspath_prepend(str(folder))
+    sys.modules.pop("support_app", None)
+    import support_app  # noqa: PLC0415
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(support_app.app, log_config=None, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        wait_for(lambda: server.started, 20, what="uvicorn to serve the app")
+        with httpx.Client(timeout=30) as client:
+            asked = client.post(f"{base}/questions", json={"text": "Where is order 42?"}).json()
+            assert db.value("SELECT run_id::text FROM question WHERE id = %s", (asked["question"],)) == asked["run"]
+            start_worker("app-0", imports=("support_app",))
+            url = f"{base}/questions/{asked['run']}/answer"
+            first = []
+            for event in events(client, url):  # a client that drops after the first token ...
+                first.append(event)
+                break
+            rest = list(events(client, url, {"Last-Event-ID": first[-1].id}))  # ... and reconnects
+        assert rest[-1].event == "end"
+        tokens = [json.loads(e.data) for e in first + rest[:-1]]
+        assert len(tokens) > 2  # the model streamed: the reconnect came halfway
+        assert [int(e.id) for e in first + rest[:-1]] == list(range(len(tokens)))
+        wait_for(lambda: db.run(asked["run"])["status"] == "completed", 30, what="the run to complete")
+        assert "".join(tokens) == db.run(asked["run"])["result"]
+        assert any("order_status" in step["name"] for step in db.steps(asked["run"]))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sys.modules.pop("support_app", None)

@@ -232,3 +232,28 @@ def test_the_ui_serves_a_stream_as_server_sent_events_resumable_by_offset(db, ui
         assert [e.data for e in events(client, path + "?offset=4", auth)][:2] == ["4", "5"]
         run_page = client.get(f"{ui_url}/api/runs/{run.id}", headers=auth).json()
         assert run_page["streams"] == [{"key": "out", "entries": 6, "closed": True}]
+
+
+# ---------------------------------------------------------------- docs/streams.md, as written
+
+def test_the_examples_of_the_docs_run_as_written(db, tmp_path, monkeypatch):
+    import sys  # noqa: PLC0415
+
+    from tests.support.docs import python_blocks, write_module  # noqa: PLC0415
+
+    write_module("streams.md", 0, tmp_path, "streams_doc_example")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("streams_doc_example", None)
+    import streams_doc_example as example  # noqa: PLC0415
+
+    run = schedule_one(db, example.book_summary, 2)
+    assert db.run_pending() == {run.id: "completed"}
+    printed: list = []
+    namespace = {"everystep": everystep, "run_id": run.id, "database_url": db.url,
+                 "print": lambda *args: printed.append(args)}
+    exec(python_blocks("streams.md")[1], namespace)  # the reader of "progress"
+    assert printed == [(0, {"chapter": 0, "of": 2}), (1, {"chapter": 1, "of": 2})]
+    exec(python_blocks("streams.md")[3], namespace)  # the reader that keeps each step's last try
+    shown = namespace["shown"]
+    assert "".join(e.value for kept in shown.values() for e in kept) == "Chapter 0 in short.Chapter 1 in short."
+    sys.modules.pop("streams_doc_example", None)
