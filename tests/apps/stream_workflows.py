@@ -84,3 +84,12 @@ def bad_value() -> None:
 @everystep.workflow
 def bad_key() -> None:
     everystep.write_stream("k" * 301, 1)
+
+
+@everystep.workflow
+def ticks(n: int, pause: float) -> str:
+    """Text tokens, one every `pause` seconds: what a page shows as it comes."""
+    for i in range(n):
+        everystep.write_stream("out", f"tick {i}. ")
+        everystep.sleep(pause)
+    return "".join(f"tick {i}. " for i in range(n))
