@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from playwright.sync_api import expect  # noqa: E402,I001
+from playwright.sync_api import expect
 
 from tests.apps import stream_workflows
 from tests.support.processes import wait_for
