@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
@@ -139,17 +140,24 @@ def _read_args(what: str, run_id: Any, key: Any, offset: Any, timeout: Any) -> t
     return _run_id(what, run_id), _key(what, key), offset, timeout
 
 
-def _entries(what: str, run_id: uuid.UUID, look: db.StreamLook) -> tuple[list[StreamEntry], bool]:
-    """The entries of a look, and whether the stream ends with them."""
+class _Look(NamedTuple):
+    entries: list[StreamEntry]
+    ended: bool  # the stream ends with them
+    full: bool  # READ_BATCH entries: there may be more already
+
+
+def _entries(what: str, run_id: uuid.UUID, look: db.StreamLook, raw: bool = False) -> _Look:
+    """The entries of a look (`raw`: their values as JSON text)."""
     if look.status is None:
         raise EverystepError(f"{what}: no run {run_id}")
     entries = []
     for offset, value, closes, step_id, attempt, token in look.entries:
         if closes:
-            return entries, True  # its close
-        entries.append(StreamEntry(offset, serde.from_json(value), step_id if attempt is not None else None,
-                                   attempt, token))
-    return entries, len(look.entries) < READ_BATCH and look.status in TERMINAL
+            return _Look(entries, True, False)
+        entries.append(StreamEntry(offset, value if raw else serde.from_json(json.loads(value)),
+                                   step_id if attempt is not None else None, attempt, token))
+    full = len(look.entries) == READ_BATCH
+    return _Look(entries, not full and look.status in TERMINAL, full)
 
 
 class _Clock:
@@ -202,29 +210,29 @@ def read_stream(run_id: uuid.UUID | str, key: str, offset: int = 0, timeout: flo
     conn, owned = _reader_connection(what, conn)
     try:
         db.listen_streams(conn)  # before the first look: no commit after it goes unnoticed
-        entries, ended = _entries(what, run_id, db.read_stream(conn, run_id, key, offset, READ_BATCH))
+        look = _entries(what, run_id, db.read_stream(conn, run_id, key, offset, READ_BATCH))
     except BaseException:
         if owned:
             conn.close()
         raise
-    return _read(conn, owned, run_id, key, entries, ended, offset, _Clock(timeout))
+    return _read(conn, owned, run_id, key, look, offset, _Clock(timeout))
 
 
-def _read(conn: psycopg.Connection, owned: bool, run_id: uuid.UUID, key: str, entries: list[StreamEntry],
-          ended: bool, offset: int, clock: _Clock) -> Iterator[StreamEntry]:
+def _read(conn: psycopg.Connection, owned: bool, run_id: uuid.UUID, key: str, look: _Look, offset: int,
+          clock: _Clock) -> Iterator[StreamEntry]:
     payload = str(run_id)
     try:
         while True:
-            for entry in entries:
+            for entry in look.entries:
                 yield entry
                 offset = entry.offset + 1
-            if ended:
+            if look.ended:
                 return
-            if entries:
+            if look.entries:
                 clock.reset()
-            else:
+            if not look.full:  # the next look after the next commit (a notification come meanwhile: at once)
                 _notified(conn, payload, clock.wait(run_id, key))
-            entries, ended = _entries("read_stream()", run_id, db.read_stream(conn, run_id, key, offset, READ_BATCH))
+            look = _entries("read_stream()", run_id, db.read_stream(conn, run_id, key, offset, READ_BATCH))
     finally:
         if owned:
             conn.close()
@@ -245,7 +253,20 @@ async def aread_stream(run_id: uuid.UUID | str, key: str, offset: int = 0, timeo
     everystep.aread_stream(...)`); `conn`: a psycopg AsyncConnection in
     autocommit mode, a database URL, or the one bound. Errors come at the
     first iteration."""
-    what = "aread_stream()"
+    async for entry in _aread("aread_stream()", run_id, key, offset, timeout, conn, raw=False):
+        yield entry
+
+
+async def aread_stream_json(run_id: uuid.UUID | str, key: str, offset: int = 0, timeout: float | None = None,
+                            conn: Any = None) -> AsyncIterator[StreamEntry]:
+    """`aread_stream` with each value as its stored JSON text, not decoded
+    (what a Server-Sent Events response sends as it is)."""
+    async for entry in _aread("aread_stream()", run_id, key, offset, timeout, conn, raw=True):
+        yield entry
+
+
+async def _aread(what: str, run_id: Any, key: Any, offset: Any, timeout: Any, conn: Any,
+                 raw: bool) -> AsyncIterator[StreamEntry]:
     run_id, key, offset, timeout = _read_args(what, run_id, key, offset, timeout)
     conn = conn if conn is not None else bound_connection()
     owned = isinstance(conn, str)
@@ -258,14 +279,15 @@ async def aread_stream(run_id: uuid.UUID | str, key: str, offset: int = 0, timeo
     try:
         await db.alisten_streams(conn)
         while True:
-            entries, ended = _entries(what, run_id, await db.aread_stream(conn, run_id, key, offset, READ_BATCH))
-            for entry in entries:
+            look = _entries(what, run_id, await db.aread_stream(conn, run_id, key, offset, READ_BATCH), raw)
+            for entry in look.entries:
                 yield entry
                 offset = entry.offset + 1
-            if ended:
+            if look.ended:
                 return
-            if entries:
+            if look.entries:
                 clock.reset()
+            if look.full:
                 continue
             until = time.monotonic() + clock.wait(run_id, key)
             while (left := until - time.monotonic()) > 0:

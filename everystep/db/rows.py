@@ -260,4 +260,4 @@ class StreamState(NamedTuple):
 class StreamLook(NamedTuple):
     """A reader's look at a stream (read_stream)."""
     status: str | None  # the run's; None: no such run
-    entries: list[tuple]  # (offset, value as stored JSON, is the close, step_id, attempt, claim_token)
+    entries: list[tuple]  # (offset, value's JSON text, is the close, step_id, attempt, claim_token)

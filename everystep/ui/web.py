@@ -18,7 +18,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from everystep import serde, streams
+from everystep import streams
 from everystep.ui.core import Console, Problem, Who, to_json
 
 HERE = Path(__file__).parent
@@ -203,9 +203,9 @@ async def _stream_entries(database_url: str, run: Any, key: str, offset: int) ->
     heartbeat, and `event: end` once the stream is closed (the run ended)."""
     while True:
         try:
-            async for entry in streams.aread_stream(run, key, offset=offset, timeout=HEARTBEAT_SECONDS,
-                                                    conn=database_url):
-                yield f"id: {entry.offset}\ndata: {serde.dumps(entry.value)}\n\n"
+            async for entry in streams.aread_stream_json(run, key, offset=offset, timeout=HEARTBEAT_SECONDS,
+                                                         conn=database_url):
+                yield f"id: {entry.offset}\ndata: {entry.value}\n\n"
                 offset = entry.offset + 1
             yield "event: end\ndata: {}\n\n"
             return

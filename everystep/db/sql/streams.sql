@@ -54,7 +54,7 @@ GROUP BY key;
 -- name: read_stream
 -- A reader's look: the run's status (no row: no such run, hot or in the
 -- history) and, in the same snapshot, up to `limit` entries of the stream
--- from `offset` on. A run's entries are committed before its end, so a
+-- from `offset` on, their values as JSON text (an SSE response sends it as it is). A run's entries are committed before its end, so a
 -- look that sees the run ended sees all of them.
 WITH
     run AS (
@@ -63,7 +63,7 @@ WITH
         WHERE id = %(run)s
     ),
     e AS (
-        SELECT "offset", value, value IS NULL AS closes, step_id, attempt, claim_token
+        SELECT "offset", value::text AS value, value IS NULL AS closes, step_id, attempt, claim_token
         FROM everystep_stream_all
         WHERE run_id = %(run)s AND key = %(key)s AND "offset" >= %(offset)s
         ORDER BY "offset"
