@@ -253,20 +253,21 @@ async def aread_stream(run_id: uuid.UUID | str, key: str, offset: int = 0, timeo
     everystep.aread_stream(...)`); `conn`: a psycopg AsyncConnection in
     autocommit mode, a database URL, or the one bound. Errors come at the
     first iteration."""
-    async for entry in _aread("aread_stream()", run_id, key, offset, timeout, conn, raw=False):
-        yield entry
+    async for entries in _alooks("aread_stream()", run_id, key, offset, timeout, conn, raw=False):
+        for entry in entries:
+            yield entry
 
 
-async def aread_stream_json(run_id: uuid.UUID | str, key: str, offset: int = 0, timeout: float | None = None,
-                            conn: Any = None) -> AsyncIterator[StreamEntry]:
-    """`aread_stream` with each value as its stored JSON text, not decoded
-    (what a Server-Sent Events response sends as it is)."""
-    async for entry in _aread("aread_stream()", run_id, key, offset, timeout, conn, raw=True):
-        yield entry
+def aread_stream_looks(run_id: uuid.UUID | str, key: str, offset: int = 0, timeout: float | None = None,
+                       conn: Any = None) -> AsyncIterator[list[StreamEntry]]:
+    """`aread_stream` by look: the entries each look found, together, with
+    their values as the stored JSON text, not decoded (what a Server-Sent
+    Events response sends as it is, in one write per look)."""
+    return _alooks("aread_stream()", run_id, key, offset, timeout, conn, raw=True)
 
 
-async def _aread(what: str, run_id: Any, key: Any, offset: Any, timeout: Any, conn: Any,
-                 raw: bool) -> AsyncIterator[StreamEntry]:
+async def _alooks(what: str, run_id: Any, key: Any, offset: Any, timeout: Any, conn: Any,
+                  raw: bool) -> AsyncIterator[list[StreamEntry]]:
     run_id, key, offset, timeout = _read_args(what, run_id, key, offset, timeout)
     conn = conn if conn is not None else bound_connection()
     owned = isinstance(conn, str)
@@ -280,9 +281,9 @@ async def _aread(what: str, run_id: Any, key: Any, offset: Any, timeout: Any, co
         await db.alisten_streams(conn)
         while True:
             look = _entries(what, run_id, await db.aread_stream(conn, run_id, key, offset, READ_BATCH), raw)
-            for entry in look.entries:
-                yield entry
-                offset = entry.offset + 1
+            if look.entries:
+                yield look.entries
+                offset = look.entries[-1].offset + 1
             if look.ended:
                 return
             if look.entries:

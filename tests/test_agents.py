@@ -48,7 +48,8 @@ def last_tries(entries: list) -> str:
     return "".join(e.value for e in entries if e.step is None or e.tried == last[e.step])
 
 
-@pytest.mark.parametrize("workflow", [flows.deliver, flows.deliver_sync], ids=["async", "sync"])
+@pytest.mark.parametrize("workflow", [flows.deliver, flows.deliver_sync, flows.deliver_streamed],
+                         ids=["async", "sync", "run_stream"])
 def test_every_model_request_and_tool_call_is_a_step(db, calls, workflow):
     run = schedule_one(db, workflow, "where is my parcel?")
     assert db.run_pending() == {run.id: "completed"}

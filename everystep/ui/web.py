@@ -203,10 +203,10 @@ async def _stream_entries(database_url: str, run: Any, key: str, offset: int) ->
     heartbeat, and `event: end` once the stream is closed (the run ended)."""
     while True:
         try:
-            async for entry in streams.aread_stream_json(run, key, offset=offset, timeout=HEARTBEAT_SECONDS,
-                                                         conn=database_url):
-                yield f"id: {entry.offset}\ndata: {entry.value}\n\n"
-                offset = entry.offset + 1
+            async for entries in streams.aread_stream_looks(run, key, offset=offset, timeout=HEARTBEAT_SECONDS,
+                                                            conn=database_url):
+                yield "".join(f"id: {entry.offset}\ndata: {entry.value}\n\n" for entry in entries)
+                offset = entries[-1].offset + 1
             yield "event: end\ndata: {}\n\n"
             return
         except TimeoutError:

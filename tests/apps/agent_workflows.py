@@ -94,3 +94,10 @@ def deliver_sync(prompt: str) -> str:
 @everystep.workflow
 async def deliver_carefully(prompt: str) -> str:
     return (await careful.run(prompt)).output
+
+
+@everystep.workflow
+async def deliver_streamed(prompt: str) -> str:
+    """run_stream in a workflow body: the text streams into the run's stream as well."""
+    async with durable.run_stream(prompt) as result:
+        return await result.get_output()
