@@ -18,8 +18,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from everystep import streams
 from everystep.ui.core import Console, Problem, Who, to_json
+from everystep.ui.tails import Tails
 
 HERE = Path(__file__).parent
 COOKIE = "everystep_ui_token"
@@ -49,6 +49,7 @@ def _base(request: Request) -> str:
 def create_app(console: Console) -> Starlette:
     """The ASGI app of one console: the page, its JSON API, its event stream."""
     credentials = console.credentials
+    tails = Tails(console.database_url, HEARTBEAT_SECONDS)  # one reader per stream, for all its clients
 
     def identify(request: Request) -> Who | None:
         peer = request.client.host if request.client else None
@@ -146,7 +147,7 @@ def create_app(console: Console) -> Starlette:
                 request.headers.get("last-event-id"), request.query_params.get("offset"))
         except Problem as problem:
             return _JSON({"error": str(problem)}, status_code=problem.status)
-        return StreamingResponse(_stream_entries(console.database_url, run, key, offset),
+        return StreamingResponse(tails.events(run, key, offset),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
@@ -196,18 +197,3 @@ async def _stream(console: Console) -> AsyncIterator[str]:
     finally:
         stop()
 
-
-async def _stream_entries(database_url: str, run: Any, key: str, offset: int) -> AsyncIterator[str]:
-    """Server-Sent Events of a run's stream from `offset`: each entry as
-    `id: <offset>` and `data: <its value's JSON>`, a comment line as
-    heartbeat, and `event: end` once the stream is closed (the run ended)."""
-    while True:
-        try:
-            async for entries in streams.aread_stream_looks(run, key, offset=offset, timeout=HEARTBEAT_SECONDS,
-                                                            conn=database_url):
-                yield "".join(f"id: {entry.offset}\ndata: {entry.value}\n\n" for entry in entries)
-                offset = entries[-1].offset + 1
-            yield "event: end\ndata: {}\n\n"
-            return
-        except TimeoutError:
-            yield ": heartbeat\n\n"
