@@ -102,6 +102,12 @@ def test_a_worker_killed_mid_conversation_resumes_without_calling_the_model_or_a
     assert len(read) > 3 and last_tries(read) == flows.ANSWER
 
 
+def test_outside_a_workflow_the_wrapper_runs_the_agent_as_it_is(db, calls):
+    assert flows.durable.run_sync("where is my parcel?").output == flows.ANSWER
+    assert calls() == EVERY_CALL_ONCE
+    assert db.value("SELECT count(*) FROM everystep_step") == 0
+
+
 def test_a_tool_marked_unsafe_is_an_unsafe_to_repeat_step(db, calls):
     run = schedule_one(db, flows.deliver_carefully, "where is my parcel?")
     paris = "6"  # model, tool, model, tool, model, tool: the third tool call's step

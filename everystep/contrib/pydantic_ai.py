@@ -126,8 +126,9 @@ def _on_a_thread(body: Callable[[], Awaitable[object]]) -> Callable[[], object]:
 
 
 class EverystepDurability(BaseDurabilityCapability[AgentDepsT]):
-    """The durability capability: `Agent(..., capabilities=[EverystepDurability()])`,
-    or wrap an agent with `EverystepAgent`. Inside an everystep workflow body
+    """The durability capability that `EverystepAgent` adds to every run of
+    the agent (in an async workflow the wrapper is needed: it keeps the
+    agent's own tasks out of the body's scope). Inside an everystep workflow body
     every model request and tool call of the agent is a step; a tool named in
     `unsafe_tools`, or with `metadata={"everystep": {"unsafe_to_repeat": True}}`,
     is an `unsafe_to_repeat` step. `stream_key`: the run's durable stream the
