@@ -170,3 +170,12 @@ def test_the_fastapi_app_of_the_docs_runs_as_written(db, start_worker, tmp_path,
         server.should_exit = True
         thread.join(10)
         sys.modules.pop("support_app", None)
+
+
+def test_the_wrappers_sketch_in_the_docs_runs_as_written():
+    from tests.support.docs import python_blocks  # noqa: PLC0415
+
+    namespace: dict = {}
+    exec(python_blocks("agents.md")[0], namespace)
+    assert namespace["durable"].name == "support"
+    assert namespace["durable"].durability.unsafe_tools == {"refund"}
