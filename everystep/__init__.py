@@ -48,6 +48,15 @@ from everystep.errors import (
 )
 from everystep.retries import Backoff
 from everystep.serde import decode_exception, encode_exception
+from everystep.streams import (
+    StreamEntry,
+    aclose_stream,
+    aread_stream,
+    awrite_stream,
+    close_stream,
+    read_stream,
+    write_stream,
+)
 
 __all__ = [
     "acancel",
@@ -97,4 +106,11 @@ __all__ = [
     "use",
     "wait_for",
     "workflow",
+    "StreamEntry",
+    "aclose_stream",
+    "aread_stream",
+    "awrite_stream",
+    "close_stream",
+    "read_stream",
+    "write_stream",
 ]

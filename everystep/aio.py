@@ -264,3 +264,12 @@ def _where(thread_id: int | None) -> str:
         return ""
     code = frame.f_code
     return f" at {os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+
+
+def on_a_loop() -> bool:
+    """Whether this thread is running an event loop now (an async step's task)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -133,6 +133,9 @@ class Scope:
 current_scope: ContextVar[Scope | None] = ContextVar("everystep_scope", default=None)
 # The running workflow, also visible from inside a step's function.
 current_run: ContextVar[RunContext | None] = ContextVar("everystep_run", default=None)
+# The step whose function runs here, and its try (1, 2, ... as retried):
+# what a stream entry written from inside a step is tagged with.
+current_step: ContextVar[tuple[str, int] | None] = ContextVar("everystep_step", default=None)
 
 
 def current() -> RunContext | None:

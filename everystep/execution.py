@@ -30,7 +30,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from everystep import db, metrics, serde
-from everystep.errors import Drain, LostClaim, Parked
+from everystep.errors import Drain, EverystepError, LostClaim, Parked
 from everystep.ids import uuid7
 from everystep.schema import RunStatus, StepStatus
 from everystep.writer import GroupWriter
@@ -41,6 +41,11 @@ log = logging.getLogger("everystep")
 # end of the run to be written with it, but never longer than this (seconds):
 # a body that sleeps or computes between two steps does not leave it unwritten.
 OUTCOME_DELAY = 0.05
+# Stream entries of one run per commit at most: a burst of writes commits in
+# several batches, so that its readers get the first entries while the later
+# ones commit (a reader's work per commit, and so its latency, grows with the
+# batch; a commit of 256 entries of 40 bytes costs about what one of 1 does).
+STREAM_BATCH = 256
 
 
 class Fence:
@@ -154,6 +159,15 @@ class HeldRun:
         self._pending_lock = threading.Lock()
         self._writing = threading.Lock()
         self._late_failure_logged = False
+        # Durable streams: this execution's view of the run's streams (loaded
+        # at its first stream call), the entries not sent yet, oldest first,
+        # and those on their way to the writer (one batch at a time, so they
+        # commit in offset order). Guarded by _stream_lock.
+        self.streams: db.StreamState | None = None
+        self._stream_lock = threading.Condition()
+        self._stream_buffer: list[db.StreamEntryRow] = []
+        self._stream_sending: list[db.StreamEntryRow] | None = None
+        self._stream_failed = False  # a send failed: the next call writes them itself, fenced
 
     def __enter__(self) -> HeldRun:
         _late_outcomes.add(self)
@@ -329,7 +343,9 @@ class HeldRun:
 
     def flush(self) -> None:
         """Write the outcomes waiting to be written, if any (or wait for the
-        late-outcome thread to finish writing them)."""
+        late-outcome thread to finish writing them), and the stream entries."""
+        if self.streams is not None:
+            self.flush_streams()
         with self._writing:
             self._write_pending(None)
 
@@ -366,6 +382,8 @@ class HeldRun:
             self._writing.release()
 
     def _write_step(self, step: Pending, update: bool) -> None:
+        if self.streams is not None:
+            self.flush_streams()  # what a step wrote to streams commits before its outcome
         row = step.row
         if update:
             written = self._fenced(db.complete_started_step, (row,), row.step_id, row.status,
@@ -451,6 +469,102 @@ class HeldRun:
     def set_event(self, step_id: str, name: str, key: str, value_json: str) -> None:
         self._fenced(db.set_event, (step_id, name, key, value_json), step_id, StepStatus.DONE, "an event")
 
+    # -------------------------------------------------------------- streams
+
+    def load_streams(self) -> db.StreamState:
+        """The run's streams as this execution knows them (read at the first call)."""
+        if self.streams is None:
+            with self.cursor() as cur:
+                state = db.stream_state(cur, self.claim.id)
+            with self._stream_lock:
+                if self.streams is None:
+                    self.streams = state
+        return self.streams
+
+    def streams_need_io(self) -> bool:
+        """Whether the next stream write needs I/O first (load_streams, flush_streams)."""
+        return self.streams is None or self._stream_failed
+
+    def append_stream(self, key: str, value_json: str | None, step_id: str | None, attempt: int | None) -> int | None:
+        """Give the entry (`value_json` None: the close of the stream) its
+        offset and send it to the writer, not waiting for its commit (see
+        flush_streams); no I/O. Returns its offset, or None for the close of a
+        stream closed already. A write to a closed stream is an EverystepError."""
+        with self._stream_lock:
+            state = self.streams
+            if key in state.closed:
+                if value_json is None:
+                    return None
+                raise EverystepError(f"stream {key!r} of run {self.claim.id} is closed: nothing was written")
+            offset = state.next_offsets.get(key, 0)
+            state.next_offsets[key] = offset + 1
+            if value_json is None:
+                state.closed.add(key)
+            if attempt is None and step_id is not None:
+                state.body_writes[step_id] = offset
+            self._stream_buffer.append(db.StreamEntryRow(key, offset, value_json, step_id, attempt))
+            self._send_streams()
+        return offset
+
+    def _send_streams(self) -> None:
+        """With _stream_lock held: send the waiting entries, unless a batch is on its way."""
+        if self._stream_sending is not None or not self._stream_buffer or self._stream_failed or self.halt:
+            return
+        entries, self._stream_buffer = self._stream_buffer[:STREAM_BATCH], self._stream_buffer[STREAM_BATCH:]
+        self._stream_sending = entries
+        try:
+            self.lent.step_writer.send_streams(db.StreamWrite(self.claim.id, self.claim.token, entries),
+                                               self._streams_sent)
+        except psycopg.OperationalError:  # the writer is closed
+            self._stream_buffer, self._stream_sending, self._stream_failed = entries + self._stream_buffer, None, True
+
+    def _streams_sent(self, held: bool, error: BaseException | None) -> None:
+        """(The writer's thread.) A batch of entries is written, or not."""
+        with self._stream_lock:
+            entries, self._stream_sending = self._stream_sending, None
+            if error is not None or not held:
+                self._stream_buffer = entries + self._stream_buffer
+                self._stream_failed = True
+            else:
+                metrics.STREAM_ENTRIES.labels(self.claim.name).inc(len(entries))
+                self._send_streams()
+            self._stream_lock.notify_all()
+
+    def flush_streams(self) -> None:
+        """Until every entry written so far is committed: waits for the batch
+        on its way, then writes what is left (after a failed send), fenced."""
+        with self._stream_lock:
+            self._stream_lock.wait_for(lambda: self._stream_sending is None)
+            entries, self._stream_buffer = self._stream_buffer, []
+            if not entries:
+                self._stream_failed = False
+                return
+            self._stream_sending = entries
+        try:
+            self._fenced(self.lent.step_writer.write_streams, (entries,), None, RunStatus.RUNNING, "stream entries",
+                         grouped=True)
+        except BaseException:
+            with self._stream_lock:
+                self._stream_buffer, self._stream_sending = entries + self._stream_buffer, None
+                self._stream_lock.notify_all()
+            raise
+        with self._stream_lock:
+            self._stream_sending, self._stream_failed = None, False
+            metrics.STREAM_ENTRIES.labels(self.claim.name).inc(len(entries))
+            self._send_streams()
+            self._stream_lock.notify_all()
+
+    def _streams_ended(self) -> None:
+        """The run ended: wake its streams' readers (its end closed them). A
+        reader that misses it finds the end at its next look."""
+        if self.streams is None:
+            return
+        try:
+            with self.cursor() as cur:
+                db.notify_streams(cur, self.claim.id)
+        except psycopg.Error as exc:
+            log.warning("could not wake the readers of the run's streams: %s", exc, extra={"run": str(self.claim.id)})
+
     # -------------------------------------------------------------- the end
 
     def _ending(self) -> list[Pending]:
@@ -463,6 +577,8 @@ class HeldRun:
     def requeue(self, why: str = "drained") -> None:
         """Put the run back in the queue (the worker drains, or cannot import
         its workflow: `why`): the outcomes waiting to be written first."""
+        if self.streams is not None:
+            self.flush_streams()
         for step in self._ending():
             self._write_step(step, update=False)  # recorded before the requeue
         self._fenced(lambda cur, run, runner, token: db.requeue_held(cur, runner, [db.Claim(run, token)], why),
@@ -475,6 +591,8 @@ class HeldRun:
         one are written first). The successor, if any, is left in
         `self.successor`. Returns the run's end as written (`cancelled` when a
         cancel request reached the row first)."""
+        if self.streams is not None:
+            self.flush_streams()  # a run's entries commit before its end: a reader that sees the end has them all
         *before, last = self._ending() or [None]
         for step in before:
             self._write_step(step, update=False)
@@ -509,6 +627,7 @@ class HeldRun:
         # by the worker looking again (look_again is set by the retry).
         if last is not None:
             self._count(last)
+        self._streams_ended()
         return ended or status
 
 

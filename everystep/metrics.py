@@ -34,6 +34,11 @@ INFLIGHT = Gauge(
     "everystep_worker_inflight", "Runs a worker is executing now.", ["runner"], multiprocess_mode="livesum"
 )
 CLAIMS = Counter("everystep_worker_claims", "Runs claimed by a worker (catchup included).", ["runner"])
+STREAM_ENTRIES = Counter(
+    "everystep_stream_entries",
+    "Entries committed to runs' durable streams (everystep.write_stream), closes included.",
+    ["workflow"],
+)
 WRITE_BATCH = Histogram(
     "everystep_write_batch_size",
     "Writes (step rows, run ends) a worker process committed together (group commit).",

@@ -74,6 +74,8 @@ GRANT SELECT ON {s}.everystep_event TO {producer};
 GRANT SELECT (id, name, idempotency_key, status) ON {s}.everystep_workflow_all TO {producer};
 GRANT SELECT (name, idempotency_key) ON {s}.everystep_workflow_history TO {producer};
 GRANT SELECT ON {s}.everystep_event_all TO {producer};
+-- read_stream() (0023): a run's streams, hot or in the history.
+GRANT SELECT ON {s}.everystep_stream_all, {s}.everystep_stream, {s}.everystep_stream_history TO {producer};
 
 -- worker: claim, record steps, end, requeue, count crashes, fire schedules.
 GRANT SELECT, INSERT, UPDATE ON {workflow}, {step}, {s}.everystep_crash TO {worker};
@@ -93,6 +95,8 @@ GRANT SELECT, INSERT, DELETE ON {s}.everystep_waiting TO {worker};  -- registers
 -- charts' per-minute figures the maintenance child keeps.
 GRANT INSERT ON {s}.everystep_execution TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_minute TO {worker};
+-- streams (0023): the entries the runs write.
+GRANT SELECT, INSERT ON {s}.everystep_stream TO {worker};
 -- The history: a wait for a child that has moved there, schedules' last runs.
 GRANT SELECT ON {s}.everystep_workflow_all, {s}.everystep_step_all, {s}.everystep_message_all,
     {s}.everystep_event_all, {s}.everystep_workflow_history TO {worker};
@@ -121,6 +125,8 @@ GRANT SELECT ON {s}.everystep_workflow_all, {s}.everystep_step_all, {s}.everyste
     {s}.everystep_event_all TO {operator};
 GRANT SELECT, INSERT, DELETE ON {s}.everystep_workflow_history, {s}.everystep_step_history,
     {s}.everystep_message_history, {s}.everystep_event_history, {s}.everystep_schedule_run TO {operator};
+GRANT SELECT, INSERT, DELETE ON {s}.everystep_stream, {s}.everystep_stream_history TO {operator};
+GRANT SELECT ON {s}.everystep_stream_all TO {operator};
 
 -- Rows: a worker changes only runs that are scheduled, waiting or running
 -- (never a blocked or finished one: resolving is the operator's), and step

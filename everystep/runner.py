@@ -44,6 +44,7 @@ from everystep.context import (
     Scope,
     current_run,
     current_scope,
+    current_step,
     run_branches,
 )
 from everystep.errors import (
@@ -126,9 +127,11 @@ class _Invoke(NamedTuple):
     step_id: str
     name: str
     timeout: float | None = None  # @step(timeout=): seconds an attempt may take (everystep.timeouts)
+    attempt: int = 1  # the step's try, as retried (stream entries written from inside carry it)
 
     def run(self) -> Any:
         token = current_scope.set(None)
+        step_token = current_step.set((self.step_id, self.attempt))
         try:
             if inspect.iscoroutinefunction(self.fn):  # an async step of a sync workflow
                 return timeouts.run_coroutine(self.fn(*self.args, **self.kwargs), self.timeout,
@@ -139,6 +142,7 @@ class _Invoke(NamedTuple):
             return self.fn(*self.args, **self.kwargs)
         finally:
             current_scope.reset(token)
+            current_step.reset(step_token)
 
     async def arun(self, loop: aio.Loop) -> Any:
         return await self.replay.invoke(self, loop)
@@ -616,6 +620,7 @@ class Replay:
         a cancel can reach it), or a sync one on a step thread."""
         context = contextvars.copy_context()
         context.run(current_scope.set, None)
+        context.run(current_step.set, (call.step_id, call.attempt))
         if not inspect.iscoroutinefunction(call.fn):
             if call.timeout is not None:
                 return await timeouts.acall(context, call.fn, call.args, call.kwargs, call.timeout,
@@ -718,7 +723,7 @@ class Replay:
             traced = observe.step_started(self, step_id, name)
             failure: Exception | None = None
             try:
-                value = yield _Invoke(self, fn, args, kwargs, step_id, name, timeout)
+                value = yield _Invoke(self, fn, args, kwargs, step_id, name, timeout, len(attempts) + 1)
             except StepTimeout as exc:
                 # The attempt is abandoned (sync) or cancelled (async): an
                 # unsafe one may have done its effect, so it is never retried.
@@ -967,6 +972,36 @@ class Replay:
         yield from self._boundary(step_id, EVENT)
         yield _Io(self.held.set_event, (step_id, EVENT, key, value_json))
         self.recorded[step_id] = RecordedStep(step_id, EVENT, StepStatus.DONE, None, None, None)
+
+    # -------------------------------------------------------------- streams
+
+    def write_stream(self, scope: Scope | None, key: str, value_json: str | None) -> Any:
+        """Append to the run's stream `key` (`value_json` None: close it):
+        from the body (`scope`), recorded like a step, so a replay does not
+        write it again; from inside a step (no scope), at least once, the
+        entry tagged with the step and its try. Returns the entry's offset
+        (None for the close of a stream closed already)."""
+        if scope is not None:
+            return self._perform(self._write_stream(self._next_id(scope, None), key, value_json))
+        rules = self._write_stream(None, key, value_json, current_step.get())
+        if self.asynchronous and aio.on_a_loop():
+            return self._adrive(rules)  # an async step's: awaited on the loop
+        return drive(rules)  # a sync step's, on its thread
+
+    def _write_stream(self, step_id: str | None, key: str, value_json: str | None,
+                      step: tuple[str, int] | None = None) -> Rules:
+        if step_id is not None:
+            recorded = self.recorded.get(step_id)
+            if recorded is not None:
+                raise self._code_changed(step_id, recorded, "writes to a stream")
+        if self.held.streams_need_io():
+            yield _Io(self.held.load_streams)
+            yield _Io(self.held.flush_streams)
+        if step_id is not None and step_id in self.held.streams.body_writes:
+            return self.held.streams.body_writes[step_id]  # written by an earlier execution
+        if step is not None:
+            return self.held.append_stream(key, value_json, step[0], step[1])
+        return self.held.append_stream(key, value_json, step_id, None)
 
     # -------------------------------------------------------------- child workflows
 

@@ -1,5 +1,5 @@
-"""Group commit: the step rows and run ends of every run executing in one
-process share statements and commits.
+"""Group commit: the step rows, stream entries and run ends of every run
+executing in one process share statements and commits.
 
 A run's thread hands its write to one of the runner's writers and waits.
 The writer's thread takes every write that is waiting (at most MAX_BATCH),
@@ -50,19 +50,24 @@ IDLE = 5.0
 
 
 class _Write:
-    """One write waiting for its batch's commit."""
+    """One write waiting for its batch's commit (or, with `then`, not
+    waited for: `then(answer, error)` is called from the writer's thread)."""
 
-    __slots__ = ("write", "done", "answer", "error")
+    __slots__ = ("write", "done", "answer", "error", "then")
 
-    def __init__(self, write: db.StepWrite | db.EndWrite):
+    def __init__(self, write: db.StepWrite | db.EndWrite | db.StreamWrite,
+                 then: Callable[[Any, BaseException | None], None] | None = None):
         self.write = write
         self.done = threading.Event()
         self.answer: Any = None
         self.error: BaseException | None = None
+        self.then = then
 
     def finish(self, answer: Any = None, error: BaseException | None = None) -> None:
         self.answer, self.error = answer, error
         self.done.set()
+        if self.then is not None:
+            self.then(answer, error)
 
 
 class GroupWriter:
@@ -97,8 +102,17 @@ class GroupWriter:
         plainly (db.ClaimedRun.ends_plainly)."""
         return self._submit(db.EndWrite(run, token, status, result, error, last_step, claim, plain))
 
-    def _submit(self, write: db.StepWrite | db.EndWrite) -> Any:
-        waiting = _Write(write)
+    def write_streams(self, run: uuid.UUID, runner: str, token: int, entries: list[db.StreamEntryRow]) -> bool:
+        """Stream entries of a held run in the next batch: whether its
+        execution still holds it (else nothing was written)."""
+        return self._submit(db.StreamWrite(run, token, entries))
+
+    def send_streams(self, write: db.StreamWrite, then: Callable[[Any, BaseException | None], None]) -> None:
+        """Stream entries in the next batch, not waited for: `then(held,
+        error)` is called from the writer's thread once the batch is done."""
+        self._enqueue(_Write(write, then))
+
+    def _enqueue(self, waiting: _Write) -> None:
         with self._changed:
             if self._closed:
                 raise psycopg.OperationalError("the runner's writer is closed")
@@ -108,6 +122,10 @@ class GroupWriter:
                                                 daemon=True)
                 self._thread.start()
             self._changed.notify()
+
+    def _submit(self, write: db.StepWrite | db.EndWrite | db.StreamWrite) -> Any:
+        waiting = _Write(write)
+        self._enqueue(waiting)
         waiting.done.wait()
         if waiting.error is not None:
             raise waiting.error
@@ -139,12 +157,21 @@ class GroupWriter:
     def _write(self, batch: list[_Write]) -> None:
         steps = [w for w in batch if isinstance(w.write, db.StepWrite)]
         ends = [w for w in batch if isinstance(w.write, db.EndWrite)]
+        streams = [w for w in batch if isinstance(w.write, db.StreamWrite)]
         try:
             if self._conn is None:
                 self._conn = self.pool.getconn()
                 if not isinstance(self._conn, db.TransactionPooledConnection):  # no session state through PgBouncer
                     db.prepare_claiming_session(self._conn)
-            written = db.record_steps(self._conn, self.runner, [w.write for w in steps]) if steps else []
+            held_runs: set = set()
+            if streams and steps and not isinstance(self._conn, db.TransactionPooledConnection):
+                with self._conn.transaction():  # stream entries share the step rows' commit
+                    held_runs = db.write_streams(self._conn, self.runner, [w.write for w in streams])
+                    written = db.record_steps(self._conn, self.runner, [w.write for w in steps])
+            else:
+                if streams:
+                    held_runs = db.write_streams(self._conn, self.runner, [w.write for w in streams])
+                written = db.record_steps(self._conn, self.runner, [w.write for w in steps]) if steps else []
             finished = []
             if ends:
                 unlimited_only = time.monotonic() >= self._whole_claim_until
@@ -170,6 +197,8 @@ class GroupWriter:
             waiting.finish(answer)
         for waiting, answer in zip(ends, finished):
             waiting.finish(answer)
+        for waiting in streams:
+            waiting.finish(waiting.write.run in held_runs)
 
     def _give_back(self) -> None:
         if self._conn is not None:

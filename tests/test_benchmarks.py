@@ -58,6 +58,9 @@ FIGURES = {
     "write_cost": {"runs", "one_step", "three_steps", "not_completed"},
     "sustained": {"backlog", "runs_per_s_first", "runs_per_s_last", "last_over_first", "target", "dead_tuples_peak",
                   "autovacuums", "runs_done"},
+    "stream": {"entries", "readers", "sse_readers", "entries_per_s", "commit_to_reader_p50_ms",
+               "commit_to_reader_p99_ms", "target_entries_per_s", "target_p50_ms", "target_p99_ms", "entries_read",
+               "not_completed"},
 }
 
 

@@ -168,12 +168,13 @@ def test_the_ui_and_the_cli_show_runs_in_the_history(db):
 
 def test_partitions_are_made_ahead_for_this_week_and_the_next_two(db):
     with db.connect() as conn:
-        assert retention.prepare(conn) == 3 * 4  # three weeks, four tables
+        assert retention.prepare(conn) == 3 * 5  # three weeks, five tables
         assert retention.prepare(conn) == 0
     start = monday(datetime.datetime.now(datetime.UTC).date())
     weeks = [start + datetime.timedelta(days=7 * n) for n in range(3)]
     assert partitions(db) == [f"everystep_workflow_history_{week:%Y%m%d}" for week in weeks]
-    for table in ("everystep_step_history", "everystep_message_history", "everystep_event_history"):
+    for table in ("everystep_step_history", "everystep_message_history", "everystep_event_history",
+                  "everystep_stream_history"):
         assert db.value("SELECT count(*) FROM pg_inherits WHERE inhparent = %s::regclass", (table,)) == 3
     # The bounds are the weeks' first UUIDv7s: a run made now falls in this week's.
     now = uuid7()
@@ -501,7 +502,8 @@ def test_a_database_with_runs_in_flight_and_a_history_migrates_in_place(server_u
         server.drop(db, server_url)
 
 
-@pytest.mark.parametrize("table", ["everystep_workflow", "everystep_step", "everystep_message", "everystep_event"])
+@pytest.mark.parametrize("table", ["everystep_workflow", "everystep_step", "everystep_message", "everystep_event",
+                                   "everystep_stream"])
 def test_a_history_table_has_its_hot_tables_columns_in_the_same_order(db, table):
     """The move copies rows with `*`: a column added to a hot table is added
     to its history table, in the same order, by the same migration."""

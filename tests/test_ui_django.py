@@ -25,5 +25,6 @@ def test_the_ui_behind_djangos_auth(db):
     assert out["post_without_csrf"] == 403
     assert out["post_with_csrf"] == 200
     assert out["events"].startswith("id: 1\nevent: overview\ndata: {")
+    assert out["unknown_run_stream"] == 404  # the stream route is there, behind the same checks
     assert db.run(run)["status"] == "scheduled"
     assert db.query("SELECT actor, source, action FROM everystep_audit") == [("ada", "ui", "resolve-step")]

@@ -16,6 +16,7 @@ consumers write `from everystep import db` and `db.claim(conn, ...)`:
   partitions, retention by end status
 - ops, ui, observe: the operators' actions and audit trail, the web UI's
   reads, what metrics and health checks read
+- streams: durable streams' entries, written in the group commit, and their readers
 - charts: the console's per-minute figures and the bounded reads its charts draw
 - session: session settings, pooled connections, liveness locks, LISTEN
 - testing: the engine's clock (everystep_now), and what everystep.testing reads
@@ -143,6 +144,10 @@ from everystep.db.rows import (
     StepRow,
     StepState,
     StepWrite,
+    StreamEntryRow,
+    StreamLook,
+    StreamState,
+    StreamWrite,
     TableHealth,
     TokenTake,
     TracedExecution,
@@ -199,6 +204,16 @@ from everystep.db.session import (
     reset_claiming_session,
     try_lock,
     unlock,
+)
+from everystep.db.streams import (
+    alisten_streams,
+    aread_stream,
+    listen_streams,
+    notify_streams,
+    read_stream,
+    run_streams,
+    stream_state,
+    write_streams,
 )
 from everystep.db.testing import (
     advance_clock,
@@ -270,4 +285,7 @@ __all__ = [
     "insert_rerun", "rerun_source",
     "CHART_DUE_CAP", "CHART_LOOKBACK_S", "chart_minutes", "chart_schedule_fires", "chart_step_durations",
     "prune_minutes", "roll_up_minutes",
+    # streams
+    "StreamEntryRow", "StreamLook", "StreamState", "StreamWrite", "alisten_streams", "aread_stream",
+    "listen_streams", "notify_streams", "read_stream", "run_streams", "stream_state", "write_streams",
 ]

@@ -229,3 +229,35 @@ class TokenTake(NamedTuple):
     wait: float  # 0.0: taken; else the seconds until the next one is due
     now: float  # the engine's time then (epoch seconds)
     taken_at: float | None  # when it was taken, by the server's clock (epoch seconds); None: not taken
+
+
+# ---------------------------------------------------------------- streams (0023)
+
+
+class StreamEntryRow(NamedTuple):
+    """One stream entry as an execution writes it (value None: the close)."""
+    key: str
+    offset: int
+    value: str | None  # the value's JSON (the extended codec)
+    step_id: str | None  # the body call's id, or the step's that wrote it
+    attempt: int | None  # None from the body; else the step's try
+
+
+class StreamWrite(NamedTuple):
+    """One execution's stream entries of a group commit (write_streams), fenced by its token."""
+    run: uuid.UUID
+    token: int
+    entries: list[StreamEntryRow]
+
+
+class StreamState(NamedTuple):
+    """A run's streams as an execution finds them before it writes."""
+    next_offsets: dict[str, int]  # by key
+    closed: set[str]
+    body_writes: dict[str, int]  # the offset each body call wrote, by its id
+
+
+class StreamLook(NamedTuple):
+    """A reader's look at a stream (read_stream)."""
+    status: str | None  # the run's; None: no such run
+    entries: list[tuple]  # (offset, value's JSON text, is the close, step_id, attempt, claim_token)

@@ -364,6 +364,24 @@ CREATE TABLE everystep_event (
 );
 
 
+-- ---------------------------------------------------------------- streams (0023)
+
+-- What a run writes for the outside to read while it goes on
+-- (everystep.write_stream / read_stream): one row per entry, offsets dense
+-- per (run, key) from 0; the entry with a NULL value closes its stream (a
+-- JSON null is the jsonb 'null', never SQL NULL).
+CREATE TABLE everystep_stream (
+    run_id      uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    key         varchar(300) NOT NULL,
+    "offset"    bigint NOT NULL,
+    value       jsonb,                                  -- NULL: the entry that closes the stream
+    step_id     varchar(300),                           -- the body call's id, or the step's that wrote it
+    attempt     integer,                                -- NULL from the body; else the step's try (1, 2, ...)
+    claim_token bigint,                                 -- the execution that wrote it
+    created_at  timestamptz NOT NULL DEFAULT everystep_now(),
+    PRIMARY KEY (run_id, key, "offset")
+);
+
 -- ---------------------------------------------------------------- the history (0017)
 
 -- Finished runs, with their steps, messages and events, moved out of the hot
@@ -395,6 +413,10 @@ CREATE INDEX everystep_message_history_run ON everystep_message_history (run_id,
 CREATE TABLE everystep_event_history (LIKE everystep_event) PARTITION BY RANGE (run_id);
 ALTER TABLE everystep_event_history ADD PRIMARY KEY (run_id, key);
 
+-- 0023
+CREATE TABLE everystep_stream_history (LIKE everystep_stream) PARTITION BY RANGE (run_id);
+ALTER TABLE everystep_stream_history ADD PRIMARY KEY (run_id, key, "offset");
+
 -- What reads runs reads both parts; within one statement a run is in
 -- exactly one (one snapshot sees the move's delete and insert together).
 CREATE VIEW everystep_workflow_all AS
@@ -417,6 +439,12 @@ SELECT * FROM everystep_event
 UNION ALL
 SELECT * FROM everystep_event_history;
 
+-- 0023
+CREATE VIEW everystep_stream_all AS
+SELECT * FROM everystep_stream
+UNION ALL
+SELECT * FROM everystep_stream_history;
+
 -- The smallest UUIDv7 of the millisecond `at` is in: the bound of a
 -- partition of the runs created from `at` on.
 CREATE FUNCTION everystep_uuid_at(at timestamptz) RETURNS uuid LANGUAGE sql IMMUTABLE PARALLEL SAFE
@@ -427,7 +455,7 @@ CREATE FUNCTION everystep_history_week(id uuid) RETURNS date LANGUAGE sql IMMUTA
 AS $$ SELECT date_trunc('week', to_timestamp(('x' || substr(replace(id::text, '-', ''), 1, 12))::bit(48)::bigint
                                                 / 1000.0) AT TIME ZONE 'UTC')::date $$;
 
--- The partitions of `week` (a Monday) of the four history tables, each
+-- The partitions of `week` (a Monday) of the history tables (five since 0023), each
 -- named <table>_<yyyymmdd>, created where missing: made on their own, then
 -- attached (SHARE UPDATE EXCLUSIVE on the parent, which readers and the
 -- move do not wait for). Returns how many it created.
@@ -438,7 +466,8 @@ DECLARE
     made integer := 0;
 BEGIN
     FOREACH parent IN ARRAY ARRAY['everystep_workflow_history', 'everystep_step_history',
-                                  'everystep_message_history', 'everystep_event_history'] LOOP
+                                  'everystep_message_history', 'everystep_event_history',
+                                  'everystep_stream_history'] LOOP
         part := parent || '_' || to_char(week, 'YYYYMMDD');
         IF to_regclass(format('%I.%I', current_schema(), part)) IS NULL THEN
             EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I)', current_schema(), part, current_schema(), parent);
@@ -452,7 +481,7 @@ BEGIN
     RETURN made;
 END $$;
 
--- The partitions of `week` of the four history tables, dropped (each an
+-- The partitions of `week` of the five history tables (0023: streams), dropped (each an
 -- ACCESS EXCLUSIVE lock on its parent for an instant: the caller bounds
 -- the wait with lock_timeout). Returns how many it dropped.
 CREATE FUNCTION everystep_history_drop(week date) RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
@@ -462,7 +491,8 @@ DECLARE
     dropped integer := 0;
 BEGIN
     FOREACH parent IN ARRAY ARRAY['everystep_workflow_history', 'everystep_step_history',
-                                  'everystep_message_history', 'everystep_event_history'] LOOP
+                                  'everystep_message_history', 'everystep_event_history',
+                                  'everystep_stream_history'] LOOP
         part := parent || '_' || to_char(week, 'YYYYMMDD');
         IF to_regclass(format('%I.%I', current_schema(), part)) IS NOT NULL THEN
             EXECUTE format('DROP TABLE %I.%I', current_schema(), part);

@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import db, liveness, operations, serde
+from everystep import db, liveness, operations, serde, streams
 from everystep.logs import first_line
 from everystep.ui.hub import Hub
 
@@ -345,6 +345,7 @@ class Console:
     def __init__(self, database_url: str, credentials: Credentials | None = None, pool_size: int = 4,
                  poll_interval: float = 1.0):
         self.credentials = credentials or Credentials()
+        self.database_url = database_url  # a stream's reader opens its own connection (it LISTENs)
         self.pool = ConnectionPool(
             database_url, min_size=1, max_size=pool_size, open=True, name="everystep-ui",
             kwargs=liveness.connection_kwargs("everystep ui"), configure=self._configure,
@@ -403,6 +404,9 @@ class Console:
             if found is not None and found["status"] == "running" and found["claimed_by"]:
                 # The requeue button only when the claimer's lock is free (it is dead).
                 found["claimer_alive"] = not db.runners_without_lock(conn, [found["claimed_by"]])
+            if found is not None:
+                found["streams"] = [{"key": key, "entries": entries, "closed": closed or found["status"] in db.TERMINAL}
+                                    for key, entries, closed in db.run_streams(conn, run)]
         if found is None:
             raise Problem(404, f"no run {run}")
         found["execution_history"] = execution_history(found)
@@ -415,6 +419,24 @@ class Console:
                         f"everystep resolve-step {run} {blocked_on[0]} --discard"],
             }
         return found
+
+    def stream_start(self, run_id: str, key: str, last_event_id: str | None, offset: str | None) -> tuple:
+        """Where a stream's Server-Sent Events start: (run, key, offset), from
+        the `Last-Event-ID` of a reconnecting client (the offset after it),
+        else `?offset=`, else 0. An unknown run is a 404."""
+        run = _run_id(run_id)
+        if not 1 <= len(key) <= streams.MAX_STREAM_KEY:
+            raise Problem(400, f"a stream key is 1 to {streams.MAX_STREAM_KEY} characters")
+        try:
+            start = int(last_event_id) + 1 if last_event_id else int(offset or 0)
+        except ValueError:
+            raise Problem(400, "Last-Event-ID and offset= are offsets (integers >= 0)") from None
+        if start < 0:
+            raise Problem(400, "Last-Event-ID and offset= are offsets (integers >= 0)")
+        with self._db() as conn:
+            if db.read_stream(conn, run, key, start, 0).status is None:
+                raise Problem(404, f"no run {run}")
+        return run, key, start
 
     def workflows(self) -> dict:
         with self._db() as conn:

@@ -27,6 +27,7 @@ from django.middleware.csrf import get_token
 from django.urls import path, reverse
 from django.views.decorators.http import require_GET, require_POST
 
+from everystep import serde, streams
 from everystep.ui.core import Console, Problem, Who, to_json
 from everystep.ui.web import HEARTBEAT_SECONDS, HERE
 
@@ -120,6 +121,32 @@ def events(request: HttpRequest, who: Who) -> StreamingHttpResponse:
     return response
 
 
+@require_GET
+@staff_only
+def stream(request: HttpRequest, who: Who, run_id: str, key: str) -> StreamingHttpResponse:
+    """A run's durable stream as Server-Sent Events (see docs/streams.md)."""
+    c = console()
+    run, key, offset = c.stream_start(run_id, key, request.headers.get("Last-Event-ID"), request.GET.get("offset"))
+    response = StreamingHttpResponse(_stream_entries(c.database_url, run, key, offset),
+                                     content_type="text/event-stream")
+    response["Cache-Control"] = "no-store"
+    response["X-Accel-Buffering"] = "no"
+    return response
+
+
+def _stream_entries(database_url: str, run: Any, key: str, offset: int) -> Iterator[str]:
+    """As everystep.ui.web's, for a synchronous server: one thread per open response."""
+    while True:
+        try:
+            for entry in streams.read_stream(run, key, offset=offset, timeout=HEARTBEAT_SECONDS, conn=database_url):
+                yield f"id: {entry.offset}\ndata: {serde.dumps(entry.value)}\n\n"
+                offset = entry.offset + 1
+            yield "event: end\ndata: {}\n\n"
+            return
+        except TimeoutError:
+            yield ": heartbeat\n\n"
+
+
 def _stream(c: Console) -> Iterator[str]:
     """Server-Sent Events for a synchronous server: one thread per open page
     waits on the hub (which still polls the database once for all of them)."""
@@ -153,5 +180,6 @@ urlpatterns = [
     path("api/charts", _read(lambda c: c.charts, with_query=True)),
     path("api/schedules/<str:key>/fires", _read(lambda c: c.schedule_fires)),
     path("api/events", events),
+    path("api/runs/<str:run_id>/streams/<path:key>", stream),
     path("api/actions/<str:action>", act),
 ]

@@ -19,6 +19,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from everystep.ui.core import Console, Problem, Who, to_json
+from everystep.ui.tails import Tails
 
 HERE = Path(__file__).parent
 COOKIE = "everystep_ui_token"
@@ -48,6 +49,7 @@ def _base(request: Request) -> str:
 def create_app(console: Console) -> Starlette:
     """The ASGI app of one console: the page, its JSON API, its event stream."""
     credentials = console.credentials
+    tails = Tails(console.database_url, HEARTBEAT_SECONDS)  # one reader per stream, for all its clients
 
     def identify(request: Request) -> Who | None:
         peer = request.client.host if request.client else None
@@ -136,6 +138,19 @@ def create_app(console: Console) -> Starlette:
         return StreamingResponse(_stream(console), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+    async def stream(request: Request) -> Response:
+        """A run's stream as Server-Sent Events (`id:` the offset)."""
+        try:
+            who(request)
+            run, key, offset = await run_in_threadpool(
+                console.stream_start, request.path_params["run_id"], request.path_params["key"],
+                request.headers.get("last-event-id"), request.query_params.get("offset"))
+        except Problem as problem:
+            return _JSON({"error": str(problem)}, status_code=problem.status)
+        return StreamingResponse(tails.events(run, key, offset),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
     routes = [
         Route("/", page, name="page"),
         Route("/runs/{run_id}", page),
@@ -145,6 +160,7 @@ def create_app(console: Console) -> Starlette:
         Route("/api/me", me),
         Route("/api/runs", api(console.runs, with_query=True)),
         Route("/api/runs/{run_id}", api(console.run)),
+        Route("/api/runs/{run_id}/streams/{key:path}", stream),
         Route("/api/workflows", api(console.workflows)),
         Route("/api/schedules", api(console.schedules)),
         Route("/api/workers", api(console.workers)),
@@ -180,3 +196,4 @@ async def _stream(console: Console) -> AsyncIterator[str]:
                 yield f"id: {version}\nevent: overview\ndata: {to_json({'version': version, **snapshot})}\n\n"
     finally:
         stop()
+

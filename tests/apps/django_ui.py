@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 
 import django
 from django.conf import settings
@@ -62,6 +63,7 @@ def main(url: str) -> None:
     stream = client.get("/ops/api/events")
     out["events"] = next(iter(stream.streaming_content)).decode()[:40]
     stream.close()
+    out["unknown_run_stream"] = client.get(f"/ops/api/runs/{uuid.uuid4()}/streams/out").status_code
     print(json.dumps(out))
 
 

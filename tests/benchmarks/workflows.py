@@ -101,3 +101,15 @@ def paced() -> float:
 def rate_limited(i: int) -> float:
     """One step that takes a token of the `bench-api` rate limit (rate_limit)."""
     return paced()
+
+
+# One stream entry of 40 bytes as stored JSON: a string of 38 characters, quoted.
+STREAM_ENTRY = "x" * 38
+
+
+@workflow
+def stream_writer(entries: int) -> int:
+    """Writes `entries` entries to its stream "out" as fast as it can."""
+    for _ in range(entries):
+        everystep.write_stream("out", STREAM_ENTRY)
+    return entries

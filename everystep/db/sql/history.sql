@@ -54,7 +54,7 @@ SELECT (SELECT coalesce(array_agg(id), '{}') FROM c),
 
 -- name: archive_batch
 -- The move: these runs, if they have ended, leave the hot tables with their
--- steps, messages and events for the history tables, in one statement (a
+-- steps, messages, events and streams for the history tables, in one statement (a
 -- reader's snapshot sees each run in exactly one of them). `*`: the history
 -- tables have their hot tables' columns in the same order, so a new column
 -- moves with no change here. The foreign keys' cascades delete the crash
@@ -91,6 +91,12 @@ WITH
         WHERE e.run_id = picked.id
         RETURNING e.*
     ),
+    streams AS (
+        DELETE FROM everystep_stream x
+        USING picked
+        WHERE x.run_id = picked.id
+        RETURNING x.*
+    ),
     runs_in AS (
         INSERT INTO everystep_workflow_history
         SELECT * FROM runs
@@ -106,6 +112,10 @@ WITH
     events_in AS (
         INSERT INTO everystep_event_history
         SELECT * FROM events
+    ),
+    streams_in AS (
+        INSERT INTO everystep_stream_history
+        SELECT * FROM streams
     )
 SELECT count(*)::int
 FROM runs;
@@ -180,7 +190,7 @@ SELECT everystep_history_drop(%(week)s::date);
 
 -- name: retention_batch
 -- Up to `limit` runs of `status` in the history that ended more than
--- `seconds` ago, deleted with their steps, messages, events, schedule
+-- `seconds` ago, deleted with their steps, messages, events, streams, schedule
 -- records and executions: how many runs.
 WITH
     gone AS (
@@ -207,6 +217,11 @@ WITH
         USING gone
         WHERE e.run_id = gone.id
     ),
+    streams AS (
+        DELETE FROM everystep_stream_history x
+        USING gone
+        WHERE x.run_id = gone.id
+    ),
     records AS (
         DELETE FROM everystep_schedule_run r
         USING gone
@@ -223,7 +238,7 @@ FROM gone;
 -- name: retention_batch_hot
 -- Up to `limit` runs of `status` still in the hot table that ended more
 -- than `seconds` ago (not moved yet, or with an id that never moves),
--- deleted with their steps, messages, events and crash counts (foreign key
+-- deleted with their steps, messages, events, streams and crash counts (foreign key
 -- cascades), schedule records and executions: how many runs. Rows locked by someone
 -- else are skipped rather than waited for.
 WITH

@@ -452,6 +452,7 @@ async function showRun(quiet) {
     h("h3", {}, `executions (${run.execution_history.length})`), executionTable(run),
     run.messages && run.messages.length ? [h("h3", {}, `messages received (${run.messages.length})`), messageTable(run.messages)] : null,
     run.events && run.events.length ? [h("h3", {}, `events set (${run.events.length})`), eventTable(run.events)] : null,
+    run.streams && run.streams.length ? [h("h3", {}, `streams (${run.streams.length})`), streamPanels(run)] : null,
     run.audit.length ? [h("h3", {}, "audit"), auditTable(run.audit)] : null,
   );
   if (quiet && !document.querySelector("article.run")) return;
@@ -462,6 +463,34 @@ async function showRun(quiet) {
   drawGraph(graph, run, detail);
   if (quiet && oldView) setView(oldView);
   onSnapshot = (snapshot, changed) => { if (changed && !TERMINAL.includes(run.status)) refetchSoon(); };
+}
+
+// A run's streams, read live over Server-Sent Events: one EventSource per
+// stream of the run shown, kept across the page's re-renders, closed when
+// another run is shown. Text values are joined as they come (a model's
+// tokens); other values are shown one JSON per line.
+const streamViews = new Map();
+
+function streamPanels(run) {
+  for (const [id, view] of streamViews) {
+    if (view.run !== run.id) { view.source.close(); streamViews.delete(id); }
+  }
+  return h("div", { class: "streams" }, run.streams.map((st) => {
+    const id = `${run.id}/${st.key}`;
+    let view = streamViews.get(id);
+    if (!view) {
+      const pre = h("pre", { class: "value stream", "data-stream": st.key, "data-state": "reading" });
+      const source = new EventSource(`${BASE}/api/runs/${encodeURIComponent(run.id)}/streams/${encodeURIComponent(st.key)}`);
+      view = { run: run.id, pre, source };
+      source.onmessage = (event) => {
+        const value = JSON.parse(event.data);
+        pre.textContent += typeof value === "string" ? value : `${JSON.stringify(value)}\n`;
+      };
+      source.addEventListener("end", () => { source.close(); pre.dataset.state = "closed"; });
+      streamViews.set(id, view);
+    }
+    return h("div", { class: "stream-panel" }, h("h4", { class: "mono" }, st.key), view.pre);
+  }));
 }
 
 const LEGEND = { done: "done", failed: "failed", inflight: "in progress", waiting: "waiting (sleep, wait, back-off)",

@@ -1,0 +1,1 @@
+"""Integrations of everystep with other libraries, each behind an extra."""

@@ -1,0 +1,155 @@
+"""stream: one run writing 10,000 entries of 40 bytes to a durable stream as
+fast as it can, read by 50 concurrent readers — 25 with read_stream (in 5
+processes), 25 over the UI's Server-Sent Events (an `everystep ui` server,
+clients in 5 processes) — all connected before the run starts. Figures:
+entries/s written (first write to last commit), and the commit-to-reader
+latency of every entry at every reader, p50/p99 (the commit's moment is
+taken in the writing process after its statement returned; the reader's
+when the entry reached it; one host's clock). Targets: >= 5,000 entries/s
+written, p50 <= 5 ms, p99 <= 25 ms.
+
+python -m tests.benchmarks.bench_stream [--entries N] [--readers N] [--sse-readers N] [--quick]
+Prints one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import threading
+import time
+
+import everystep
+import everystep.db
+from everystep.runner import Runner
+from tests.benchmarks import harness, workflows
+
+QUICK = {"entries": 500, "readers": 4, "sse_readers": 2}
+PROCESSES = 5  # reader processes of each kind
+VIEWER = "bench-viewer-token-0123456789abcdef"
+
+
+def read_direct(url: str, run_id: str, threads: int, ready, results) -> None:
+    """`threads` readers with read_stream, in this process: their receive times by offset."""
+    import everystep  # noqa: PLC0415
+
+    got: list[list[float]] = [[] for _ in range(threads)]
+
+    def reader(i: int) -> None:
+        entries = everystep.read_stream(run_id, "out", timeout=120, conn=url)  # connected and looked once
+        ready.release()
+        for _entry in entries:
+            got[i].append(time.time())
+
+    _run_threads(reader, threads)
+    results.put(got)
+
+
+def read_sse(base: str, run_id: str, threads: int, ready, results) -> None:
+    """`threads` Server-Sent Events clients of the UI, in this process."""
+    import httpx  # noqa: PLC0415
+
+    got: list[list[float]] = [[] for _ in range(threads)]
+
+    def reader(i: int) -> None:
+        with httpx.Client(timeout=120) as client, client.stream(
+                "GET", f"{base}/api/runs/{run_id}/streams/out", headers={"Authorization": f"Bearer {VIEWER}"}
+        ) as response:
+            ready.release()
+            for line in response.iter_lines():
+                if line.startswith("id:"):
+                    got[i].append(time.time())
+                elif line.startswith("event: end"):
+                    return
+
+    _run_threads(reader, threads)
+    results.put(got)
+
+
+def _run_threads(target, count: int) -> None:
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _spread(total: int) -> list[int]:
+    """`total` readers over at most PROCESSES processes."""
+    processes = min(PROCESSES, total)
+    return [total // processes + (1 if i < total % processes else 0) for i in range(processes)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--entries", type=int, default=10_000)
+    parser.add_argument("--readers", type=int, default=25, help="readers with read_stream")
+    parser.add_argument("--sse-readers", type=int, default=25, help="readers over the UI's Server-Sent Events")
+    args = harness.arguments(parser, quick=QUICK)
+    from tests.support.ui_process import UiProcess  # noqa: PLC0415
+
+    spawn = multiprocessing.get_context("spawn")
+    committed: dict[int, float] = {}
+    original = everystep.db.write_streams
+
+    def write_streams(conn, runner, writes):  # the commit's moment of every entry
+        held = original(conn, runner, writes)
+        now = time.time()
+        for write in writes:
+            for entry in write.entries:
+                committed[entry.offset] = now
+        return held
+
+    with harness.schema() as db, harness.scratch() as folder:
+        ui = UiProcess(db.url, folder / "ui", env={"EVERYSTEP_UI_VIEWER_TOKEN": VIEWER})
+        try:
+            base = ui.url
+            with db.connect(autocommit=False) as conn:
+                run_id = harness.schedule_in(conn, workflows.stream_writer, args.entries)
+            ready, results = spawn.Semaphore(0), spawn.Queue()
+            readers = [spawn.Process(target=read_direct, args=(db.url, str(run_id), n, ready, results))
+                       for n in _spread(args.readers)]
+            readers += [spawn.Process(target=read_sse, args=(base, str(run_id), n, ready, results))
+                        for n in _spread(args.sse_readers)]
+            for process in readers:
+                process.start()
+            for _ in range(args.readers + args.sse_readers):
+                ready.acquire(timeout=120)
+            time.sleep(0.5)  # every reader waiting on its LISTEN
+            everystep.db.write_streams = write_streams
+            runner = Runner(db.pool, "bench-stream")
+            try:
+                with db.connect() as conn:
+                    claimed = everystep.db.claim(conn, "bench-stream", 1)
+                started = time.time()
+                outcome = runner.execute(claimed[0]).outcome
+            finally:
+                runner.close()
+                everystep.db.write_streams = original
+            received = [times for _ in readers for times in results.get(timeout=300)]
+            for process in readers:
+                process.join(30)
+        finally:
+            ui.close()
+    written_s = max(committed.values()) - started
+    latencies_ms = [(at - committed[offset]) * 1000 for times in received for offset, at in enumerate(times)]
+    cuts = harness.percentiles(latencies_ms)
+    harness.emit({
+        "benchmark": "stream",
+        "entries": args.entries,
+        "readers": args.readers,
+        "sse_readers": args.sse_readers,
+        "entries_per_s": round(args.entries / written_s),
+        "commit_to_reader_p50_ms": round(cuts["p50"], 3),
+        "commit_to_reader_p99_ms": round(cuts["p99"], 3),
+        "target_entries_per_s": 5000,
+        "target_p50_ms": 5.0,
+        "target_p99_ms": 25.0,
+        "entries_read": len(latencies_ms),
+        "not_completed": int(outcome != "completed")
+                         + sum(len(times) != args.entries for times in received)
+                         + (len(received) != args.readers + args.sse_readers),
+    })
+
+
+if __name__ == "__main__":
+    main()
