@@ -88,10 +88,15 @@ class TransactionPooledConnection(psycopg.Connection):
 def listen(conn: psycopg.Connection) -> str:
     """LISTEN for runs becoming claimable; returns the channel."""
     channel = "everystep:" + conn.execute(queries.get("current_schema"), {}).fetchone()[0]
-    # LISTEN takes its channel as an identifier, which no statement parameter
-    # can be: the one statement composed here, from the schema's channel name.
-    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+    conn.execute(listen_statement(channel))
     return channel
+
+
+def listen_statement(channel: str) -> sql.Composed:
+    """LISTEN takes its channel as an identifier, which no statement parameter
+    can be: the one statement composed in the data layer, from a channel name
+    the database gave."""
+    return sql.SQL("LISTEN {}").format(sql.Identifier(channel))
 
 
 def ping(conn: psycopg.Connection) -> None:

@@ -7,9 +7,8 @@ from __future__ import annotations
 import uuid
 
 import psycopg
-from psycopg import sql
 
-from everystep.db import queries
+from everystep.db import queries, session
 from everystep.db.rows import StreamLook, StreamState, StreamWrite
 from everystep.db.session import Executor
 
@@ -63,18 +62,12 @@ def notify_streams(conn: Executor, run: uuid.UUID) -> None:
     conn.execute(queries.get("notify_streams"), {"run": str(run)})
 
 
-def _listen_statement(channel: str) -> sql.Composed:
-    # LISTEN takes its channel as an identifier, which no statement parameter
-    # can be: composed here from the schema's channel name, as session.listen does.
-    return sql.SQL("LISTEN {}").format(sql.Identifier(channel))
-
-
 def listen_streams(conn: psycopg.Connection) -> None:
     """LISTEN for stream entries (an autocommit connection: at once)."""
     channel = conn.execute(queries.get("stream_channel"), {}).fetchone()[0]
-    conn.execute(_listen_statement(channel))
+    conn.execute(session.listen_statement(channel))
 
 
 async def alisten_streams(aconn: psycopg.AsyncConnection) -> None:
     channel = (await (await aconn.execute(queries.get("stream_channel"), {})).fetchone())[0]
-    await aconn.execute(_listen_statement(channel))
+    await aconn.execute(session.listen_statement(channel))
