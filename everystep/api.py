@@ -8,6 +8,7 @@ import datetime
 import functools
 import inspect
 import math
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -350,7 +351,7 @@ def _reading(conn: Any, caller: str) -> Any:
     return transaction_connection(conn, caller, write=False)
 
 
-def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
+def schedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | None = None,
              conn: Any = None, at: datetime.datetime | None = None,
              after: float | datetime.timedelta | None = None,
              deadline: float | datetime.timedelta | datetime.datetime | None = None, priority: int | None = None,
@@ -366,7 +367,13 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     timeout counts). `priority` (-100..100, higher first; default: the
     workflow's, else 0): among due runs the claim takes the highest first.
     `concurrency_key` (a tenant, say): with @workflow(concurrency_per_key=N),
-    at most N runs per key at once, the keys taken in turn."""
+    at most N runs per key at once, the keys taken in turn.
+
+    `workflow_fn` may be the workflow's name instead, `module.qualname`
+    (e.g. "myapp.flows.provision_vm"), for a producer that does not import
+    the workflow's code: the name's syntax and the arguments' encoding are
+    checked here, the rest by the worker that runs it (docs/flow.md,
+    "Starting a run by name")."""
     name, args_json, at, after, limit = _run_args("schedule()", workflow_fn, args, idempotency_key, at, after,
                                                   deadline)
     flow = _flow_args("schedule()", workflow_fn, priority, concurrency_key)
@@ -378,7 +385,7 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
 
-async def aschedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
+async def aschedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | None = None,
                     conn: Any = None, at: datetime.datetime | None = None,
                     after: float | datetime.timedelta | None = None,
                     deadline: float | datetime.timedelta | datetime.datetime | None = None,
@@ -397,37 +404,71 @@ async def aschedule(workflow_fn: Callable, *args: Any, idempotency_key: str | No
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
 
-def _flow_args(caller: str, workflow_fn: Callable, priority: Any,
+def _flow_args(caller: str, workflow_fn: Callable | str, priority: Any,
                concurrency_key: Any) -> tuple[int | None, int, str | None]:
     """schedule()'s priority (None: the workflow's default), the decorator's
     default priority, and the concurrency key, checked."""
     if priority is not None:
         check_priority(f"{caller.removesuffix('()')}(priority=...)", priority)
     _check_concurrency_key(f"{caller.removesuffix('()')}(concurrency_key=...)", concurrency_key)
-    return priority, getattr(workflow_fn, "__everystep_priority__", None) or 0, concurrency_key
+    return priority, _workflow_option(workflow_fn, "__everystep_priority__") or 0, concurrency_key
 
 
-def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: str | None, at: Any,
+def _run_args(caller: str, workflow_fn: Callable | str, args: tuple, idempotency_key: str | None, at: Any,
               after: Any, deadline: Any) -> tuple[str, str, datetime.datetime | None, float | None, db.Deadline]:
     """schedule()'s checks, before anything is inserted: the workflow's name,
     the arguments as JSON, the due time, the deadline."""
-    name = registry.workflow_name(workflow_fn)
-    if name is None:
-        raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
+    name, workflow_fn = _workflow_target(caller, workflow_fn)
     _check_key(idempotency_key)
     if at is not None and after is not None:
         raise EverystepError(f"{caller} takes at= or after=, not both")
     at = None if at is None else _aware(f"{caller.removesuffix('()')}(at=...)", at)
     after = None if after is None else _seconds(f"{caller.removesuffix('()')}(after=...)", after)
-    _check_signature(caller, name, workflow_fn, args)
+    if workflow_fn is not None:  # a name no code here defines: its worker checks the arguments
+        _check_signature(caller, name, workflow_fn, args)
     limit = _deadline(f"{caller.removesuffix('()')}(deadline=...)", deadline, workflow_fn)
     return name, serde.dumps(list(args)), at, after, limit  # unserializable args refused before any insert
 
 
-def _deadline(what: str, deadline: Any, workflow_fn: Callable) -> db.Deadline:
+def _workflow_target(caller: str, workflow: Any) -> tuple[str, Callable | None]:
+    """The workflow a run is scheduled of: an @workflow function, or its
+    name (`module.qualname`, or `module:qualname` as the CLI takes it) for a
+    producer that does not import its code. Returns the name and the
+    function, None when no code in this process registered the name (then
+    its arguments and options cannot be checked against it here)."""
+    if isinstance(workflow, str):
+        name = workflow.replace(":", ".", 1) if workflow.count(":") == 1 else workflow
+        if len(name) > MAX_NAME or not _WORKFLOW_NAME.fullmatch(name):
+            raise EverystepError(
+                f"{caller} takes an @workflow function or the workflow's name, module.qualname "
+                f"(e.g. myapp.flows.provision_vm), not {workflow!r:.80}")
+        if name.startswith("__main__."):
+            raise EverystepError(
+                f"{caller}: {name} names a workflow of a script run as __main__, which no worker can import; "
+                "name it by the module that defines it")
+        return name, registry.WORKFLOWS.get(name)
+    name = registry.workflow_name(workflow)
+    if name is None:
+        raise TypeError(f"{caller} takes an @workflow function or its name, not {workflow!r}")
+    return name, workflow
+
+
+def _workflow_option(workflow: Any, option: str) -> Any:
+    """An @workflow(...) option of the workflow scheduled (a function, or a
+    name this process registered); None when not set, or not known here."""
+    if isinstance(workflow, str):
+        workflow = _workflow_target("schedule()", workflow)[1]
+    return getattr(workflow, option, None)
+
+
+# A workflow's name: a module's dotted path, then the function's qualname.
+_WORKFLOW_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def _deadline(what: str, deadline: Any, workflow_fn: Callable | None) -> db.Deadline:
     """A run's deadline: schedule(deadline=) (seconds from now, a timedelta
     or an aware datetime) and its workflow's timeout."""
-    timeout = getattr(workflow_fn, "__everystep_timeout__", None)
+    timeout = _workflow_option(workflow_fn, "__everystep_timeout__")
     if deadline is None:
         return db.NO_DEADLINE if timeout is None else db.Deadline(timeout=timeout)
     if isinstance(deadline, datetime.datetime):
@@ -437,7 +478,7 @@ def _deadline(what: str, deadline: Any, workflow_fn: Callable) -> db.Deadline:
     return db.Deadline(in_=_timeout(what, deadline), timeout=timeout)
 
 
-def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
+def schedule_many(workflow_fn: Callable | str, args_list: Iterable[Sequence[Any]], *,
                   idempotency_keys: Sequence[str | None] | None = None,
                   conn: Any = None, priority: int | None = None,
                   concurrency_key: str | None = None) -> list[ScheduledRun]:
@@ -454,12 +495,12 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
-    timeout = getattr(workflow_fn, "__everystep_timeout__", None)
+    timeout = _workflow_option(workflow_fn, "__everystep_timeout__")
     return [ScheduledRun(run_id, name, created)
             for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys, timeout, *flow)]
 
 
-async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
+async def aschedule_many(workflow_fn: Callable | str, args_list: Iterable[Sequence[Any]], *,
                          idempotency_keys: Sequence[str | None] | None = None,
                          conn: Any = None, priority: int | None = None,
                          concurrency_key: str | None = None) -> list[ScheduledRun]:
@@ -470,17 +511,15 @@ async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
-    timeout = getattr(workflow_fn, "__everystep_timeout__", None)
+    timeout = _workflow_option(workflow_fn, "__everystep_timeout__")
     return [ScheduledRun(run_id, name, created)
             for run_id, created in await db.ainsert_runs(aconn, name, ids, args_jsons, keys, timeout, *flow)]
 
 
-def _many_args(caller: str, workflow_fn: Callable, args_list: Any,
+def _many_args(caller: str, workflow_fn: Callable | str, args_list: Any,
                idempotency_keys: Any) -> tuple[str, list[str], list[str | None]]:
     """schedule_many()'s checks: the workflow's name, each run's arguments as JSON, its key."""
-    name = registry.workflow_name(workflow_fn)
-    if name is None:
-        raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
+    name, workflow_fn = _workflow_target(caller, workflow_fn)
     if isinstance(args_list, (str, bytes)) or not isinstance(args_list, Iterable):
         raise EverystepError(f"{caller} takes a list of argument tuples, one per run")
     args_list = list(args_list)
@@ -492,7 +531,7 @@ def _many_args(caller: str, workflow_fn: Callable, args_list: Any,
                 f"{caller}: run {position} has arguments {args!r:.60}; each must be a tuple or list "
                 "of positional arguments, e.g. [(1,), (2,)]"
             )
-        if len(args) not in arities:
+        if workflow_fn is not None and len(args) not in arities:
             _check_signature(f"{caller} run {position}", name, workflow_fn, args)
             arities.add(len(args))
         args_jsons.append(serde.dumps(list(args)))
