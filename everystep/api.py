@@ -17,10 +17,11 @@ from typing import Any, NamedTuple, TypeVar, overload
 import psycopg
 
 from everystep import aio, db, registry, reruns, serde, tracing
-from everystep.connections import (  # noqa: F401  (atransaction, transaction, use: the API's, from there)
+from everystep.connections import (  # noqa: F401  (atransaction, step_connection, transaction, use: the API's, from there)
     async_connection,
     atransaction,
     bound_connection,
+    step_connection,
     transaction,
     transaction_connection,
     use,
@@ -125,14 +126,14 @@ def step(fn: F) -> F: ...
 def step(*, unsafe_to_repeat: bool = False, retries: int = 0, backoff: float | Backoff | None = None,
          retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
          timeout: float | datetime.timedelta | None = None,
-         rate_limit: str | None = None) -> Callable[[F], F]: ...
+         rate_limit: str | None = None, transactional: bool = False) -> Callable[[F], F]: ...
 
 
 def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries: int = 0,
          backoff: float | Backoff | None = None,
          retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
          timeout: float | datetime.timedelta | None = None,
-         rate_limit: str | None = None) -> Any:
+         rate_limit: str | None = None, transactional: bool = False) -> Any:
     """Mark a unit of durable work. Inside a running workflow each call is
     recorded (or served from the record on replay); outside, a plain call.
 
@@ -156,15 +157,25 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     `rate_limit="name"`: each attempt first takes a token of that fleet-wide
     rate limit (config `rate_limits:`, or everystep.rate_limit()); with none
     left the run waits for the next (parked, its slot given back, when that
-    is more than a moment away)."""
+    is more than a moment away).
+
+    `transactional=True`: exactly once for the step's database writes. The
+    step runs in a database transaction that also records its outcome: what
+    it writes through `everystep.step_connection()` and its recorded result
+    commit together or not at all, fenced by the run's claim like every
+    write about it. A failed attempt's writes are rolled back. The step
+    holds a connection for its whole length (docs/concepts.md,
+    "Transactional steps")."""
     retry = _retry_policy(retries, backoff, retry_on)
+    _check_transactional(transactional, unsafe_to_repeat, timeout)
     timeout = None if timeout is None else _timeout("@step(timeout=...)", timeout)
     if rate_limit is not None and (not isinstance(rate_limit, str) or not rate_limit or len(rate_limit) > MAX_KEY):
         raise EverystepError(f"rate_limit must be the name of a rate limit (1 to {MAX_KEY} characters), "
                              f"not {rate_limit!r:.60}")
     if fn is None:
         return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat, retries=retries, backoff=backoff,
-                                 retry_on=retry_on, timeout=timeout, rate_limit=rate_limit)
+                                 retry_on=retry_on, timeout=timeout, rate_limit=rate_limit,
+                                 transactional=transactional)
     name = registry.qualified_name(fn)
     if len(name) > MAX_NAME:
         raise EverystepError(f"step name {name[:60]}... is longer than {MAX_NAME} characters")
@@ -174,11 +185,11 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
         scope = current_scope.get()
         if scope is None:
             return fn(*args, **kwargs)
-        if rate_limit is None:
+        if rate_limit is None and not transactional:
             return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry,
                                          timeout)
         return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry,
-                                     timeout, rate_limit=rate_limit)
+                                     timeout, rate_limit=rate_limit, transactional=transactional)
 
     if inspect.iscoroutinefunction(fn) and hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+
         inspect.markcoroutinefunction(call)
@@ -187,7 +198,20 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     call.retry = retry  # type: ignore[attr-defined]
     call.timeout = timeout  # type: ignore[attr-defined]
     call.rate_limit = rate_limit  # type: ignore[attr-defined]
+    call.transactional = transactional  # type: ignore[attr-defined]
     return call
+
+
+def _check_transactional(transactional: Any, unsafe_to_repeat: bool, timeout: Any) -> None:
+    if type(transactional) is not bool:
+        raise EverystepError(f"transactional must be True or False, not {transactional!r}")
+    if transactional and unsafe_to_repeat:
+        raise EverystepError("@step(transactional=True) is exactly once for its database writes already; an "
+                             "effect outside the database is for a step of its own, @step(unsafe_to_repeat=True)")
+    if transactional and timeout is not None:
+        raise EverystepError("@step(transactional=True) takes no timeout=: an attempt abandoned at its timeout "
+                             "would still hold its transaction; bound its statements with statement_timeout "
+                             "(SET LOCAL on step_connection()) instead")
 
 
 def _retry_policy(retries: Any, backoff: Any, retry_on: Any) -> RetryPolicy | None:
