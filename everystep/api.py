@@ -17,11 +17,10 @@ from typing import Any, NamedTuple, TypeVar, overload
 import psycopg
 
 from everystep import aio, db, registry, reruns, serde, tracing
-from everystep.connections import (  # noqa: F401  (atransaction, step_connection, transaction, use: the API's, from there)
+from everystep.connections import (  # noqa: F401  (atransaction, transaction, use: the API's, from there)
     async_connection,
     atransaction,
     bound_connection,
-    step_connection,
     transaction,
     transaction_connection,
     use,
@@ -31,6 +30,7 @@ from everystep.errors import EverystepError, RunFailed, StepFailure, WorkflowArg
 from everystep.ids import uuid7, uuid7_many
 from everystep.retries import Backoff, RetryPolicy
 from everystep.schema import MAX_KEY, MAX_NAME, MAX_PRIORITY, MIN_PRIORITY, RunStatus, StepStatus
+from everystep.transactional import astep_session, step_connection, step_session  # noqa: F401  (the API's)
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -100,36 +100,6 @@ def _check_open(conn: psycopg.Connection | psycopg.AsyncConnection, caller: str)
         )
 
 
-# ---------------------------------------------------------------- transactional steps
-
-_step_bound: ContextVar[Any] = ContextVar("everystep_step_connection", default=None)
-
-
-@contextlib.contextmanager
-def bound_step_connection(conn: Any) -> Iterator[Any]:
-    """Bind the connection of a transactional step's transaction while it runs."""
-    token = _step_bound.set(conn)
-    try:
-        yield conn
-    finally:
-        _step_bound.reset(token)
-
-
-def step_connection() -> Any:
-    """In a @step(transactional=True) running in a workflow: the connection
-    of the step's transaction (a psycopg Connection; an AsyncConnection in an
-    `async def` step), in which the step's outcome is recorded too, so the
-    step's writes made through it and its recorded result commit together
-    or not at all. The step must neither commit nor roll it back. Outside a
-    run (the step called as a plain function), the connection bound with
-    `everystep.use(conn)`; with none, EverystepError."""
-    conn = _step_bound.get() or _bound.get()
-    if conn is None:
-        raise EverystepError("step_connection() is for the body of a @step(transactional=True): in a run it is "
-                             "the step's transaction; outside one, bind a connection with `everystep.use(conn)`")
-    return conn
-
-
 # ---------------------------------------------------------------- SQLAlchemy
 
 def _under_sqlalchemy(conn: Any, caller: str) -> Any:

@@ -32,7 +32,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from everystep import db, metrics, serde
-from everystep.connections import bound_step_connection
+from everystep import transactional as step_transactions
 from everystep.errors import Drain, LostClaim, Parked
 from everystep.ids import uuid7
 from everystep.schema import RunStatus, StepStatus
@@ -445,12 +445,13 @@ class HeldRun:
     def _transaction(self, fn: Callable, step: StepTransaction, args: tuple, kwargs: dict) -> Any:
         self.lent.fence.before_write(self.claim)
         outcome = _StepOutcome(step)
+        pool = self.lent.pool
         try:
-            with self.lent.pool.connection(timeout=STEP_CONNECTION_WAIT) as conn:
+            with (pool.connection(timeout=STEP_CONNECTION_WAIT) as conn,
+                  step_transactions.lent(conn, pool.conninfo, pool.kwargs) as lending):
                 with conn.transaction():
                     db.begin_step_transaction(conn)
-                    with bound_step_connection(conn):
-                        value = outcome.ran(fn(*args, **kwargs))
+                    value = outcome.ran(lending.call(fn, args, kwargs))
                     outcome.written = db.record_transactional_step(conn, self.claim.id, self.runner,
                                                                    self.claim.token, outcome.row, step.update)
                     if outcome.written is False:
@@ -465,11 +466,11 @@ class HeldRun:
         outcome = _StepOutcome(step)
         pool = self.lent.pool
         try:
-            async with await psycopg.AsyncConnection.connect(pool.conninfo, **pool.kwargs) as aconn:
+            async with (await psycopg.AsyncConnection.connect(pool.conninfo, **pool.kwargs) as aconn,
+                        step_transactions.alent(aconn, pool.conninfo, pool.kwargs) as lending):
                 async with aconn.transaction():
                     await db.abegin_step_transaction(aconn)
-                    with bound_step_connection(aconn):
-                        value = outcome.ran(await fn(*args, **kwargs))
+                    value = outcome.ran(await lending.acall(fn, args, kwargs))
                     outcome.written = await db.arecord_transactional_step(aconn, self.claim.id, self.runner,
                                                                           self.claim.token, outcome.row, step.update)
                     if outcome.written is False:

@@ -79,6 +79,18 @@ def test_an_execution_that_lost_its_claim_commits_nothing(booking):
     assert_ended(run.id)
 
 
+@pytest.mark.parametrize("workflow", [flows.order_with_session, flows.aorder_with_session])
+def test_a_sqlalchemy_session_writes_in_the_steps_transaction(booking, workflow):
+    run = schedule(booking, workflow, "o-5")
+    drain()
+    assert assert_ended(run.id).result == "booked"
+    assert flows.calls["o-5"] == 2
+    assert booked(booking, "o-5") == [(1,), (2,)]  # the failed attempt's rows were rolled back
+    idle = booking.execute("SELECT query FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' "
+                           "AND (query ILIKE '%booking%' OR query ILIKE '%savepoint%')")
+    assert idle.fetchall() == []  # no session of the steps left in a transaction
+
+
 def test_bad_options_and_calls_are_refused():
     with pytest.raises(EverystepError, match="transactional must be True or False"):
         everystep.step(transactional="yes")
@@ -88,6 +100,8 @@ def test_bad_options_and_calls_are_refused():
         everystep.step(transactional=True, timeout=5)
     with pytest.raises(EverystepError, match=r"step_connection\(\) is for the body of a @step\(transactional=True\)"):
         everystep.step_connection()
+    with pytest.raises(EverystepError, match=r"step_session\(\) is for the body of a @step\(transactional=True\)"):
+        everystep.step_session()
 
 
 def test_called_outside_a_run_it_uses_the_bound_connection(booking):

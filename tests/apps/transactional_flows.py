@@ -125,3 +125,45 @@ def book_losing_claim(order: str, url: str) -> str:
 @workflow
 def losing_claim(order_id: str, url: str) -> str:
     return book_losing_claim(order_id, url)
+
+
+# ---------------------------------------------------------------- SQLAlchemy sessions on the step's transaction
+
+def _insert(line: int):
+    from sqlalchemy import text  # noqa: PLC0415
+
+    return text(f"INSERT INTO booking (order_id, line) VALUES (:order, {line})")
+
+
+@step(transactional=True, retries=1, backoff=0)
+def book_with_session(order: str) -> str:
+    session = everystep.step_session()
+    session.execute(_insert(1), {"order": order})
+    session.commit()  # kept in the step's transaction (a savepoint)
+    session.execute(_insert(2), {"order": order})  # kept when the step returns
+    calls[order] = calls.get(order, 0) + 1
+    if calls[order] == 1:
+        raise RuntimeError("the first attempt fails: its rows are rolled back")
+    return "booked"
+
+
+@step(transactional=True, retries=1, backoff=0)
+async def abook_with_session(order: str) -> str:
+    session = await everystep.astep_session()
+    await session.execute(_insert(1), {"order": order})
+    await session.commit()
+    await session.execute(_insert(2), {"order": order})
+    calls[order] = calls.get(order, 0) + 1
+    if calls[order] == 1:
+        raise RuntimeError("the first attempt fails: its rows are rolled back")
+    return "booked"
+
+
+@workflow
+def order_with_session(order_id: str) -> str:
+    return book_with_session(order_id)
+
+
+@workflow
+async def aorder_with_session(order_id: str) -> str:
+    return await abook_with_session(order_id)
