@@ -88,14 +88,19 @@ Rules = Generator[Any, Any, Any]
 # ---------------------------------------------------------------- what the rules need done
 
 class _Io(NamedTuple):
-    """A call of the HeldRun's (it does I/O): its result is sent back."""
+    """A call of the HeldRun's (it does I/O): its result is sent back.
+    `outcome`: the write of an unsafe step's outcome, which an async run
+    makes on the loop's lane of its own (aio.Loop.outcome_call)."""
     call: Callable
     args: tuple = ()
+    outcome: bool = False
 
     def run(self) -> Any:
         return self.call(*self.args)
 
     async def arun(self, loop: aio.Loop) -> Any:
+        if self.outcome:
+            return await loop.outcome_call(self.call, *self.args)
         return await loop.io_call(self.call, *self.args)
 
 
@@ -683,8 +688,8 @@ class Replay:
         row = (step_id, name, args, kwargs, status, result, error, update, started)
         if self.held.defers(status, update):
             self.held.record_step(*row)
-        else:
-            yield _Io(self.held.record_step, row)
+        else:  # a `started` mark, or the outcome that ends one's uncertainty
+            yield _Io(self.held.record_step, row, outcome=status != StepStatus.STARTED)
 
     def _know(self, step_id: str, name: str, status: str, result: Any, error: dict | None) -> None:
         """A step's outcome (or mark) as this execution knows it now."""
