@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import everystep
-from everystep import EverystepError
+from everystep import EverystepError, history
 from everystep import db as store
-from everystep.testing import assert_ended, drain, server
+from everystep.testing import assert_ended, drain, replay, server
 from tests.apps import transactional_flows as flows
 from tests.support.processes import wait_for
 
@@ -89,6 +89,14 @@ def test_a_sqlalchemy_session_writes_in_the_steps_transaction(booking, workflow)
     idle = booking.execute("SELECT query FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' "
                            "AND (query ILIKE '%booking%' OR query ILIKE '%savepoint%')")
     assert idle.fetchall() == []  # no session of the steps left in a transaction
+
+
+def test_a_run_with_a_transactional_step_replays_in_the_replay_check(booking):
+    run = schedule(booking, flows.order, "o-6")
+    drain()
+    checked = replay(history.export(booking, [run.id]))
+    assert checked.ok and [c.replayed for c in checked] == [2]
+    assert booked(booking, "o-6") == [(1,), (2,)]  # the check ran no step
 
 
 def test_bad_options_and_calls_are_refused():
