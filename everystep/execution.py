@@ -443,7 +443,7 @@ class HeldRun:
         return in_transaction
 
     def _transaction(self, fn: Callable, step: StepTransaction, args: tuple, kwargs: dict) -> Any:
-        self.lent.fence.before_write(self.claim)
+        self._may_write()
         outcome = _StepOutcome(step)
         pool = self.lent.pool
         try:
@@ -462,7 +462,9 @@ class HeldRun:
 
     async def _atransaction(self, fn: Callable, step: StepTransaction, args: tuple, kwargs: dict) -> Any:
         if not self.lent.fence.clear(self.claim):
-            await asyncio.to_thread(self.lent.fence.before_write, self.claim)
+            await asyncio.to_thread(self._may_write)
+        else:
+            self._may_write()  # at once: the fence has no reason to wait
         outcome = _StepOutcome(step)
         pool = self.lent.pool
         try:
@@ -478,6 +480,13 @@ class HeldRun:
         except db.CONNECTION_ERRORS as exc:
             raise self._transaction_broke(step, outcome, exc) from None
         return await asyncio.to_thread(self._transaction_ended, step, outcome, value)
+
+    def _may_write(self) -> None:
+        """The fence's `before_write`, its LostClaim the execution's halt."""
+        try:
+            self.lent.fence.before_write(self.claim)
+        except LostClaim as lost:
+            raise self.stop_with(lost) from None
 
     def _transaction_broke(self, step: StepTransaction, outcome: _StepOutcome, exc: Exception) -> BaseException:
         """A connection error in a transactional step: before the step

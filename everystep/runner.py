@@ -630,6 +630,8 @@ class Replay:
                         "resolve it with `everystep resolve-step`")) from None
                 yield from self._cancel(step_id, name, rerun_started)
             except Exception as exc:  # noqa: BLE001  (recorded, then re-raised or retried)
+                if exc is self.held.halt:
+                    raise  # the execution stops here (a transactional step's claim lost): not the step's failure
                 failure = exc
                 observe.step_ended(self, traced, name, StepStatus.FAILED, exc)
             if failure is None:
