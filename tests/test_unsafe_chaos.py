@@ -75,7 +75,7 @@ def test_unsafe_steps_sync_and_async_block_alike_under_kills(db, start_worker):
                 workers[name].kill()
                 workers[name] = start_worker(name, **WORKER)
                 kills += 1
-                next_kill = time.monotonic() + 2.5
+                next_kill = time.monotonic() + random.uniform(1.5, 3.5)
     exposed = ends(db)  # the runs that had ended by the last kill: the runs the kills could block
     seconds = time.monotonic() - started
     wait_for(lambda: ended(ends(db), "pay") + ended(ends(db), "apay") == 2 * RUNS, timeout=90,
@@ -97,7 +97,8 @@ def test_unsafe_steps_sync_and_async_block_alike_under_kills(db, start_worker):
     assert kills >= 3 and backend_kills >= 5
     assert min(ended(exposed, kind) for kind in ("pay", "apay")) >= 100  # both kinds ran through the kills
     # The async step is the shorter (20 ms against 30): its window must not be
-    # the longer one by much (it was 4 to 7 times as long before its outcome
+    # the longer one by much. It was 4 to 7 times as long before its outcome
     # had a lane of its own and a write on a dead pooled connection was
-    # retried at once).
-    assert window["apay"] <= 2 * window["pay"], window
+    # retried at once; since, 0.9 to 2 times on 2 loaded cores (the event
+    # loop of 100 runs lags behind 4 threads there).
+    assert window["apay"] <= 3 * window["pay"], window
