@@ -160,15 +160,19 @@ class Labels:
 class Loop:
     """An event loop on a thread of its own, for one runner's async runs, and
     the thread pools beside it: `io`, the engine's writes about those runs
-    (a few threads for all of them: a run that waits holds none), and
-    `steps`, the sync steps that async workflows call (also the loop's
-    default executor, so asyncio.to_thread in a step uses it)."""
+    (a few threads for all of them: a run that waits holds none);
+    `outcomes`, as many threads again for the outcomes of unsafe steps only,
+    so that they never queue behind the other writes (the time between a
+    `started` mark and its outcome's commit is the time a crash blocks the
+    run); and `steps`, the sync steps that async workflows call (also the
+    loop's default executor, so asyncio.to_thread in a step uses it)."""
 
     def __init__(self, runner: str, io_threads: int, step_threads: int):
         self.runner = runner
         self.loop = asyncio.new_event_loop()
         self.loop.set_task_factory(task_factory)
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"everystep-{runner}-io")
+        self.outcomes = ThreadPoolExecutor(io_threads, thread_name_prefix=f"everystep-{runner}-outcomes")
         self.steps = ThreadPoolExecutor(step_threads, thread_name_prefix=f"everystep-{runner}-steps")
         self.loop.set_default_executor(self.steps)
         self.labels = Labels()
@@ -204,6 +208,11 @@ class Loop:
         """`fn(*args)` (a blocking call of the engine's) on an I/O thread."""
         return await self.loop.run_in_executor(self.io, fn, *args)
 
+    async def outcome_call(self, fn: Callable, *args: Any) -> Any:
+        """`io_call` of the write that ends an unsafe step's uncertainty, on
+        a thread of its own lane."""
+        return await self.loop.run_in_executor(self.outcomes, fn, *args)
+
     async def step_call(self, context: contextvars.Context, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """A sync step's function, in `context`, on a step thread."""
         return await self.loop.run_in_executor(self.steps, functools.partial(context.run, fn, *args, **kwargs))
@@ -225,6 +234,7 @@ class Loop:
             pass  # closed already
         self.thread.join(timeout)
         self.io.shutdown(wait=False, cancel_futures=True)
+        self.outcomes.shutdown(wait=False, cancel_futures=True)
         self.steps.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ the watch

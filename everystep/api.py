@@ -8,6 +8,7 @@ import datetime
 import functools
 import inspect
 import math
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -37,6 +38,7 @@ from everystep.schema import (
     RunStatus,
     StepStatus,
 )
+from everystep.transactional import astep_session, step_connection, step_session  # noqa: F401  (the API's)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -139,14 +141,14 @@ def step(fn: F) -> F: ...
 def step(*, unsafe_to_repeat: bool = False, retries: int = 0, backoff: float | Backoff | None = None,
          retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
          timeout: float | datetime.timedelta | None = None,
-         rate_limit: str | None = None) -> Callable[[F], F]: ...
+         rate_limit: str | None = None, transactional: bool = False) -> Callable[[F], F]: ...
 
 
 def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries: int = 0,
          backoff: float | Backoff | None = None,
          retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
          timeout: float | datetime.timedelta | None = None,
-         rate_limit: str | None = None) -> Any:
+         rate_limit: str | None = None, transactional: bool = False) -> Any:
     """Mark a unit of durable work. Inside a running workflow each call is
     recorded (or served from the record on replay); outside, a plain call.
 
@@ -170,15 +172,25 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     `rate_limit="name"`: each attempt first takes a token of that fleet-wide
     rate limit (config `rate_limits:`, or everystep.rate_limit()); with none
     left the run waits for the next (parked, its slot given back, when that
-    is more than a moment away)."""
+    is more than a moment away).
+
+    `transactional=True`: exactly once for the step's database writes. The
+    step runs in a database transaction that also records its outcome: what
+    it writes through `everystep.step_connection()` and its recorded result
+    commit together or not at all, fenced by the run's claim like every
+    write about it. A failed attempt's writes are rolled back. The step
+    holds a connection for its whole length (docs/concepts.md,
+    "Transactional steps")."""
     retry = _retry_policy(retries, backoff, retry_on)
+    _check_transactional(transactional, unsafe_to_repeat, timeout)
     timeout = None if timeout is None else _timeout("@step(timeout=...)", timeout)
     if rate_limit is not None and (not isinstance(rate_limit, str) or not rate_limit or len(rate_limit) > MAX_KEY):
         raise EverystepError(f"rate_limit must be the name of a rate limit (1 to {MAX_KEY} characters), "
                              f"not {rate_limit!r:.60}")
     if fn is None:
         return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat, retries=retries, backoff=backoff,
-                                 retry_on=retry_on, timeout=timeout, rate_limit=rate_limit)
+                                 retry_on=retry_on, timeout=timeout, rate_limit=rate_limit,
+                                 transactional=transactional)
     name = registry.qualified_name(fn)
     if len(name) > MAX_NAME:
         raise EverystepError(f"step name {name[:60]}... is longer than {MAX_NAME} characters")
@@ -188,11 +200,11 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
         scope = current_scope.get()
         if scope is None:
             return fn(*args, **kwargs)
-        if rate_limit is None:
+        if rate_limit is None and not transactional:
             return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry,
                                          timeout)
         return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry,
-                                     timeout, rate_limit=rate_limit)
+                                     timeout, rate_limit=rate_limit, transactional=transactional)
 
     if inspect.iscoroutinefunction(fn) and hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+
         inspect.markcoroutinefunction(call)
@@ -201,7 +213,20 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     call.retry = retry  # type: ignore[attr-defined]
     call.timeout = timeout  # type: ignore[attr-defined]
     call.rate_limit = rate_limit  # type: ignore[attr-defined]
+    call.transactional = transactional  # type: ignore[attr-defined]
     return call
+
+
+def _check_transactional(transactional: Any, unsafe_to_repeat: bool, timeout: Any) -> None:
+    if type(transactional) is not bool:
+        raise EverystepError(f"transactional must be True or False, not {transactional!r}")
+    if transactional and unsafe_to_repeat:
+        raise EverystepError("@step(transactional=True) is exactly once for its database writes already; an "
+                             "effect outside the database is for a step of its own, @step(unsafe_to_repeat=True)")
+    if transactional and timeout is not None:
+        raise EverystepError("@step(transactional=True) takes no timeout=: an attempt abandoned at its timeout "
+                             "would still hold its transaction; bound its statements with statement_timeout "
+                             "(SET LOCAL on step_connection()) instead")
 
 
 def _retry_policy(retries: Any, backoff: Any, retry_on: Any) -> RetryPolicy | None:
@@ -365,7 +390,7 @@ def _reading(conn: Any, caller: str) -> Any:
     return transaction_connection(conn, caller, write=False)
 
 
-def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
+def schedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | None = None,
              conn: Any = None, at: datetime.datetime | None = None,
              after: float | datetime.timedelta | None = None,
              deadline: float | datetime.timedelta | datetime.datetime | None = None, priority: int | None = None,
@@ -381,7 +406,13 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     timeout counts). `priority` (-100..100, higher first; default: the
     workflow's, else 0): among due runs the claim takes the highest first.
     `concurrency_key` (a tenant, say): with @workflow(concurrency_per_key=N),
-    at most N runs per key at once, the keys taken in turn."""
+    at most N runs per key at once, the keys taken in turn.
+
+    `workflow_fn` may be the workflow's name instead, `module.qualname`
+    (e.g. "myapp.flows.provision_vm"), for a producer that does not import
+    the workflow's code: the name's syntax and the arguments' encoding are
+    checked here, the rest by the worker that runs it (docs/flow.md,
+    "Starting a run by name")."""
     name, args_json, at, after, limit = _run_args("schedule()", workflow_fn, args, idempotency_key, at, after,
                                                   deadline)
     flow = _flow_args("schedule()", workflow_fn, priority, concurrency_key)
@@ -393,7 +424,7 @@ def schedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = No
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
 
-async def aschedule(workflow_fn: Callable, *args: Any, idempotency_key: str | None = None,
+async def aschedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | None = None,
                     conn: Any = None, at: datetime.datetime | None = None,
                     after: float | datetime.timedelta | None = None,
                     deadline: float | datetime.timedelta | datetime.datetime | None = None,
@@ -412,49 +443,76 @@ async def aschedule(workflow_fn: Callable, *args: Any, idempotency_key: str | No
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
 
-def _flow_args(caller: str, workflow_fn: Callable, priority: Any,
+def _flow_args(caller: str, workflow_fn: Callable | str, priority: Any,
                concurrency_key: Any) -> tuple[int | None, int, str | None]:
     """schedule()'s priority (None: the workflow's default), the decorator's
     default priority, and the concurrency key, checked."""
     if priority is not None:
         check_priority(f"{caller.removesuffix('()')}(priority=...)", priority)
     _check_concurrency_key(f"{caller.removesuffix('()')}(concurrency_key=...)", concurrency_key)
-    return priority, getattr(workflow_fn, "__everystep_priority__", None) or 0, concurrency_key
+    return priority, _workflow_option(workflow_fn, "__everystep_priority__") or 0, concurrency_key
 
 
-def _run_args(caller: str, workflow_fn: Callable, args: tuple, idempotency_key: str | None, at: Any,
+def _run_args(caller: str, workflow_fn: Callable | str, args: tuple, idempotency_key: str | None, at: Any,
               after: Any, deadline: Any) -> tuple[str, str, datetime.datetime | None, float | None, db.Deadline]:
     """schedule()'s checks, before anything is inserted: the workflow's name,
     the arguments as JSON, the due time, the deadline."""
-    name = _scheduled_name(caller, workflow_fn)
+    name, workflow_fn = _workflow_target(caller, workflow_fn)
     _check_key(idempotency_key)
     if at is not None and after is not None:
         raise EverystepError(f"{caller} takes at= or after=, not both")
     at = None if at is None else _aware(f"{caller.removesuffix('()')}(at=...)", at)
     after = None if after is None else _seconds(f"{caller.removesuffix('()')}(after=...)", after)
-    _check_signature(caller, name, workflow_fn, args)
+    if workflow_fn is not None:  # a name no code here defines: its worker checks the arguments
+        _check_signature(caller, name, workflow_fn, args)
     limit = _deadline(f"{caller.removesuffix('()')}(deadline=...)", deadline, workflow_fn)
     return name, serde.dumps(list(args)), at, after, limit  # unserializable args refused before any insert
 
 
-def _scheduled_name(caller: str, workflow_fn: Callable) -> str:
-    """The name a run of `workflow_fn` is stored under, once it is one a
-    worker can import."""
-    name = registry.workflow_name(workflow_fn)
+def _workflow_target(caller: str, workflow: Any) -> tuple[str, Callable | None]:
+    """The workflow a run is scheduled of: an @workflow function, or its
+    name (`module.qualname`, or `module:qualname` as the CLI takes it) for a
+    producer that does not import its code. Returns the name and the
+    function, None when no code in this process registered the name (then
+    its arguments and options cannot be checked against it here)."""
+    if isinstance(workflow, str):
+        name = workflow.replace(":", ".", 1) if workflow.count(":") == 1 else workflow
+        if len(name) > MAX_NAME or not _WORKFLOW_NAME.fullmatch(name):
+            raise EverystepError(
+                f"{caller} takes an @workflow function or the workflow's name, module.qualname "
+                f"(e.g. myapp.flows.provision_vm), not {workflow!r:.80}")
+        if name.startswith("__main__."):
+            raise EverystepError(
+                f"{caller}: {name} names a workflow of a script run as __main__, which no worker can import; "
+                "name it by the module that defines it")
+        return name, registry.WORKFLOWS.get(name)
+    name = registry.workflow_name(workflow)
     if name is None:
-        raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
+        raise TypeError(f"{caller} takes an @workflow function or its name, not {workflow!r}")
     if name.startswith("__main__."):
         raise EverystepError(
             f"{caller}: {name.removeprefix('__main__.')} is defined in the script being run (__main__), a name no "
             "worker can import: define the workflow in a module (myapp/flows.py, say), import it from the script, "
             "and give the worker that module (imports:, --import)")
-    return name
+    return name, workflow
 
 
-def _deadline(what: str, deadline: Any, workflow_fn: Callable) -> db.Deadline:
+def _workflow_option(workflow: Any, option: str) -> Any:
+    """An @workflow(...) option of the workflow scheduled (a function, or a
+    name this process registered); None when not set, or not known here."""
+    if isinstance(workflow, str):
+        workflow = _workflow_target("schedule()", workflow)[1]
+    return getattr(workflow, option, None)
+
+
+# A workflow's name: a module's dotted path, then the function's qualname.
+_WORKFLOW_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def _deadline(what: str, deadline: Any, workflow_fn: Callable | None) -> db.Deadline:
     """A run's deadline: schedule(deadline=) (seconds from now, a timedelta
     or an aware datetime) and its workflow's timeout."""
-    timeout = getattr(workflow_fn, "__everystep_timeout__", None)
+    timeout = _workflow_option(workflow_fn, "__everystep_timeout__")
     if deadline is None:
         return db.NO_DEADLINE if timeout is None else db.Deadline(timeout=timeout)
     if isinstance(deadline, datetime.datetime):
@@ -464,7 +522,7 @@ def _deadline(what: str, deadline: Any, workflow_fn: Callable) -> db.Deadline:
     return db.Deadline(in_=_timeout(what, deadline), timeout=timeout)
 
 
-def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
+def schedule_many(workflow_fn: Callable | str, args_list: Iterable[Sequence[Any]], *,
                   idempotency_keys: Sequence[str | None] | None = None,
                   conn: Any = None, priority: int | None = None,
                   concurrency_key: str | None = None) -> list[ScheduledRun]:
@@ -481,12 +539,12 @@ def schedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
-    timeout = getattr(workflow_fn, "__everystep_timeout__", None)
+    timeout = _workflow_option(workflow_fn, "__everystep_timeout__")
     return [ScheduledRun(run_id, name, created)
             for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys, timeout, *flow)]
 
 
-async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any]], *,
+async def aschedule_many(workflow_fn: Callable | str, args_list: Iterable[Sequence[Any]], *,
                          idempotency_keys: Sequence[str | None] | None = None,
                          conn: Any = None, priority: int | None = None,
                          concurrency_key: str | None = None) -> list[ScheduledRun]:
@@ -497,15 +555,15 @@ async def aschedule_many(workflow_fn: Callable, args_list: Iterable[Sequence[Any
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
-    timeout = getattr(workflow_fn, "__everystep_timeout__", None)
+    timeout = _workflow_option(workflow_fn, "__everystep_timeout__")
     return [ScheduledRun(run_id, name, created)
             for run_id, created in await db.ainsert_runs(aconn, name, ids, args_jsons, keys, timeout, *flow)]
 
 
-def _many_args(caller: str, workflow_fn: Callable, args_list: Any,
+def _many_args(caller: str, workflow_fn: Callable | str, args_list: Any,
                idempotency_keys: Any) -> tuple[str, list[str], list[str | None]]:
     """schedule_many()'s checks: the workflow's name, each run's arguments as JSON, its key."""
-    name = _scheduled_name(caller, workflow_fn)
+    name, workflow_fn = _workflow_target(caller, workflow_fn)
     if isinstance(args_list, (str, bytes)) or not isinstance(args_list, Iterable):
         raise EverystepError(f"{caller} takes a list of argument tuples, one per run")
     args_list = list(args_list)
@@ -517,7 +575,7 @@ def _many_args(caller: str, workflow_fn: Callable, args_list: Any,
                 f"{caller}: run {position} has arguments {args!r:.60}; each must be a tuple or list "
                 "of positional arguments, e.g. [(1,), (2,)]"
             )
-        if len(args) not in arities:
+        if workflow_fn is not None and len(args) not in arities:
             _check_signature(f"{caller} run {position}", name, workflow_fn, args)
             arities.add(len(args))
         args_jsons.append(serde.dumps(list(args)))

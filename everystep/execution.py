@@ -16,7 +16,9 @@ never longer than OUTCOME_DELAY: the late-outcome thread writes it then.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -30,6 +32,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from everystep import db, metrics, serde
+from everystep import transactional as step_transactions
 from everystep.errors import Drain, EverystepError, LostClaim, Parked
 from everystep.ids import uuid7
 from everystep.schema import RunStatus, StepStatus
@@ -46,6 +49,8 @@ OUTCOME_DELAY = 0.05
 # ones commit (a reader's work per commit, and so its latency, grows with the
 # batch; a commit of 256 entries of 40 bytes costs about what one of 1 does).
 STREAM_BATCH = 256
+# Seconds a transactional step waits for a connection of the pool.
+STEP_CONNECTION_WAIT = 30.0
 
 
 class Fence:
@@ -110,6 +115,33 @@ class Pending(NamedTuple):
     row: db.StepRow
     started: float  # perf_counter when the step started
     since: float  # perf_counter when it began to wait
+
+
+class StepTransaction(NamedTuple):
+    """What a transactional step's outcome row needs besides its value."""
+    step_id: str
+    name: str
+    args: str  # as JSON
+    kwargs: str
+    started: tuple[float, float]  # (perf_counter, time) when it started
+    update: bool  # the step has a row already (`retrying`)
+
+
+class _StepOutcome:
+    """A transactional step's outcome row, once the step returned, and what
+    its write answered."""
+
+    def __init__(self, step: StepTransaction):
+        self.step = step
+        self.row: db.StepRow | None = None
+        self.written: db.Written | bool | None = None
+
+    def ran(self, value: Any) -> Any:
+        """The step returned `value` (unserializable: EverystepError, the step's failure)."""
+        step = self.step
+        self.row = db.StepRow(step.step_id, step.name, step.args, step.kwargs, StepStatus.DONE,
+                              serde.dump_data(serde.encode(value)), None, step.started[1], time.time())
+        return value
 
 
 @functools.cache
@@ -415,6 +447,96 @@ class HeldRun:
                               f"attempt {attempt} of step {step_id!r}")
         self._cancel_known(done)
         return done.attempt
+
+    # -------------------------------------------------------------- transactional steps
+
+    def transactional(self, fn: Callable, step: StepTransaction) -> Callable:
+        """`fn` run in a transaction that also records its outcome (a
+        @step(transactional=True)): its database writes, made through
+        everystep.step_connection(), and its `done` row commit together or
+        not at all. A sync step takes a connection of the pool; an async one
+        (`async def`) opens an AsyncConnection for its length. A failure
+        rolls the transaction back and is raised (recorded as any step's)."""
+        if inspect.iscoroutinefunction(fn):
+            async def in_transaction_async(*args: Any, **kwargs: Any) -> Any:
+                return await self._atransaction(fn, step, args, kwargs)
+            return in_transaction_async
+
+        def in_transaction(*args: Any, **kwargs: Any) -> Any:
+            return self._transaction(fn, step, args, kwargs)
+        return in_transaction
+
+    def _transaction(self, fn: Callable, step: StepTransaction, args: tuple, kwargs: dict) -> Any:
+        self._may_write()
+        outcome = _StepOutcome(step)
+        pool = self.lent.pool
+        try:
+            with (pool.connection(timeout=STEP_CONNECTION_WAIT) as conn,
+                  step_transactions.lent(conn, pool.conninfo, pool.kwargs) as lending):
+                with conn.transaction():
+                    db.begin_step_transaction(conn)
+                    value = outcome.ran(lending.call(fn, args, kwargs))
+                    outcome.written = db.record_transactional_step(conn, self.claim.id, self.runner,
+                                                                   self.claim.token, outcome.row, step.update)
+                    if outcome.written is False:
+                        raise psycopg.Rollback()
+        except db.CONNECTION_ERRORS as exc:
+            raise self._transaction_broke(step, outcome, exc) from None
+        return self._transaction_ended(step, outcome, value)
+
+    async def _atransaction(self, fn: Callable, step: StepTransaction, args: tuple, kwargs: dict) -> Any:
+        if not self.lent.fence.clear(self.claim):
+            await asyncio.to_thread(self._may_write)
+        else:
+            self._may_write()  # at once: the fence has no reason to wait
+        outcome = _StepOutcome(step)
+        pool = self.lent.pool
+        try:
+            async with (await psycopg.AsyncConnection.connect(pool.conninfo, **pool.kwargs) as aconn,
+                        step_transactions.alent(aconn, pool.conninfo, pool.kwargs) as lending):
+                async with aconn.transaction():
+                    await db.abegin_step_transaction(aconn)
+                    value = outcome.ran(await lending.acall(fn, args, kwargs))
+                    outcome.written = await db.arecord_transactional_step(aconn, self.claim.id, self.runner,
+                                                                          self.claim.token, outcome.row, step.update)
+                    if outcome.written is False:
+                        raise psycopg.Rollback()
+        except db.CONNECTION_ERRORS as exc:
+            raise self._transaction_broke(step, outcome, exc) from None
+        return await asyncio.to_thread(self._transaction_ended, step, outcome, value)
+
+    def _may_write(self) -> None:
+        """The fence's `before_write`, its LostClaim the execution's halt."""
+        try:
+            self.lent.fence.before_write(self.claim)
+        except LostClaim as lost:
+            raise self.stop_with(lost) from None
+
+    def _transaction_broke(self, step: StepTransaction, outcome: _StepOutcome, exc: Exception) -> BaseException:
+        """A connection error in a transactional step: before the step
+        returned, a failure of the step (nothing was committed); after, its
+        commit is unknown: the execution stops and the worker replays the
+        run, which serves the outcome if it was committed."""
+        if outcome.row is None:
+            return exc
+        self.look_again = True
+        return self._lost(f"run {self.claim.id}: the commit of transactional step {step.step_id!r} is unknown "
+                          f"({exc}); replaying")
+
+    def _transaction_ended(self, step: StepTransaction, outcome: _StepOutcome, value: Any) -> Any:
+        """After the step's transaction: committed, or rolled back because
+        its outcome's write matched nothing (explained as _fenced does)."""
+        if outcome.written is False:
+            with self.cursor() as cur:
+                why = db.why_not_written(cur, self.claim.id, self.runner, self.claim.token, step.step_id,
+                                         StepStatus.DONE)
+            self.look_again = True
+            raise self._lost(f"run {self.claim.id}: transactional step {step.step_id!r} "
+                             f"{'was written by another execution' if why != db.LOST else 'lost its claim'}; "
+                             "its transaction was rolled back")
+        self._cancel_known(outcome.written)
+        self._count(Pending(outcome.row, step.started[0], 0.0))
+        return value
 
     # -------------------------------------------------------------- sleeps, waits, children, events
 

@@ -260,8 +260,9 @@ class _Checking(Replay):
 
     def step(self, scope: Scope, fn: Any, name: str, unsafe: bool, args: tuple, kwargs: dict,
              everystep_id: str | None, retry: Any = None, timeout: float | None = None,
-             rate_limit: str | None = None) -> Any:
-        # A check of the recorded history takes no token (rate_limit unused).
+             rate_limit: str | None = None, transactional: bool = False) -> Any:
+        # A check of the recorded history takes no token (rate_limit unused)
+        # and runs no step (a transactional one opens no transaction).
         self._call.what = (name, serde.encode(list(args)), serde.encode(kwargs))
 
         def never(*_args: Any, **_kwargs: Any) -> Any:

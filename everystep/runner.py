@@ -59,7 +59,7 @@ from everystep.errors import (
     Terminal,
     WorkflowCodeError,
 )
-from everystep.execution import Fence, HeldRun, Lent, Successors
+from everystep.execution import Fence, HeldRun, Lent, StepTransaction, Successors
 from everystep.logs import first_line
 from everystep.plans import DONE, Stepper
 from everystep.retries import RetryPolicy
@@ -95,14 +95,19 @@ Rules = Generator[Any, Any, Any]
 # ---------------------------------------------------------------- what the rules need done
 
 class _Io(NamedTuple):
-    """A call of the HeldRun's (it does I/O): its result is sent back."""
+    """A call of the HeldRun's (it does I/O): its result is sent back.
+    `outcome`: the write of an unsafe step's outcome, which an async run
+    makes on the loop's lane of its own (aio.Loop.outcome_call)."""
     call: Callable
     args: tuple = ()
+    outcome: bool = False
 
     def run(self) -> Any:
         return self.call(*self.args)
 
     async def arun(self, loop: aio.Loop) -> Any:
+        if self.outcome:
+            return await loop.outcome_call(self.call, *self.args)
         return await loop.io_call(self.call, *self.args)
 
 
@@ -644,9 +649,10 @@ class Replay:
 
     def step(self, scope: Scope, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
              everystep_id: str | None, retry: RetryPolicy | None = None, timeout: float | None = None,
-             rate_limit: str | None = None) -> Any:
+             rate_limit: str | None = None, transactional: bool = False) -> Any:
         step_id = self._next_id(scope, everystep_id)
-        rules = self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry, timeout, rate_limit)
+        rules = self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry, timeout, rate_limit,
+                           transactional)
         if self.loop is None:
             return drive(rules)
         # The body must await what this returns: until it does, the call is
@@ -680,7 +686,8 @@ class Replay:
                               f"write `await {name.rsplit('.', 1)[-1]}(...)`{more}")
 
     def _step(self, scope: Scope, step_id: str, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
-              retry: RetryPolicy | None, timeout: float | None = None, rate_limit: str | None = None) -> Rules:
+              retry: RetryPolicy | None, timeout: float | None = None, rate_limit: str | None = None,
+              transactional: bool = False) -> Rules:
         recorded = self.recorded.get(step_id)
         rerun_started = False
         attempts: list = []
@@ -722,8 +729,12 @@ class Replay:
 
             traced = observe.step_started(self, step_id, name)
             failure: Exception | None = None
+            invoked = fn
+            if transactional:  # its outcome is written in its own transaction, with its writes
+                invoked = self.held.transactional(fn, StepTransaction(step_id, name, args_json, kwargs_json, started,
+                                                                      rerun_started))
             try:
-                value = yield _Invoke(self, fn, args, kwargs, step_id, name, timeout, len(attempts) + 1)
+                value = yield _Invoke(self, invoked, args, kwargs, step_id, name, timeout, len(attempts) + 1)
             except StepTimeout as exc:
                 # The attempt is abandoned (sync) or cancelled (async): an
                 # unsafe one may have done its effect, so it is never retried.
@@ -744,13 +755,18 @@ class Replay:
                         "resolve it with `everystep resolve-step`")) from None
                 yield from self._cancel(step_id, name, rerun_started)
             except Exception as exc:  # noqa: BLE001  (recorded, then re-raised or retried)
+                if exc is self.held.halt:
+                    raise  # the execution stops here (a transactional step's claim lost): not the step's failure
                 failure = exc
                 observe.step_ended(self, traced, name, StepStatus.FAILED, exc)
             if failure is None:
                 observe.step_ended(self, traced, name, StepStatus.DONE)
                 result = serde.encode(value)  # unserializable: EverystepError here, nothing recorded
-                yield from self._record(step_id, name, args_json, kwargs_json, StepStatus.DONE, result, None,
-                                        rerun_started, started)
+                if transactional:
+                    self._know(step_id, name, StepStatus.DONE, result, None)  # committed with the step's writes
+                else:
+                    yield from self._record(step_id, name, args_json, kwargs_json, StepStatus.DONE, result, None,
+                                            rerun_started, started)
                 if faults.ARMED:
                     yield from self._fault(faults.AFTER_STEP, step_id, name)
                 return value
@@ -797,14 +813,18 @@ class Replay:
         """Record a step's outcome (or an unsafe step's `started` mark): as
         this execution knows it now, and in its row (see HeldRun.record_step;
         an outcome that waits for the next write needs no I/O now)."""
-        previous = self.recorded.get(step_id)
-        attempts = None if previous is None else previous.attempts
-        self.recorded[step_id] = RecordedStep(step_id, name, status, result, error, attempts)
+        self._know(step_id, name, status, result, error)
         row = (step_id, name, args, kwargs, status, result, error, update, started)
         if self.held.defers(status, update):
             self.held.record_step(*row)
-        else:
-            yield _Io(self.held.record_step, row)
+        else:  # a `started` mark, or the outcome that ends one's uncertainty
+            yield _Io(self.held.record_step, row, outcome=status != StepStatus.STARTED)
+
+    def _know(self, step_id: str, name: str, status: str, result: Any, error: dict | None) -> None:
+        """A step's outcome (or mark) as this execution knows it now."""
+        previous = self.recorded.get(step_id)
+        attempts = None if previous is None else previous.attempts
+        self.recorded[step_id] = RecordedStep(step_id, name, status, result, error, attempts)
 
     def _fault(self, where: str, step_id: str, name: str) -> Rules:
         """A test armed a fault here (everystep.faults): the execution dies,

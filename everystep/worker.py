@@ -91,9 +91,14 @@ class WorkerFence(Fence):
     def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
         # Retried until it goes through or the execution is abandoned; meanwhile
         # the control loop notices an outage and `before_write` waits for it.
+        # The first retry is at once: the common cause is a pooled connection
+        # that died while idle (a killed session, a restarted pooler), and a
+        # wait would only lengthen the write (for an unsafe step, the time a
+        # crash blocks its run). A database that is down gets the back-off.
         if attempt == 0:
             log.warning("database write failed (%s); retrying", first_line(error), extra={"run": str(run.id)})
-        time.sleep(min(0.05 * 2**attempt, 2.0))
+            return
+        time.sleep(min(0.05 * 2 ** (attempt - 1), 2.0))
 
 
 class Worker(Successors):
@@ -203,10 +208,10 @@ class Worker(Successors):
         # connection at once, so the runs go on as soon as the database is back.
         # One connection per run slot, and as many again for the writes of
         # parallel branches and of late step outcomes; one per I/O thread of
-        # the async runs' loop.
+        # the async runs' loop, and of its lane for unsafe steps' outcomes.
         io_threads = min(IO_THREADS, self.async_slots)
         self.pool = ConnectionPool(
-            self.database_url, min_size=1, max_size=2 * self.threads + 2 + io_threads,
+            self.database_url, min_size=1, max_size=2 * self.threads + 2 + 2 * io_threads,
             kwargs=liveness.connection_kwargs(f"everystep {self.name}"),
             timeout=2, reconnect_timeout=2, name=f"everystep-{self.name}", open=False,
             **self._pool_session(),

@@ -132,9 +132,9 @@ def test_a_failed_step_result_says_its_error(everystep_db):
 
 # ---------------------------------------------------------------- faults
 
-def test_a_crash_after_a_step_runs_it_again_at_the_replay(everystep_db):
+def test_a_crash_before_a_step_outcome_runs_it_again_at_the_replay(everystep_db):
     run = schedule(everystep_db, flows.pay, "ann")
-    with crash_after_step(flows.note) as crash:
+    with crash_after_step(flows.note, before_outcome=True) as crash:
         drained = drain()
     assert (drained, drained.crashed, crash.fired) == ({"running": 1}, 1, 1)  # left as a SIGKILL leaves it
     assert flows.calls["order ann"] == 1
@@ -144,13 +144,20 @@ def test_a_crash_after_a_step_runs_it_again_at_the_replay(everystep_db):
     assert step_result(run.id, flows.note) == "order ann"
 
 
-def test_a_crash_after_a_durable_outcome_serves_it_at_the_replay(everystep_db):
+def test_a_crash_after_a_step_serves_its_committed_outcome_at_the_replay(everystep_db):
     run = schedule(everystep_db, flows.pay, "ann")
-    with crash_after_step("1", durable=True):
+    with crash_after_step(flows.note) as crash:
+        drained = drain()
+    assert (drained, drained.crashed, crash.fired) == ({"running": 1}, 1, 1)
+    [note] = [step for step in db.load_steps(everystep_db, run.id) if step["step_id"] == "1"]
+    assert note["status"] == "done"  # committed before the crash
+    assert drain() == {"completed": 1}
+    assert flows.calls["order ann"] == 1  # served, not run again
+    with crash_after_step("1"):
+        schedule(everystep_db, flows.pay, "ann")
         drain()
     drain()
-    assert_ended(run.id)
-    assert flows.calls["order ann"] == 1
+    assert flows.calls["order ann"] == 2  # a step id as the target: the same
 
 
 def test_a_crash_before_the_effect_of_an_unsafe_step_blocks_the_run(everystep_db):
@@ -168,7 +175,7 @@ def test_a_crash_before_the_effect_of_an_unsafe_step_blocks_the_run(everystep_db
 
 def test_a_run_that_keeps_crashing_fails_as_a_poison_run(everystep_db):
     run = schedule(everystep_db, flows.pay, "cid")
-    with crash_after_step(flows.note, times=3):
+    with crash_after_step(flows.note, before_outcome=True, times=3):
         for _ in range(3):
             drain()
         assert drain() == {"failed": 1}
@@ -179,7 +186,7 @@ def test_a_run_that_keeps_crashing_fails_as_a_poison_run(everystep_db):
 def test_advance_runs_the_crashed_run_again_at_its_next_stop(everystep_db):
     run = schedule(everystep_db, flows.hourly, 2)
     drain()
-    with crash_after_step(flows.note):
+    with crash_after_step(flows.note, before_outcome=True):
         advance(everystep_db, 2 * 3600)  # crashes at 1 h, replayed by the drain at 2 h: it sleeps from then
     assert flows.calls["hour 0"] == 2
     assert db.load_run(everystep_db, run.id)["status"] == "waiting"

@@ -108,8 +108,8 @@ def test_bob_checked_out_too(everystep_db):
 
 def test_the_receipt_is_sent_once_even_after_a_crash(everystep_db):
     run = start(everystep_db, shop.checkout, "ann", "ann@example.com")
-    with crash_after_step(shop.send_receipt):
-        drain()  # the worker dies right after the receipt went out
+    with crash_after_step(shop.send_receipt, before_outcome=True):
+        drain()  # the worker dies right after the receipt went out, before its record
     drain()  # the next one replays the run
     assert_ended(run.id)
     assert shop.SENT == ["ann@example.com"]  # fails: the step ran again, a second receipt went out
@@ -117,7 +117,7 @@ def test_the_receipt_is_sent_once_even_after_a_crash(everystep_db):
 
 def test_the_idempotent_receipt_is_sent_once_after_a_crash(everystep_db):
     run = start(everystep_db, shop.checkout_once, "bob", "bob@example.com")
-    with crash_after_step(shop.send_receipt_once):
+    with crash_after_step(shop.send_receipt_once, before_outcome=True):
         drain()
     drain()
     assert assert_ended(run.id).result == 1

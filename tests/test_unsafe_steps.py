@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import psycopg
 import pytest
 
 import everystep
+import everystep.execution
 from everystep import (
     EverystepError,
     StepFailure,
@@ -15,6 +17,8 @@ from everystep import (
     step,
     workflow,
 )
+from everystep.runner import Runner
+from tests.apps import chaos_unsafe
 from tests.apps.engine_flows import (
     Crash,
     calls,
@@ -135,3 +139,32 @@ def test_removing_the_unsafe_mark_lets_a_started_step_run_again(db, monkeypatch)
     (only,) = db.steps(run.id)
     assert only["status"] == "done"
     assert calls["send_money"] == 2
+
+
+# ---------------------------------------------------------------- the window of an async unsafe step
+
+class _WriteThreads(everystep.execution.Fence):
+    """Notes the thread of each write about the run."""
+
+    def __init__(self):
+        self.threads: list[str] = []
+
+    def before_write(self, run):
+        self.threads.append(threading.current_thread().name)
+
+
+def test_an_async_unsafe_steps_outcome_does_not_queue_behind_other_writes(db):
+    # The time from an unsafe step's `started` mark to its outcome's commit is
+    # the time a crash blocks its run: an async run's outcome is written on a
+    # lane of its own, not behind every other write of the async runs.
+    (run,) = db.schedule_many(chaos_unsafe.apay, [(1,)])
+    fence = _WriteThreads()
+    engine = Runner(db.pool, "lanes", fence=fence)
+    try:
+        with db.connect() as conn:
+            (claimed,) = everystep.db.claim(conn, "lanes", 1)
+        assert engine.execute(claimed).outcome == "completed"
+    finally:
+        engine.close()
+    lanes = [name.removeprefix("everystep-lanes-").split("_")[0] for name in fence.threads]
+    assert lanes == ["io", "outcomes", "io"]  # the mark, the outcome, the end

@@ -16,7 +16,10 @@ import json
 import uuid
 from typing import Any
 
+import psycopg
+
 from everystep.db import libpq, queries
+from everystep.db.queries import Plan, Query
 from everystep.db.rows import (
     Attempt,
     CancelDelivery,
@@ -50,6 +53,40 @@ def complete_started_step(conn: Executor, run: uuid.UUID, runner: str, token: in
     from the code); its recorded attempts stay."""
     found = conn.execute(queries.get("complete_started_step"), {**_held(run, runner, token), **row._asdict()},
                          prepare=True).fetchone()
+    return False if found is None else Written(found[0])
+
+
+def begin_step_transaction(conn: psycopg.Connection) -> None:
+    """The first statement of a transactional step's transaction: its commit
+    waits for the WAL flush (session.sql's durable_transaction)."""
+    queries.run(conn, _durable_transaction())
+
+
+async def abegin_step_transaction(aconn: psycopg.AsyncConnection) -> None:
+    await queries.arun(aconn, _durable_transaction())
+
+
+def _durable_transaction() -> Plan:
+    yield Query("durable_transaction", {})
+
+
+def record_transactional_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, row: StepRow,
+                              update: bool) -> Written | bool:
+    """A transactional step's outcome, in the step's open transaction (see
+    sql/fenced.sql): inserted, or with `update` the `retrying` (or
+    `started`) row completed as complete_started_step does. False: not held
+    by this execution, or the row holds an outcome already."""
+    return queries.run(conn, _transactional_step(run, runner, token, row, update))
+
+
+async def arecord_transactional_step(aconn: psycopg.AsyncConnection, run: uuid.UUID, runner: str, token: int,
+                                     row: StepRow, update: bool) -> Written | bool:
+    return await queries.arun(aconn, _transactional_step(run, runner, token, row, update))
+
+
+def _transactional_step(run: uuid.UUID, runner: str, token: int, row: StepRow, update: bool) -> Plan:
+    found = yield Query("complete_started_step" if update else "record_transactional_step",
+                        {**_held(run, runner, token), **row._asdict()})
     return False if found is None else Written(found[0])
 
 

@@ -24,21 +24,23 @@ def _target(step: Callable | str) -> dict:
     raise TypeError(f"expected an @step function or a step id, not {step!r}")
 
 
-def crash_after_step(step: Callable | str, *, run: uuid.UUID | None = None, durable: bool = False,
+def crash_after_step(step: Callable | str, *, run: uuid.UUID | None = None, before_outcome: bool = False,
                      times: int = 1) -> faults.Fault:
     """The execution dies right after the step (an @step function: any call
-    of it; a string: the step with that id) returned or raised, its outcome
-    recorded by the engine but not yet written: the moment between a step's
-    return and the write of its outcome (within 50 ms, or with the next
-    step) that a SIGKILL leaves. The run stays `running`; the next drain
-    claims it again and replays it, so the step runs again — at least once,
-    as steps are: a step that is not idempotent shows it here. (An unsafe
-    step's outcome is written at once: replayed, it is served.)
+    of it; a string: the step with that id) returned or raised and its
+    outcome was committed. The run stays `running`; the next drain claims it
+    again and replays it: the step is served from its record, not run
+    again, and the run goes on from the next step.
 
-    `durable=True`: the outcome is committed before the crash; the replay
-    serves it and goes on from the next step. `run`: only in this run.
-    `times`: the first so many executions that reach it."""
-    return faults.Fault(faults.AFTER_STEP, run=run, durable=durable, times=times, **_target(step))
+    `before_outcome=True`: it dies with the outcome not yet written — the
+    moment between a step's return and the write of its outcome (within
+    50 ms, or with the next step) that a SIGKILL may leave —, so the replay
+    runs the step again: at least once, as steps are; a step that is not
+    idempotent shows it here. (An unsafe step's outcome, and a transactional
+    step's, are written before the step returns: replayed, they are served.)
+    `run`: only in this run. `times`: the first so many executions that
+    reach it."""
+    return faults.Fault(faults.AFTER_STEP, run=run, durable=not before_outcome, times=times, **_target(step))
 
 
 def crash_before_effect(unsafe_step: Callable | str, *, run: uuid.UUID | None = None, times: int = 1

@@ -398,3 +398,32 @@ WITH
         SET value = EXCLUDED.value, updated_at = everystep_now()
     )
 SELECT EXISTS (SELECT FROM ins);
+
+-- name: record_transactional_step
+-- A transactional step's outcome, in the step's own transaction, with its
+-- writes: fenced like every step row. The FOR SHARE of the run row is held
+-- to the commit, so a requeue waits for it or makes this match nothing; the
+-- unique (workflow, step_id) makes a second execution's insert wait for the
+-- first's commit, then match nothing. Returns the cancel request seen.
+WITH
+    held AS (
+        SELECT id, claim_token, (cancel_requested_at IS NOT NULL OR deadline_at <= everystep_now()) IS TRUE
+                                AS cancelling
+        FROM everystep_workflow
+        WHERE id = %(run)s AND claim_token = %(token)s::bigint AND claimed_by = %(runner)s
+          AND (status = 'running') IS TRUE
+        FOR SHARE
+    ),
+    ins AS (
+        INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
+                                    started_at, finished_at)
+        SELECT held.id, %(step_id)s, %(name)s, %(args)s::jsonb, %(kwargs)s::jsonb, %(status)s, %(result)s::jsonb,
+               %(error)s::jsonb, held.claim_token, to_timestamp(%(started_at)s::float8),
+               to_timestamp(%(finished_at)s::float8)
+        FROM held
+        ON CONFLICT (workflow_id, step_id) DO NOTHING
+        RETURNING workflow_id
+    )
+SELECT held.cancelling
+FROM ins
+JOIN held ON held.id = ins.workflow_id;
