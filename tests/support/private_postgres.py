@@ -22,7 +22,6 @@ from psycopg import sql
 
 from everystep import db
 
-
 FOLDER_PREFIX = "everystep-pg-"
 
 
