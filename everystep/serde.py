@@ -28,6 +28,7 @@ import decimal
 import enum
 import json
 import math
+import traceback
 import uuid
 from typing import Any
 
@@ -177,6 +178,20 @@ def encode_exception(exc: BaseException) -> dict:
         except EverystepError:
             args.append(_storable(repr(arg)))
     return {"type": f"{cls.__module__}.{cls.__qualname__}", "message": _storable(str(exc)), "args": args}
+
+
+TRACEBACK_LIMIT = 16 * 1024  # bytes of a step attempt's traceback kept: its end, where the error is
+
+
+def format_traceback(exc: BaseException) -> str:
+    """The formatted traceback of `exc` (with its causes), as Python prints
+    it; its last TRACEBACK_LIMIT bytes when longer."""
+    text = _storable("".join(traceback.format_exception(exc)))
+    data = text.encode("utf-8")
+    if len(data) <= TRACEBACK_LIMIT:
+        return text
+    tail = data[-TRACEBACK_LIMIT:].decode("utf-8", "ignore")
+    return f"[the first {len(data) - len(tail.encode('utf-8'))} bytes left out]\n{tail}"
 
 
 def _storable(text: str) -> str:

@@ -211,6 +211,7 @@ from everystep.db.testing import (
     runs_of_workflow,
     set_clock,
 )
+from everystep.db.tracebacks import record_traceback, step_tracebacks
 from everystep.db.ui import (
     UI_STATUS_CAP,
     ui_failures,
@@ -269,4 +270,6 @@ __all__ = [
     "insert_rerun", "rerun_source",
     "CHART_DUE_CAP", "CHART_LOOKBACK_S", "chart_minutes", "chart_schedule_fires", "chart_step_durations",
     "prune_minutes", "roll_up_minutes",
+    # the tracebacks of failed step attempts
+    "record_traceback", "step_tracebacks",
 ]
