@@ -28,6 +28,7 @@ import decimal
 import enum
 import json
 import math
+import os
 import traceback
 import uuid
 from typing import Any
@@ -183,10 +184,19 @@ def encode_exception(exc: BaseException) -> dict:
 TRACEBACK_LIMIT = 16 * 1024  # bytes of a step attempt's traceback kept: its end, where the error is
 
 
+_ENGINE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def format_traceback(exc: BaseException) -> str:
     """The formatted traceback of `exc` (with its causes), as Python prints
-    it; its last TRACEBACK_LIMIT bytes when longer."""
-    text = _storable("".join(traceback.format_exception(exc)))
+    it, from the first frame of the application's (the engine's frames that
+    called the step left out); its last TRACEBACK_LIMIT bytes when longer."""
+    formatted = traceback.TracebackException.from_exception(exc)
+    frames = list(formatted.stack)
+    while len(frames) > 1 and frames[0].filename.startswith(_ENGINE):
+        frames.pop(0)
+    formatted.stack = traceback.StackSummary.from_list(frames)
+    text = _storable("".join(formatted.format()))
     data = text.encode("utf-8")
     if len(data) <= TRACEBACK_LIMIT:
         return text

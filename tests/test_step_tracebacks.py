@@ -48,6 +48,8 @@ def test_a_failed_step_keeps_its_traceback(db):
     assert (step_id, attempt) == ("1", 1)
     assert text.startswith("Traceback (most recent call last):")
     assert "in _deeper" in text and text.rstrip().endswith("ValueError: xxxxxxxxxx")
+    assert "everystep/runner.py" not in text  # from the step's own frame: the engine's are left out
+    assert text.splitlines()[1].strip().startswith(f'File "{__file__}"')
 
 
 def test_each_retried_attempt_keeps_its_own(db):

@@ -129,6 +129,7 @@ def test_a_failed_step_shows_the_traceback_of_each_attempt(db, browser, ui_url):
     expect(page.locator("#step-detail details.step-traceback")).to_have_count(1)
     shot(page, "traceback", full_page=True)
     page.goto(f"{ui_url}/#run/{retried.id}")
+    expect(page.locator("article.run h2")).to_contain_text(str(retried.id))  # the new page, not the last one
     page.locator("g.node[data-step='1']").click()
     attempts = page.locator("#step-detail details.step-traceback")
     expect(attempts).to_have_count(2)  # each failed attempt its own

@@ -307,7 +307,7 @@ async function buildRunsPage() {
         listState.selected = new Set(ev.target.checked ? listState.runs.map((r) => r.id) : []);
         renderRows();
       } }) : ""),
-      ["run", "workflow", "status", "runner", "steps", "progress", "scheduled (UTC)", "finished (UTC)", "duration"].map((t, i) => h("th", { class: [3, 4, 7, 9].includes(i) ? "narrow-hide" : null }, t)))),
+      ["run", "workflow", "status", "runner", "steps", "progress", "scheduled (UTC)", "finished (UTC)", "duration"].map((t, i) => h("th", { class: [3, 4, 7, 8].includes(i) ? "narrow-hide" : null }, t)))),
     h("tbody", { id: "runs" })),
     h("p", {}, h("button", { id: "more", onclick: loadMore }, "Older runs")),
   );
@@ -898,12 +898,16 @@ function chartFrame(id, title, max, points, unit) {
     root.append(label);
   }
   const n = points.length;
+  // Each point has a slot of its own (a bar drawn whole, the first and last
+  // too); the last label is the newest minute, the end of the last bucket.
+  const x = (i) => PAD_L + ((CW - PAD_L) * (i + 0.5)) / Math.max(n, 1);
   for (const i of [0, Math.floor(n / 2), n - 1]) {
-    const label = svg("text", { x: PAD_L + ((CW - PAD_L) * i) / Math.max(n - 1, 1), y: CH - 4, class: "axis", "text-anchor": i === 0 ? "start" : i === n - 1 ? "end" : "middle" });
-    label.textContent = `${hhmm(points[i].t)}${i === n - 1 ? " UTC" : ""}`;
+    const label = svg("text", { x: i === 0 ? PAD_L : i === n - 1 ? CW - 2 : x(i), y: CH - 4, class: "axis", "text-anchor": i === 0 ? "start" : i === n - 1 ? "end" : "middle" });
+    const t = i === n - 1 ? points[i].t + ((points[i].minutes || 1) - 1) * 60000 : points[i].t;
+    label.textContent = `${hhmm(t)}${i === n - 1 ? " UTC" : ""}`;
     root.append(label);
   }
-  return { root, plotH, x: (i) => PAD_L + ((CW - PAD_L) * i) / Math.max(n - 1, 1), y: (v) => PAD_T + plotH * (1 - v / max), barW: (CW - PAD_L) / n };
+  return { root, plotH, x, y: (v) => PAD_T + plotH * (1 - v / max), barW: (CW - PAD_L) / Math.max(n, 1) };
 }
 
 function endedChart(points) {
