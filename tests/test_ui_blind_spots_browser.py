@@ -108,6 +108,9 @@ def test_a_reruns_timeline_shows_its_copied_steps_as_copied(db, browser, ui_url,
     expect(copied.first.locator(".bar")).to_have_count(0)  # no bar at the old run's times
     expect(page.locator("#timeline .lane:not([data-copied])")).to_have_count(2)  # 4 and 5 ran here
     expect(page.locator("#timeline")).to_contain_text("4 copied step(s) left out")
+    expect(page.locator("g.node[data-copied]")).to_have_count(4)  # the graph says so too
+    page.locator("g.node[data-step='2']").click()
+    expect(page.locator("#step-detail .copied-from")).to_contain_text(str(run.id)[:8])
     shot(page, "rerun-timeline", full_page=True)
     page.close()
 

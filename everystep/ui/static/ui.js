@@ -734,11 +734,15 @@ function placeSeq(g, seq, x, y, from, run, detail) {
       label.textContent = id;
       const sub = svg("text", { x: x + 8, y: top + 28, class: "sub" });
       sub.textContent = it.kind === "missing" ? "not reached" : it.kind === "current" ? "in progress…"
-        : it.step.name.split(".").pop() + ` · ${LEGEND[state] ? LEGEND[state].split(" ")[0] : state}`;
+        : it.step.name.split(".").pop() + ` · ${copiedStep(run, it.step) ? "copied" : LEGEND[state] ? LEGEND[state].split(" ")[0] : state}`;
       const title = svg("title", {});
       title.textContent = it.kind === "missing" ? `${id}: not reached` : it.kind === "current" ? `${id}: being executed now (its row is written when it ends)` : `${id} ${it.step.name}: ${LEGEND[state] || state}`;
       node.append(title, label, sub);
-      if (it.kind === "step") node.addEventListener("click", () => showStep(detail, it.step, state, tracebacksOf(run, it.step.step_id)));
+      if (it.kind === "step") {
+        if (copiedStep(run, it.step)) node.dataset.copied = "";
+        node.addEventListener("click", () => showStep(detail, it.step, state, tracebacksOf(run, it.step.step_id),
+          copiedStep(run, it.step) ? run.rerun_of : null));
+      }
       g.append(node);
       points = [[x + NODE_W, cy]];
     }
@@ -773,11 +777,12 @@ function placeFork(g, fork, x, y, from, run, detail) {
   return [[x + fork.w, cy]];
 }
 
-function showStep(detail, step, state, tracebacks = []) {
+function showStep(detail, step, state, tracebacks = [], copiedFrom = null) {
   fill(detail, 
     h("h4", {}, h("span", { class: "mono" }, step.step_id), " ", badge(state)),
     h("p", { class: "mono" }, step.name),
-    step.started_at ? h("p", {}, `started ${whenMs(step.started_at)}, finished ${whenMs(step.finished_at)}`) : null,
+    copiedFrom ? h("p", { class: "copied-from" }, "copied from run ", runLink(copiedFrom, short(copiedFrom)), ": its outcome, served by replay, not run again here") : null,
+    step.started_at ? h("p", {}, `${copiedFrom ? "it ran: " : ""}started ${whenMs(step.started_at)}, finished ${whenMs(step.finished_at)}`) : null,
     h("h5", {}, "args"), h("pre", { class: "value" }, readable(step.args)),
     step.kwargs && Object.keys(step.kwargs).length ? [h("h5", {}, "kwargs"), h("pre", { class: "value" }, readable(step.kwargs))] : null,
     // The engine's rows keep times as epoch seconds: shown as dates.
