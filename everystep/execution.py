@@ -537,6 +537,15 @@ class HeldRun:
         self._cancel_known(outcome.written)
         self._count(Pending(outcome.row, step.started[0], 0.0))
         return value
+    def record_traceback(self, step_id: str, attempt: int, traceback: str) -> None:
+        """Keep the traceback of a failed step attempt for the console. Only
+        a help to the reader: conditional on the claim like every write, but
+        not retried, and a failure to write it is logged, never the run's."""
+        try:
+            with self.cursor() as cur:
+                db.record_traceback(cur, self.claim.id, self.runner, self.claim.token, step_id, attempt, traceback)
+        except psycopg.Error as exc:
+            log.warning("run %s: the traceback of step %r was not kept: %s", self.claim.id, step_id, exc)
 
     # -------------------------------------------------------------- sleeps, waits, children, events
 

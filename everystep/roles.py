@@ -97,6 +97,9 @@ GRANT INSERT ON {s}.everystep_execution TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_minute TO {worker};
 -- streams (0023): the entries the runs write.
 GRANT SELECT, INSERT ON {s}.everystep_stream TO {worker};
+-- The tracebacks of failed step attempts (0021): written (or written again) by
+-- the execution that holds the run.
+GRANT SELECT, INSERT, UPDATE ON {s}.everystep_step_traceback TO {worker};
 -- The history: a wait for a child that has moved there, schedules' last runs.
 GRANT SELECT ON {s}.everystep_workflow_all, {s}.everystep_step_all, {s}.everystep_message_all,
     {s}.everystep_event_all, {s}.everystep_workflow_history TO {worker};
@@ -114,6 +117,7 @@ GRANT SELECT ON {s}.everystep_migration TO {operator};
 GRANT SELECT, DELETE ON {s}.everystep_waiting TO {operator};
 GRANT SELECT, INSERT ON {s}.everystep_execution TO {operator};
 GRANT SELECT ON {s}.everystep_minute, {s}.everystep_schedule_run TO {operator};
+GRANT SELECT ON {s}.everystep_step_traceback TO {operator};  -- the run page's tracebacks
 GRANT pg_read_all_stats TO {operator};
 -- Every role may read which environment the database is (0016_environment.sql):
 -- the CLI checks it before it acts; `migrate --environment` (the owner) writes it.

@@ -771,6 +771,8 @@ class Replay:
                     yield from self._fault(faults.AFTER_STEP, step_id, name)
                 return value
             error = serde.encode_exception(failure)
+            if not isinstance(failure, Terminal):  # a deliberate stop, not a fault: no traceback to read
+                yield _Io(self.held.record_traceback, (step_id, len(attempts) + 1, serde.format_traceback(failure)))
             retried = retry is not None and retry.retried(unsafe, failure, len(attempts))
             if retried and not isinstance(failure, Terminal):
                 attempt = yield from self._record_attempt(step_id, name, args_json, kwargs_json, error,

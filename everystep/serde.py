@@ -28,6 +28,8 @@ import decimal
 import enum
 import json
 import math
+import os
+import traceback
 import uuid
 from typing import Any
 
@@ -177,6 +179,29 @@ def encode_exception(exc: BaseException) -> dict:
         except EverystepError:
             args.append(_storable(repr(arg)))
     return {"type": f"{cls.__module__}.{cls.__qualname__}", "message": _storable(str(exc)), "args": args}
+
+
+TRACEBACK_LIMIT = 16 * 1024  # bytes of a step attempt's traceback kept: its end, where the error is
+
+
+_ENGINE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def format_traceback(exc: BaseException) -> str:
+    """The formatted traceback of `exc` (with its causes), as Python prints
+    it, from the first frame of the application's (the engine's frames that
+    called the step left out); its last TRACEBACK_LIMIT bytes when longer."""
+    formatted = traceback.TracebackException.from_exception(exc)
+    frames = list(formatted.stack)
+    while len(frames) > 1 and frames[0].filename.startswith(_ENGINE):
+        frames.pop(0)
+    formatted.stack = traceback.StackSummary.from_list(frames)
+    text = _storable("".join(formatted.format()))
+    data = text.encode("utf-8")
+    if len(data) <= TRACEBACK_LIMIT:
+        return text
+    tail = data[-TRACEBACK_LIMIT:].decode("utf-8", "ignore")
+    return f"[the first {len(data) - len(tail.encode('utf-8'))} bytes left out]\n{tail}"
 
 
 def _storable(text: str) -> str:

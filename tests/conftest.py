@@ -145,11 +145,11 @@ def supervisors(tmp_path):
 
 
 @pytest.fixture
-def private_server(tmp_path):
+def private_server():
     """A PostgreSQL server of the test's own, to stop, restart or cut off."""
     from tests.support.private_postgres import PrivatePostgres  # noqa: PLC0415  (needs the embedded server's binaries)
 
-    server = PrivatePostgres(tmp_path / "pg")
+    server = PrivatePostgres()
     yield server
     server.close()
 

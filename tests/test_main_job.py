@@ -4,16 +4,29 @@ workflows on the embedded PostgreSQL, with nothing else configured."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 
+import pytest
 import yaml
 
+from tests.support.private_postgres import private_folder
 from tests.support.processes import ROOT, wait_for
 
 
-def test_the_shipped_config_runs_the_demo_on_the_embedded_database(tmp_path):
+@pytest.fixture
+def folder():
+    """The supervisor's working folder, where the embedded server keeps its
+    data: outside pytest's temporary folders (see tests/support/private_postgres.py)."""
+    path = private_folder()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_shipped_config_runs_the_demo_on_the_embedded_database(folder):
+    tmp_path = folder
     config = yaml.safe_load((ROOT / "everystep.yaml").read_text())
     config["http"]["port"] = 0  # the only change: tests run side by side
     (tmp_path / "everystep.yaml").write_text(yaml.safe_dump(config))

@@ -135,3 +135,22 @@ def test_producer_sends_messages_and_reads_events(db, roles, marks):
         assert everystep.get_event(published.id, "stage", 1, conn=conn) == "second"
     with db.connect() as conn:
         assert [m["payload"] for m in everystep.db.load_messages(conn, waiting.id)] == [{"hello": 1}]
+
+
+def test_a_worker_keeps_tracebacks_and_an_operator_reads_them(db, roles, tmp_path):
+    from psycopg import conninfo  # noqa: PLC0415
+
+    from tests.apps import console_workflows  # noqa: PLC0415
+    from tests.support.processes import WorkerProcess, wait_for  # noqa: PLC0415
+
+    url = conninfo.make_conninfo(db.url, options=f"-c search_path={db.schema} -c role={roles}worker")
+    [run] = db.schedule_many(console_workflows.pay_then_deliver, [("o-1",)])
+    worker = WorkerProcess(url, "role-worker", tmp_path / "logs", imports=("tests.apps.console_workflows",))
+    try:
+        wait_for(lambda: db.run(run.id)["status"] == "failed", 30, what="the run to fail")
+    finally:
+        worker.signal(15)
+        worker.proc.wait(30)
+    with as_role(db, f"{roles}operator") as conn:
+        [found] = everystep.db.step_tracebacks(conn, run.id)
+    assert found["step_id"] == "4" and "ValueError: no address for o-1" in found["traceback"]

@@ -231,6 +231,7 @@ from everystep.db.testing import (
     runs_of_workflow,
     set_clock,
 )
+from everystep.db.tracebacks import record_traceback, step_tracebacks
 from everystep.db.ui import (
     UI_STATUS_CAP,
     ui_failures,
@@ -293,4 +294,6 @@ __all__ = [
     # streams
     "StreamEntryRow", "StreamLook", "StreamState", "StreamWrite", "alisten_streams", "aread_stream",
     "listen_streams", "notify_streams", "read_stream", "run_streams", "stream_state", "write_streams",
+    # the tracebacks of failed step attempts
+    "record_traceback", "step_tracebacks",
 ]

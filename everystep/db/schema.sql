@@ -198,6 +198,19 @@ CREATE TABLE everystep_step (
 );
 
 
+-- The formatted traceback of each failed step attempt (its last 16 kB), for
+-- the console (0021); deleted with its run.
+CREATE TABLE everystep_step_traceback (
+    workflow_id uuid NOT NULL REFERENCES everystep_workflow (id) ON DELETE CASCADE,
+    step_id     varchar(300) NOT NULL,
+    attempt     integer NOT NULL,                        -- 1, 2, ... as in the step's attempts
+    claim_token bigint NOT NULL,                         -- the execution it failed in
+    traceback   text NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (workflow_id, step_id, attempt)
+);
+
+
 -- ---------------------------------------------------------------- the queue
 
 -- Poison-run accounting: one row per run that has ever lost its worker

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from everystep.db import ops, queries, runs, schedules
+from everystep.db import ops, queries, runs, schedules, tracebacks
 from everystep.db.rows import RunFilter, dicts
 
 UI_STATUS_CAP = 1000  # counts per status are exact up to this; above it, the planner's estimate
@@ -57,6 +57,7 @@ def ui_run(conn: psycopg.Connection, run: uuid.UUID) -> dict | None:
         found["messages"] = runs.load_messages(conn, run)
         found["events"] = runs.load_events(conn, run)
         found["children"] = runs.children(conn, run)
+        found["tracebacks"] = tracebacks.step_tracebacks(conn, run)
     return found
 
 

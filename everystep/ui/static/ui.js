@@ -288,7 +288,7 @@ async function buildRunsPage() {
     input("q", { type: "search", size: 40, placeholder: "run id, idempotency key, or args JSON {\"k\": 1}", "aria-label": "search" }),
     h("button", {}, "Filter"),
     h("button", { type: "button", onclick: () => { Object.keys(filters).forEach((k) => { filters[k] = ""; }); go(""); } }, "Clear"));
-  const bulk = ROLE === "operator" ? h("div", { class: "bulk" },
+  const bulk = ROLE === "operator" ? h("div", { class: "bulk", id: "bulk", hidden: true },
     h("span", { id: "selection" }, ""),
     h("button", { onclick: () => bulkAct("requeue", "Requeue the selected runs whose claimer is dead?", false) }, "Requeue selected"),
     h("button", { onclick: () => bulkAct("reschedule", "Schedule the selected runs again with the same args?", false) }, "Schedule selected again"),
@@ -307,7 +307,7 @@ async function buildRunsPage() {
         listState.selected = new Set(ev.target.checked ? listState.runs.map((r) => r.id) : []);
         renderRows();
       } }) : ""),
-      ["run", "workflow", "status", "runner", "steps", "progress", "scheduled (UTC)", "finished (UTC)"].map((t, i) => h("th", { class: [3, 4, 7].includes(i) ? "narrow-hide" : null }, t)))),
+      ["run", "workflow", "status", "runner", "steps", "progress", "scheduled (UTC)", "finished (UTC)", "duration"].map((t, i) => h("th", { class: [3, 4, 7, 8].includes(i) ? "narrow-hide" : null }, t)))),
     h("tbody", { id: "runs" })),
     h("p", {}, h("button", { id: "more", onclick: loadMore }, "Older runs")),
   );
@@ -359,9 +359,10 @@ function renderRows() {
       h("td", { class: "narrow-hide" }, `${r.steps_done || 0} / ${total}`),
       h("td", {}, h("span", { class: `bar-track ${r.status}`, role: "progressbar", "aria-valuenow": pct, "aria-valuemin": 0, "aria-valuemax": 100, title: `${r.steps_done || 0} of ${total} steps done` },
         h("span", { class: "bar-fill", style: `width:${pct}%` }))),
-      h("td", {}, when(r.created_at)), h("td", { class: "narrow-hide" }, when(r.completed_at)));
+      h("td", {}, when(r.created_at)), h("td", { class: "narrow-hide" }, when(r.completed_at)),
+      h("td", { class: "duration narrow-hide" }, runDuration(r)));
   }));
-  if (!listState.runs.length) body.append(h("tr", {}, h("td", { colspan: 9, class: "empty" }, "no runs match")));
+  if (!listState.runs.length) body.append(h("tr", {}, h("td", { colspan: 10, class: "empty" }, "no runs match")));
   document.getElementById("more").hidden = !listState.next;
   renderSelection();
 }
@@ -369,7 +370,19 @@ function renderRows() {
 function renderSelection() {
   const el = document.getElementById("selection");
   if (el) el.textContent = listState.selected.size ? `${listState.selected.size} selected` : "";
+  const bulk = document.getElementById("bulk");
+  if (bulk) bulk.hidden = !listState.selected.size;  // the actions act on a selection: shown with one
 }
+
+// From scheduled to finished; a run not finished yet: so far, with "…".
+function runDuration(r) {
+  const end = r.completed_at ? Date.parse(r.completed_at) : Date.now();
+  const ms = Math.max(end - Date.parse(r.created_at), 0);
+  return humanMs(ms) + (r.completed_at || TERMINAL.includes(r.status) ? "" : " …");
+}
+const humanMs = (ms) => (ms < 1000 ? `${Math.round(ms)} ms` : ms < 60000 ? `${(ms / 1000).toFixed(1)} s`
+  : ms < 3600000 ? `${Math.floor(ms / 60000)} min ${Math.round((ms % 60000) / 1000)} s`
+  : ms < 86400000 ? `${Math.floor(ms / 3600000)} h ${Math.round((ms % 3600000) / 60000)} min` : `${(ms / 86400000).toFixed(1)} d`);
 
 function renderCounts(snapshot) {
   const counts = document.getElementById("counts");
@@ -441,7 +454,7 @@ async function showRun(quiet) {
     ROLE === "operator" && !TERMINAL.includes(run.status) ? sendPanel(run) : null,
     h("h3", {}, "args"), h("pre", { class: "value" }, readable(run.args)),
     run.status === "completed" ? [h("h3", {}, "result"), h("pre", { class: "value", id: "run-result" }, readable(run.result))] : null,
-    run.error ? [h("h3", {}, "error"), h("pre", { class: "value error", id: "run-error" }, describeError(run.error))] : null,
+    run.error ? [h("h3", {}, "error"), h("pre", { class: "value error", id: "run-error" }, describeError(run.error)), runTraceback(run)] : null,
     h("h3", {}, `steps (${run.steps.length})`),
     h("div", { class: "graph-tools" },
       h("button", { onclick: () => zoom(1.25) }, "+"), h("button", { onclick: () => zoom(0.8) }, "−"),
@@ -457,9 +470,16 @@ async function showRun(quiet) {
   );
   if (quiet && !document.querySelector("article.run")) return;
   const oldView = graphView;
-  const typing = document.activeElement && document.activeElement.closest && document.activeElement.closest("#send-form, #rerun-form");
-  if (quiet && typing) return;  // not under an operator's fingers
+  // A form an operator is filling is never redrawn: the live one, with what
+  // was typed or chosen in it, takes the place of the new page's.
+  const focused = document.activeElement;
+  const kept = quiet ? formsBeingFilled() : [];
+  for (const form of kept) {
+    const fresh = page.querySelector(`form#${form.id}`);
+    if (fresh) fresh.replaceWith(form);
+  }
   fill(main, page);
+  if (focused && kept.some((form) => form.contains(focused))) focused.focus();
   drawGraph(graph, run, detail);
   if (quiet && oldView) setView(oldView);
   onSnapshot = (snapshot, changed) => { if (changed && !TERMINAL.includes(run.status)) refetchSoon(); };
@@ -492,6 +512,12 @@ function streamPanels(run) {
     return h("div", { class: "stream-panel" }, h("h4", { class: "mono" }, st.key), view.pre);
   }));
 }
+// A field changed from what the page drew, or the focus in the form.
+const edited = (el) => (el.type === "radio" || el.type === "checkbox" ? el.checked !== el.defaultChecked
+  : el.tagName === "SELECT" ? [...el.options].some((o) => o.selected !== o.defaultSelected)
+  : "defaultValue" in el && el.value !== el.defaultValue);
+const formsBeingFilled = () => [...main.querySelectorAll("form[id]")]
+  .filter((form) => form.contains(document.activeElement) || [...form.elements].some(edited));
 
 const LEGEND = { done: "done", failed: "failed", inflight: "in progress", waiting: "waiting (sleep, wait, back-off)",
   uncertain: "uncertain: unsafe, outcome unknown", unreached: "not reached" };
@@ -528,6 +554,21 @@ function sendPanel(run) {
       h("button", {}, "Send")),
     topic ? h("p", { class: "muted" }, `The run waits for a message on ${topic}.`) : null);
 }
+
+// The traceback of the failed step the run ended on (its last attempt), and
+// where the worker's log lines are: in the log store, not in the database
+// the console reads.
+function runTraceback(run) {
+  const failed = [...run.steps].reverse().find((s) => s.status === "failed");
+  const kept = failed && tracebacksOf(run, failed.step_id);
+  const last = kept && kept.length ? kept[kept.length - 1] : null;
+  return [last ? h("details", { id: "run-traceback", open: true },
+    h("summary", {}, `traceback of step ${failed.step_id}, attempt ${last.attempt}`), h("pre", { class: "traceback" }, last.traceback)) : null,
+  h("p", { class: "muted", id: "run-logs" }, "The worker's log lines of this run are where its logs go (not in the database): search them for ",
+    h("code", {}, `run=${run.id}`), " (with logging.format: json, ", h("code", {}, `"run": "${run.id}"`), ").")];
+}
+
+const tracebacksOf = (run, stepId) => (run.tracebacks || []).filter((t) => t.step_id === stepId);
 
 function executionTable(run) {
   return h("table", { id: "executions", class: "executions" },
@@ -721,11 +762,15 @@ function placeSeq(g, seq, x, y, from, run, detail) {
       label.textContent = id;
       const sub = svg("text", { x: x + 8, y: top + 28, class: "sub" });
       sub.textContent = it.kind === "missing" ? "not reached" : it.kind === "current" ? "in progress…"
-        : it.step.name.split(".").pop() + ` · ${LEGEND[state] ? LEGEND[state].split(" ")[0] : state}`;
+        : it.step.name.split(".").pop() + ` · ${copiedStep(run, it.step) ? "copied" : LEGEND[state] ? LEGEND[state].split(" ")[0] : state}`;
       const title = svg("title", {});
       title.textContent = it.kind === "missing" ? `${id}: not reached` : it.kind === "current" ? `${id}: being executed now (its row is written when it ends)` : `${id} ${it.step.name}: ${LEGEND[state] || state}`;
       node.append(title, label, sub);
-      if (it.kind === "step") node.addEventListener("click", () => showStep(detail, it.step, state));
+      if (it.kind === "step") {
+        if (copiedStep(run, it.step)) node.dataset.copied = "";
+        node.addEventListener("click", () => showStep(detail, it.step, state, tracebacksOf(run, it.step.step_id),
+          copiedStep(run, it.step) ? run.rerun_of : null));
+      }
       g.append(node);
       points = [[x + NODE_W, cy]];
     }
@@ -760,11 +805,12 @@ function placeFork(g, fork, x, y, from, run, detail) {
   return [[x + fork.w, cy]];
 }
 
-function showStep(detail, step, state) {
+function showStep(detail, step, state, tracebacks = [], copiedFrom = null) {
   fill(detail, 
     h("h4", {}, h("span", { class: "mono" }, step.step_id), " ", badge(state)),
     h("p", { class: "mono" }, step.name),
-    step.started_at ? h("p", {}, `started ${whenMs(step.started_at)}, finished ${whenMs(step.finished_at)}`) : null,
+    copiedFrom ? h("p", { class: "copied-from" }, "copied from run ", runLink(copiedFrom, short(copiedFrom)), ": its outcome, served by replay, not run again here") : null,
+    step.started_at ? h("p", {}, `${copiedFrom ? "it ran: " : ""}started ${whenMs(step.started_at)}, finished ${whenMs(step.finished_at)}`) : null,
     h("h5", {}, "args"), h("pre", { class: "value" }, readable(step.args)),
     step.kwargs && Object.keys(step.kwargs).length ? [h("h5", {}, "kwargs"), h("pre", { class: "value" }, readable(step.kwargs))] : null,
     // The engine's rows keep times as epoch seconds: shown as dates.
@@ -774,15 +820,24 @@ function showStep(detail, step, state) {
     (step.attempts || []).map((a) => h("p", { class: "attempt error" }, `attempt ${a.attempt} failed at ${epochWhen(a.at)} (${describeError(a.error)}); retried at ${epochWhen(a.retry_at)}`)),
     step.status === "done" ? [h("h5", {}, "result"), h("pre", { class: "value", id: "step-result" }, readable(step.result))] : null,
     step.error ? [h("h5", {}, "error"), h("pre", { class: "value error" }, describeError(step.error))] : null,
+    tracebacks.map((t) => h("details", { class: "step-traceback", "data-attempt": t.attempt, open: t === tracebacks[tracebacks.length - 1] },
+      h("summary", {}, `traceback of attempt ${t.attempt}`), h("pre", { class: "traceback" }, t.traceback))),
     step.status === "started" ? h("p", {}, "started; outcome not recorded") : null);
 }
 
 // Each attempt of a retried step is its own bar (its error and back-off in
 // its title), the back-off drawn as a gap; the last attempt runs from the
 // row's started_at to its finished_at.
+// A re-run's steps before its from-step are copies of the old run's
+// outcomes (no execution of this run wrote them): drawn as copied, their
+// old times left out of this run's span.
+const copiedStep = (run, st) => Boolean(run.rerun_of) && !st.claim_token;
+
 function timeline(run) {
   const bars = [];
+  const copied = run.steps.filter((st) => copiedStep(run, st));
   for (const st of run.steps) {
+    if (copiedStep(run, st)) continue;
     const attempts = st.attempts || [];
     attempts.forEach((a, i) => {
       const begin = i ? attempts[i - 1].retry_at * 1000 : a.at * 1000;
@@ -798,12 +853,17 @@ function timeline(run) {
         title: `${st.step_id}${attempts.length ? ` attempt ${attempts.length + 1}` : ""}: ${b - a} ms` });
     }
   }
-  if (!bars.length) return h("p", { class: "muted", id: "timeline" }, "no step timing recorded for this run");
+  const copiedLanes = copied.map((st) => h("div", { class: "lane copied", "data-step": st.step_id, "data-copied": "" },
+    h("span", { class: "mono label" }, st.step_id),
+    h("span", { class: "track" }, h("span", { class: "copied-note", title: `recorded by run ${run.rerun_of}; served from the record, not run again` },
+      "copied from ", runLink(run.rerun_of, short(run.rerun_of)))),
+    h("span", { class: "ms" }, "copied")));
+  if (!bars.length) return h("div", { class: "timeline", id: "timeline" }, copiedLanes, h("p", { class: "muted" }, "no step of this run's own timed yet"));
   const t0 = Math.min(...bars.map((x) => x.a));
   const t1 = Math.max(...bars.map((x) => x.b), t0 + 1);
   const span = t1 - t0;
   const lanes = [...new Set(bars.map((x) => x.step.step_id))];
-  return h("div", { class: "timeline", id: "timeline" }, lanes.map((id) => {
+  return h("div", { class: "timeline", id: "timeline" }, copiedLanes, lanes.map((id) => {
     const mine = bars.filter((x) => x.step.step_id === id);
     const last = mine[mine.length - 1];
     const tries = mine.filter((x) => x.kind !== "backoff").length;
@@ -812,7 +872,7 @@ function timeline(run) {
       h("span", { class: "track" }, mine.map((x) => h("span", { class: `bar ${x.kind}`, title: x.title, "data-attempt": x.kind === "attempt" ? x.n : null,
         style: `left:${(100 * (x.a - t0)) / span}%;width:${Math.max((100 * (x.b - x.a)) / span, 0.5)}%` }))),
       h("span", { class: "ms" }, last.open ? "…" : tries > 1 ? `${tries} attempts` : (last.b - last.a >= 1 ? `${last.b - last.a} ms` : "<1 ms")));
-  }), h("p", { class: "muted" }, `${span} ms from the first step's start to the last step's end; hover a bar for its times, errors and back-offs`));
+  }), h("p", { class: "muted" }, `${span} ms from the first step's start to the last step's end${copied.length ? ` (${copied.length} copied step(s) left out)` : ""}; hover a bar for its times, errors and back-offs`));
 }
 
 // ------------------------------------------------------------------ charts over time
@@ -832,11 +892,36 @@ function minuteSeries(answer) {
   return out;
 }
 
+// A day of minutes is 1,440 bars of a pixel: it is drawn in buckets of 15
+// minutes (96 bars), an hour minute by minute. A bucket sums the runs ended
+// in it; its backlog and latency are the most sampled in it, its blocked
+// count the last.
+const BUCKET_MINUTES = { hour: 1, day: 15 };
+
+function buckets(points, size) {
+  if (size <= 1) return points.map((p) => ({ ...p, minutes: 1 }));
+  const groups = [];
+  for (let end = points.length; end > 0; end -= size) groups.unshift(points.slice(Math.max(end - size, 0), end));
+  return groups.map((group) => {  // the newest bucket ends at the newest minute
+    const b = { t: group[0].t, minutes: group.length };
+    for (const k of ENDED) b[k] = group.reduce((a, p) => a + (p[k] || 0), 0);
+    for (const k of ["due", "oldest_due_s"]) {
+      const seen = group.map((p) => p[k]).filter((v) => v !== undefined && v !== null);
+      if (seen.length) b[k] = Math.max(...seen);
+    }
+    const blocked = group.map((p) => p.blocked).filter((v) => v !== undefined && v !== null);
+    if (blocked.length) b.blocked = blocked[blocked.length - 1];
+    return b;
+  });
+}
+const bucketSpan = (p) => (p.minutes > 1 ? `${hhmm(p.t)}–${hhmm(p.t + p.minutes * 60000)}` : hhmm(p.t));
+
 const hhmm = (t) => new Date(t).toISOString().slice(11, 16);
 const niceMax = (v) => { if (v <= 0) return 1; const p = 10 ** Math.floor(Math.log10(v)); return Math.ceil(v / p) * p; };
 
 function chartFrame(id, title, max, points, unit) {
-  const root = svg("svg", { viewBox: `0 0 ${CW} ${CH}`, class: "chart", id, role: "img", "aria-label": title, preserveAspectRatio: "none" });
+  // Scaled only as a whole (never stretched): its text keeps its shape.
+  const root = svg("svg", { viewBox: `0 0 ${CW} ${CH}`, width: CW, height: CH, class: "chart", id, role: "img", "aria-label": title });
   const plotH = CH - PAD_B - PAD_T;
   for (const f of [0, 0.5, 1]) {
     const y = PAD_T + plotH * (1 - f);
@@ -846,17 +931,21 @@ function chartFrame(id, title, max, points, unit) {
     root.append(label);
   }
   const n = points.length;
+  // Each point has a slot of its own (a bar drawn whole, the first and last
+  // too); the last label is the newest minute, the end of the last bucket.
+  const x = (i) => PAD_L + ((CW - PAD_L) * (i + 0.5)) / Math.max(n, 1);
   for (const i of [0, Math.floor(n / 2), n - 1]) {
-    const label = svg("text", { x: PAD_L + ((CW - PAD_L) * i) / Math.max(n - 1, 1), y: CH - 4, class: "axis", "text-anchor": i === 0 ? "start" : i === n - 1 ? "end" : "middle" });
-    label.textContent = `${hhmm(points[i].t)}${i === n - 1 ? " UTC" : ""}`;
+    const label = svg("text", { x: i === 0 ? PAD_L : i === n - 1 ? CW - 2 : x(i), y: CH - 4, class: "axis", "text-anchor": i === 0 ? "start" : i === n - 1 ? "end" : "middle" });
+    const t = i === n - 1 ? points[i].t + ((points[i].minutes || 1) - 1) * 60000 : points[i].t;
+    label.textContent = `${hhmm(t)}${i === n - 1 ? " UTC" : ""}`;
     root.append(label);
   }
-  return { root, plotH, x: (i) => PAD_L + ((CW - PAD_L) * i) / Math.max(n - 1, 1), y: (v) => PAD_T + plotH * (1 - v / max), barW: (CW - PAD_L) / n };
+  return { root, plotH, x, y: (v) => PAD_T + plotH * (1 - v / max), barW: (CW - PAD_L) / Math.max(n, 1) };
 }
 
 function endedChart(points) {
   const max = niceMax(Math.max(...points.map((p) => ENDED.reduce((a, k) => a + (p[k] || 0), 0)), ...points.map((p) => p.blocked || 0)));
-  const f = chartFrame("chart-ended", "runs ended per minute by status", max, points);
+  const f = chartFrame("chart-ended", "runs ended by status", max, points);
   points.forEach((p, i) => {
     let base = 0;
     for (const k of ENDED) {
@@ -864,7 +953,7 @@ function endedChart(points) {
       if (!v) continue;
       const rect = svg("rect", { x: f.x(i) - f.barW / 2, width: Math.max(f.barW - 0.5, 0.6), y: f.y(base + v), height: f.y(base) - f.y(base + v), class: `s-${k}`, "data-status": k });
       const tip = svg("title", {});
-      tip.textContent = `${hhmm(p.t)} UTC: ${v} ${k}`;
+      tip.textContent = `${bucketSpan(p)} UTC: ${v} ${k}`;
       rect.append(tip);
       f.root.append(rect);
       base += v;
@@ -906,10 +995,12 @@ async function showCharts(quiet) {
   const asked = current;
   const [answer, names] = await Promise.all([getJSON(`/api/charts?${p}`), quiet ? Promise.resolve(null) : getJSON("/api/workflows").catch(() => ({ workflows: [] }))]);
   if (current !== asked) return;
-  const points = minuteSeries(answer);
-  const legend = h("p", { class: "legend" }, ENDED.map((k) => h("span", { class: `key s-${k}` }, k)), h("span", { class: "key s-blocked" }, "blocked (at the minute's end)"));
+  const size = BUCKET_MINUTES[answer.window] || 1;
+  const points = buckets(minuteSeries(answer), size);
+  const per = size > 1 ? `${size} minutes` : "minute";
+  const legend = h("p", { class: "legend" }, ENDED.map((k) => h("span", { class: `key s-${k}` }, k)), h("span", { class: "key s-blocked" }, `blocked (at the ${per === "minute" ? "minute" : "bucket"}'s end)`));
   const body = [
-    h("h3", {}, "runs ended per minute"), legend, endedChart(points),
+    h("h3", { id: "ended-title" }, `runs ended per ${per}`), legend, endedChart(points),
     h("h3", {}, "backlog: runs due, not claimed"), gaugeChart(points, "due", "chart-due", "runs due and not claimed", ""),
     h("h3", {}, "pickup latency: how long the oldest due run has waited"), gaugeChart(points, "oldest_due_s", "chart-latency", "pickup latency", " s"),
     h("h3", {}, "step durations"), stepTable(answer.steps, answer.step_runs),
