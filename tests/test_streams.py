@@ -69,7 +69,7 @@ def test_a_reader_gets_entries_as_they_commit_while_the_run_goes_on(db):
 
 def test_a_replay_does_not_write_the_bodys_entries_again(db):
     run = schedule_one(db, flows.mixed, 3)
-    with crash_after_step(flows.tokens, durable=True), pytest.raises(faults.Crash):
+    with crash_after_step(flows.tokens), pytest.raises(faults.Crash):
         db.run_pending()
     assert db.run(run.id)["status"] == "running"
     assert db.resume_held() == {run.id: "completed"}
@@ -89,7 +89,7 @@ def last_tries(entries: list) -> list:
 
 def test_a_steps_entries_are_at_least_once_and_tell_their_try(db):
     run = schedule_one(db, flows.mixed, 2)
-    with crash_after_step(flows.tokens), pytest.raises(faults.Crash):  # its outcome lost: the step runs again
+    with crash_after_step(flows.tokens, before_outcome=True), pytest.raises(faults.Crash):  # its outcome lost: the step runs again
         db.run_pending()
     assert db.resume_held() == {run.id: "completed"}
     assert flows.calls["tokens"] == 2
@@ -253,9 +253,9 @@ def test_the_examples_of_the_docs_run_as_written(db, tmp_path, monkeypatch):
     printed: list = []
     namespace = {"everystep": everystep, "run_id": run.id, "database_url": db.url,
                  "print": lambda *args: printed.append(args)}
-    exec(python_blocks("streams.md")[1], namespace)  # the reader of "progress"
+    exec(python_blocks("streams.md")[2], namespace)  # the reader of "progress"
     assert printed == [(0, {"chapter": 0, "of": 2}), (1, {"chapter": 1, "of": 2})]
-    exec(python_blocks("streams.md")[3], namespace)  # the reader that keeps each step's last try
+    exec(python_blocks("streams.md")[4], namespace)  # the reader that keeps each step's last try
     shown = namespace["shown"]
     assert "".join(e.value for kept in shown.values() for e in kept) == "Chapter 0 in short.Chapter 1 in short."
     sys.modules.pop("streams_doc_example", None)

@@ -82,7 +82,8 @@ def test_the_claim_keeps_its_index_conditions_with_the_clock_moved(everystep_db)
     def conditions() -> list[tuple[str, str]]:
         """(index, condition) of the claim's scans of the two lanes' indexes (0011_lanes.sql)."""
         plan = [row[0].strip() for row in conn.execute("EXPLAIN (COSTS OFF) " + queries.get("claim"),
-                                                       {"runner": "w", "limit": 8, "routes": None})]
+                                                       {"runner": "w", "limit": 8, "routes": None,
+                                                        "skipped": []})]
         return [(above.split(" using ")[1].split()[0], line) for above, line in zip(plan, plan[1:])
                 if " using everystep_workflow_ready_" in above and line.startswith("Index Cond")]
 

@@ -42,7 +42,15 @@ def publish_route(conn: psycopg.Connection, runner: str, routes: list[str] | Non
                   unknown: list[str] | None = None) -> None:
     """Say which workflows this runner claims (LIKE patterns; None: all), and
     which it cannot import (`unknown`: it claims none of their runs)."""
-    conn.execute(queries.get("publish_route"), {"runner": runner, "patterns": routes, "unknown": list(unknown or [])})
+    params = {"runner": runner, "patterns": routes, "unknown": list(unknown or [])}
+    try:
+        with conn.transaction():  # a savepoint when the caller's transaction is open
+            conn.execute(queries.get("publish_route"), params)
+    except psycopg.errors.UndefinedColumn:
+        # A schema not migrated to 0019 yet (a new worker beside the previous
+        # version's, before `everystep migrate`) has no `unknown` column: its
+        # readiness then names no workflow, and the runs are still given back.
+        conn.execute(queries.get("publish_route_before_0019"), params)
 
 
 def unknown_workflows(conn: psycopg.Connection, runners: list[str]) -> dict[str, list[str]]:

@@ -49,6 +49,13 @@ VALUES (%(runner)s, %(patterns)s, %(unknown)s)
 ON CONFLICT (runner) DO UPDATE
 SET patterns = EXCLUDED.patterns, unknown = EXCLUDED.unknown, updated_at = everystep_now();
 
+-- name: publish_route_before_0019
+-- The same, in a schema the migration 0019 has not reached yet.
+INSERT INTO everystep_route (runner, patterns)
+VALUES (%(runner)s, %(patterns)s)
+ON CONFLICT (runner) DO UPDATE
+SET patterns = EXCLUDED.patterns, updated_at = everystep_now();
+
 -- name: unknown_workflows
 -- The workflows each of these runners found it cannot import.
 SELECT runner, unknown
