@@ -22,6 +22,7 @@ from everystep.api import (
     schedule,
     schedule_many,
     send,
+    set_attributes,
     set_event,
     sleep,
     sleep_until,
@@ -32,6 +33,7 @@ from everystep.api import (
     wait_for,
     workflow,
 )
+from everystep.attributes import FoundRun, find_runs
 from everystep.context import Outcome, RunContext, current
 from everystep.errors import (
     Cancelled,
@@ -91,8 +93,11 @@ __all__ = [
     "schedule_many",
     "schedules",
     "send",
+    "set_attributes",
     "set_event",
     "step",
+    "FoundRun",
+    "find_runs",
     "transaction",
     "use",
     "wait_for",

@@ -30,9 +30,9 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from everystep import db, metrics, serde
-from everystep.errors import Drain, LostClaim, Parked
+from everystep.errors import Drain, EverystepError, LostClaim, Parked
 from everystep.ids import uuid7
-from everystep.schema import RunStatus, StepStatus
+from everystep.schema import MAX_ATTRIBUTES, RunStatus, StepStatus
 from everystep.writer import GroupWriter
 
 log = logging.getLogger("everystep")
@@ -444,6 +444,15 @@ class HeldRun:
 
     def set_event(self, step_id: str, name: str, key: str, value_json: str) -> None:
         self._fenced(db.set_event, (step_id, name, key, value_json), step_id, StepStatus.DONE, "an event")
+
+    def set_attributes(self, step_id: str, name: str, attributes_json: str) -> None:
+        """Merge attributes into the run's with the step row recording it; an
+        EverystepError (nothing written) if the merge would pass the bound."""
+        try:
+            self._fenced(db.set_attributes, (step_id, name, attributes_json, MAX_ATTRIBUTES), step_id,
+                         StepStatus.DONE, "attributes")
+        except db.TooManyAttributes as exc:
+            raise EverystepError(f"set_attributes(): {exc} (at most {MAX_ATTRIBUTES})") from None
 
     # -------------------------------------------------------------- the end
 

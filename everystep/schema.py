@@ -32,3 +32,4 @@ MAX_NAME = 300  # a workflow's or a step's module.qualname
 MAX_STEP_ID = 300  # a step id, the whole dotpath
 MAX_KEY = 255  # an idempotency key, a runner name (claimed_by), a concurrency key, a rate limit's name
 MIN_PRIORITY, MAX_PRIORITY = -100, 100  # a run's priority (Django's tasks API's range): higher runs first
+MAX_ATTRIBUTES = 20  # a run's attributes (0022): keys, each at most 64 characters, scalar values of at most 256

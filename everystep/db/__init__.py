@@ -16,6 +16,7 @@ consumers write `from everystep import db` and `db.claim(conn, ...)`:
   partitions, retention by end status
 - ops, ui, observe: the operators' actions and audit trail, the web UI's
   reads, what metrics and health checks read
+- attributes: run attributes, finding runs by them, bulk actions' progress
 - charts: the console's per-minute figures and the bounded reads its charts draw
 - session: session settings, pooled connections, liveness locks, LISTEN
 - testing: the engine's clock (everystep_now), and what everystep.testing reads
@@ -27,6 +28,19 @@ everystep/db/schema.sql shows the tables, indexes and functions the
 migrations leave, for reading; tests/test_schema.py keeps it true.
 """
 
+from everystep.db.attributes import (
+    AttributeFilter,
+    BulkCursor,
+    BulkProgress,
+    TooManyAttributes,
+    advance_bulk,
+    count_runs,
+    find_runs,
+    finish_bulk,
+    lock_bulk,
+    open_bulk,
+    set_attributes,
+)
 from everystep.db.charts import (
     CHART_DUE_CAP,
     CHART_LOOKBACK_S,
@@ -269,4 +283,7 @@ __all__ = [
     "insert_rerun", "rerun_source",
     "CHART_DUE_CAP", "CHART_LOOKBACK_S", "chart_minutes", "chart_schedule_fires", "chart_step_durations",
     "prune_minutes", "roll_up_minutes",
+    # run attributes, bulk actions
+    "AttributeFilter", "BulkCursor", "BulkProgress", "TooManyAttributes", "advance_bulk", "count_runs",
+    "find_runs", "finish_bulk", "lock_bulk", "open_bulk", "set_attributes",
 ]

@@ -178,12 +178,12 @@ WHERE EXISTS (
 ORDER BY c.name;
 
 -- name: ui_reschedule
--- A new run of the same workflow with the same args and priority (no
--- idempotency key, no concurrency key).
+-- A new run of the same workflow with the same args, priority and
+-- attributes (no idempotency key, no concurrency key).
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, status, limited, priority)
+    INSERT INTO everystep_workflow (id, name, args, status, limited, priority, attributes)
     SELECT %(id)s, w.name, w.args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name),
-           w.priority
+           w.priority, w.attributes
     FROM everystep_workflow_all w
     WHERE w.id = %(run)s
     RETURNING id
