@@ -6,10 +6,10 @@ the UI's filter).
 Attributes are a flat JSON object: string keys (at most MAX_KEYS of them,
 each at most MAX_KEY_LENGTH characters) and scalar values (a string of at
 most MAX_VALUE_LENGTH characters, a number, a boolean). A filter on them
-compares each value as text (the `->>` of PostgreSQL), so `order=42` on the
-command line finds a run scheduled with `{"order": 42}` or `{"order": "42"}`;
-the keys whose filter value can only be a string also go through the
-index (`attributes @> {...}`).
+matches values of the same type (`attributes @> {...}`, always through the
+index): {"order": 42} finds 42, not "42". On the command line and in the
+UI's URL a value is read as JSON when it is a number, true or false
+(`order=42`), else as a string (`tenant=acme`; `code="42"` for the string).
 """
 
 from __future__ import annotations
@@ -77,23 +77,23 @@ def check_many(what: str, attributes: Any, count: int) -> list[str | None] | Non
     return [check(f"{what} run {position}", each) for position, each in enumerate(given)]
 
 
-def _as_text(value: Any) -> str:
-    """A filter value as the text `->>` shows the stored value as."""
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def _string_only(text: str) -> bool:
-    """Whether a filter text can only match a string value (it reads as no
-    number nor boolean): then the index can take it."""
+def filter_value(text: str) -> Any:
+    """A filter value written as text (the command line's --where, the UI's
+    URL): a JSON number, true or false is that value; "..." (quoted) is the
+    string inside; anything else is the string as written."""
     try:
-        return isinstance(json.loads(text), str | list | dict)
+        value = json.loads(text)
     except ValueError:
-        return True
+        return text
+    if isinstance(value, str) or (isinstance(value, int | float) and not isinstance(value, bool)
+                                  and math.isfinite(value)) or isinstance(value, bool):
+        return value
+    return text
 
 
-def parse_where(text: str) -> tuple[str, str]:
-    """`K=V` (the command line's --where, the UI's attr=K=V): key and value,
-    the value as text."""
+def parse_where(text: str) -> tuple[str, Any]:
+    """`K=V` (the command line's --where, the UI's attr=K=V): the key, and
+    the value as filter_value reads it."""
     key, sep, value = text.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -101,7 +101,7 @@ def parse_where(text: str) -> tuple[str, str]:
     if len(key) > MAX_KEY_LENGTH or len(value) > MAX_VALUE_LENGTH:
         raise EverystepError(f"--where {text!r:.80}: a key has at most {MAX_KEY_LENGTH} characters, a value "
                              f"{MAX_VALUE_LENGTH}")
-    return key, value
+    return key, filter_value(value)
 
 
 def statuses(what: str, status: Any) -> list[str] | None:
@@ -128,12 +128,11 @@ def run_filter(what: str, *, workflow: Any = None, status: Any = None, attribute
     """A filter of runs, checked: EverystepError for anything malformed."""
     if workflow is not None and not isinstance(workflow, str):
         raise EverystepError(f"{what}: workflow is a module.qualname string, not {workflow!r:.80}")
-    contains = where = None
+    contains = None
     if attributes is not None:
         if not isinstance(attributes, Mapping) or not attributes:
             raise EverystepError(f"{what}: attributes is a non-empty dict, e.g. {{'tenant': 'acme'}}, "
                                  f"not {attributes!r:.80}")
-        texts = {}
         for key, value in attributes.items():
             if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
                 raise EverystepError(f"{what}: attribute key {key!r:.80} must be a non-empty string of at most "
@@ -141,11 +140,9 @@ def run_filter(what: str, *, workflow: Any = None, status: Any = None, attribute
             if not isinstance(value, str | int | float | bool) or isinstance(value, float) and not math.isfinite(value):
                 raise EverystepError(f"{what}: attribute {key!r} is {value!r:.80}; a value is a string, a finite "
                                      "number or a boolean")
-            texts[key] = _as_text(value)
-        where = json.dumps(texts, ensure_ascii=False)
-        contains = json.dumps({k: v for k, v in texts.items() if _string_only(v)}, ensure_ascii=False)
+        contains = json.dumps(dict(attributes), ensure_ascii=False)
     return db.AttributeFilter(workflow.replace(":", ".") if workflow else None, statuses(what, status), contains,
-                              where, _moment(f"{what}: since", since), _moment(f"{what}: until", until))
+                              _moment(f"{what}: since", since), _moment(f"{what}: until", until))
 
 
 class FoundRun(NamedTuple):
@@ -165,7 +162,7 @@ def find_runs(*, workflow: str | None = None, status: str | Iterable[str] | None
               until: datetime.datetime | None = None, limit: int = 100, after: uuid.UUID | str | None = None,
               conn: Any = None) -> list[FoundRun]:
     """The runs of `workflow`, in `status` (one or several), whose attributes
-    hold every `attributes` item (each value compared as text), created in
+    hold every `attributes` item (same value, same type), created in
     [since, until): one page of at most `limit`, newest first, hot runs and
     the history's alike. The next page: `after=` the last run's id.
     `conn`: a psycopg connection, else the bound one, else Django's."""

@@ -38,8 +38,8 @@ def test_schedule_writes_attributes_and_find_runs_finds_them(db):
     assert db.value("SELECT attributes FROM everystep_workflow WHERE id = %s", (plain.id,)) is None  # NULL: none
     assert [r.id for r in find(db, attributes={"tenant": "acme"})] == [acme.id]
     assert [r.id for r in find(db, attributes={"order": 43})] == [other.id]
-    # Compared as text: 42 finds "42" and 42 alike.
-    assert [r.id for r in find(db, attributes={"order": "42"})] == [acme.id]
+    # Same value, same type: 42 is not "42".
+    assert [r.id for r in find(db, attributes={"order": "42"})] == []
     assert [r.id for r in find(db, attributes={"tenant": "acme", "order": 43})] == []
     found = find(db, attributes={"vip": True})[0]
     assert (found.workflow, found.status, found.attributes) == (
@@ -183,6 +183,8 @@ def test_runs_list_where(db):
     assert rows[0]["attributes"] == {"tenant": "acme", "order": 42}
     text = cli(db, "runs", "list", "--where", "tenant=acme")
     assert text.returncode == 0 and text.stdout.count("acme") == 2
+    quoted = cli(db, "runs", "list", "--where", 'order="42"', "-o", "json")  # the string "42": none
+    assert quoted.returncode == 0 and json.loads(quoted.stdout) == []
     bad = cli(db, "runs", "list", "--where", "tenant")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     shown = cli(db, "runs", "show", str(acme.id))

@@ -97,7 +97,7 @@ def test_bad_input_is_refused_with_nothing_written(db, f, options, says):
 
 def test_rerun_and_resolve_step_by_filter(db):
     with db.connect() as conn, everystep.transaction(conn):
-        orders = everystep.schedule_many(flows.order, [(1,), (2,)], attributes={"tenant": "acme"})
+        everystep.schedule_many(flows.order, [(1,), (2,)], attributes={"tenant": "acme"})
         blocked = everystep.schedule_many(ui_workflows.charge_then_ship, [("a",), ("b",)],
                                           attributes={"tenant": "acme"})
     db.run_pending()

@@ -45,8 +45,8 @@ def moment_argument(text: str) -> dt.datetime:
 
 def where_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--where", type=where_argument, action="append", metavar="KEY=VALUE",
-                        help="only runs with this attribute (repeatable: all of them); the value is compared as "
-                             "text, so order=42 finds 42 and \"42\"")
+                        help="only runs with this attribute (repeatable: all of them); the value is read as "
+                             "JSON when a number, true or false (order=42), else a string")
 
 
 def add_bulk_commands(runs_commands: Any, add: Add) -> None:

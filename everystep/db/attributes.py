@@ -22,7 +22,6 @@ class AttributeFilter(NamedTuple):
     workflow: str | None = None
     statuses: list[str] | None = None
     contains: str | None = None  # JSON object the attributes contain (@>, indexed)
-    where: str | None = None  # JSON object of texts: each attribute's value as text equals
     since: datetime.datetime | None = None  # created at or after
     until: datetime.datetime | None = None  # created before
 

@@ -6,8 +6,7 @@
 -- statements run unprepared, so PostgreSQL plans them with their values,
 -- drops the conditions whose value is NULL and takes the indexes of the
 -- others. `contains`: a JSON object the attributes must contain (@>, the
--- GIN index); `where`: a JSON object of texts, each key's value read as
--- text (->>) must equal (so `order=42` finds 42 and "42").
+-- GIN index of 0022_attributes.sql: every attribute filter is indexed).
 
 
 -- name: set_attributes
@@ -52,9 +51,6 @@ FROM everystep_workflow_all
 WHERE (%(workflow)s::text IS NULL OR name = %(workflow)s::text)
   AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
   AND (%(contains)s::jsonb IS NULL OR attributes @> %(contains)s::jsonb)
-  AND (%(where)s::jsonb IS NULL
-       OR NOT EXISTS (SELECT FROM jsonb_each_text(%(where)s::jsonb) f
-                      WHERE (attributes ->> f.key) IS DISTINCT FROM f.value))
   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
   AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
   AND (%(after)s::uuid IS NULL OR id < %(after)s::uuid)
@@ -69,9 +65,6 @@ FROM everystep_workflow_all
 WHERE (%(workflow)s::text IS NULL OR name = %(workflow)s::text)
   AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
   AND (%(contains)s::jsonb IS NULL OR attributes @> %(contains)s::jsonb)
-  AND (%(where)s::jsonb IS NULL
-       OR NOT EXISTS (SELECT FROM jsonb_each_text(%(where)s::jsonb) f
-                      WHERE (attributes ->> f.key) IS DISTINCT FROM f.value))
   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
   AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
   AND (%(after)s::uuid IS NULL OR id < %(after)s::uuid)
