@@ -22,6 +22,7 @@ FROM (
       AND (%(run_id)s::uuid IS NULL OR id = %(run_id)s::uuid)
       AND (%(key)s::text IS NULL OR idempotency_key = %(key)s::text)
       AND (%(args)s::jsonb IS NULL OR args @> %(args)s::jsonb)
+      AND (%(attributes)s::jsonb IS NULL OR attributes @> %(attributes)s::jsonb)
       AND (%(before_at)s::timestamptz IS NULL
            OR created_at <= %(before_at)s::timestamptz
               AND (created_at < %(before_at)s::timestamptz OR id < %(before_id)s::uuid))
