@@ -156,6 +156,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
             events = db.load_events(conn, args.run)
             now = db.database_now(conn)
     if args.output == "json":
+        if run.get("attributes") is None:
+            run.pop("attributes", None)  # shown only for a run that has attributes
         print_json({**run, "steps": steps, "children": children, "messages": messages, "events": events})
         return 0
     fields = [
