@@ -189,3 +189,35 @@ def test_runs_list_where(db):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     shown = cli(db, "runs", "show", str(acme.id))
     assert '"tenant": "acme"' in next(line for line in shown.stdout.splitlines() if line.startswith("attributes"))
+
+
+def test_a_database_of_the_version_before_migrates_in_place(server_url):
+    """0022 on a schema of the version before, with runs in the hot table and
+    the history: they keep running (no attributes: NULL) and the new ones
+    are found by theirs."""
+    import uuid  # noqa: PLC0415
+
+    from everystep.ids import uuid7  # noqa: PLC0415
+    from tests.conftest import Database  # noqa: PLC0415
+    from tests.support.migrations import migrated_before  # noqa: PLC0415
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    migrated_before(server_url, schema, "0022")
+    db = Database(server_url, schema)
+    try:
+        old = uuid7()
+        with db.connect() as conn:
+            conn.execute("INSERT INTO everystep_workflow (id, name, args, status) VALUES (%s, %s, '[1]', "
+                         "'scheduled')", (old, "tests.apps.attribute_workflows.noop"))
+            assert everystep.db.migrate(conn) == ["0022_attributes"]
+        with db.connect() as conn, everystep.transaction(conn):
+            new = everystep.schedule(flows.order, 3, attributes={"tenant": "acme"})
+        assert db.run_pending() == {old: "completed", new.id: "completed"}
+        assert db.value("SELECT attributes FROM everystep_workflow WHERE id = %s", (old,)) is None
+        assert [r.id for r in find(db, attributes={"tenant": "acme"})] == [new.id]
+        assert _move_to_history(db) == 2  # the move's `SELECT *` meets the same columns on both sides
+        assert [r.id for r in find(db, attributes={"stage": "done"})] == [new.id]
+    finally:
+        db.close()
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
