@@ -55,6 +55,10 @@ FIGURES = {
                 "drain_longest_pause_s", "move_s", "migrate_not_completed", "not_completed"},
     "held_back": {"runs_per_s_without", "runs_per_s_held", "held_over_without", "target",
                   "oldest_xmin_age_seconds", "dead_tuples_held", "not_completed"},
+    "attributes": {"history", "first_page_p95_ms", "by_tenant_p95_ms", "by_order_p95_ms", "next_page_p95_ms",
+                   "target_ms", "index_bytes_per_run", "insert_us_per_run_without", "insert_us_per_run_with"},
+    "bulk": {"bulk", "w1_runs_per_s_alone", "w1_runs_per_s_during_bulk", "during_over_alone", "target",
+             "bulk_runs_per_s", "bulk_done", "not_completed"},
 }
 
 
