@@ -221,3 +221,10 @@ def test_a_database_of_the_version_before_migrates_in_place(server_url):
         db.close()
         with psycopg.connect(server_url, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def test_set_attributes_in_an_async_workflow(db):
+    with db.connect() as conn, everystep.transaction(conn):
+        run = everystep.schedule(flows.async_order, 5)
+    assert db.run_pending() == {run.id: "completed"}
+    assert [r.id for r in find(db, attributes={"stage": "async", "order": 5})] == [run.id]

@@ -29,3 +29,9 @@ def crowded(n: int) -> int:
 @workflow
 def noop(n: int) -> int:
     return n
+
+
+@workflow
+async def async_order(n: int) -> int:
+    await everystep.set_attributes({"stage": "async", "order": n})
+    return n
