@@ -43,7 +43,8 @@ WITH
 SELECT EXISTS (SELECT FROM ins), (SELECT fits FROM w);
 
 -- name: find_runs
--- One page of the runs a filter finds, hot or in the history, newest first
+-- One page of the runs a filter without attributes finds, hot or in the
+-- history, newest first
 -- (by id: a UUIDv7 is time-ordered); keyset paging: `after` is the id of the
 -- last run of the previous page, `upto` the newest id to consider.
 SELECT id, name, status, attributes, idempotency_key, created_at, completed_at
@@ -55,6 +56,31 @@ WHERE (%(workflow)s::text IS NULL OR name = %(workflow)s::text)
   AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
   AND (%(after)s::uuid IS NULL OR id < %(after)s::uuid)
   AND (%(upto)s::uuid IS NULL OR id <= %(upto)s::uuid)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: find_runs_by_attributes
+-- find_runs with an attribute filter, among the runs created from `from_at`
+-- on (the caller widens the window until a page is full). The inner query
+-- has no order to keep (OFFSET 0 keeps the outer ORDER BY and LIMIT out of
+-- it), so PostgreSQL takes the runs through the GIN index, each partition's
+-- in the window, rather than walking the primary key newest first and
+-- testing every run on the way (its guess of an attribute's selectivity
+-- is a constant, far from a tenant's one run in a thousand).
+SELECT id, name, status, attributes, idempotency_key, created_at, completed_at
+FROM (
+    SELECT id, name, status, attributes, idempotency_key, created_at, completed_at
+    FROM everystep_workflow_all
+    WHERE attributes @> %(contains)s::jsonb
+      AND (%(workflow)s::text IS NULL OR name = %(workflow)s::text)
+      AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
+      AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+      AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
+      AND (%(after)s::uuid IS NULL OR id < %(after)s::uuid)
+      AND (%(upto)s::uuid IS NULL OR id <= %(upto)s::uuid)
+      AND (%(from_at)s::timestamptz IS NULL OR id >= everystep_uuid_at(%(from_at)s::timestamptz))
+    OFFSET 0
+) found
 ORDER BY id DESC
 LIMIT %(limit)s;
 
