@@ -415,7 +415,7 @@ def bulk(action: str, filter: dict, dry_run: bool = True, actor: Actor | str | N
             if at.finished:  # another process resuming it finished it
                 done, refused = at.done, at.refused
                 break
-            runs = [row["id"] for row in db.find_runs(conn, f, chunk, at.cursor, progress.upto)]
+            runs = [row["id"] for row in db.runs_in_order(conn, f, chunk, at.cursor, progress.upto)]
             if not runs:
                 done, refused = db.finish_bulk(conn, progress.id)
                 db.audit(conn, who.name, who.source, f"bulk-{action}", target=json.dumps(shown)[:300], details={

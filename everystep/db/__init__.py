@@ -39,6 +39,7 @@ from everystep.db.attributes import (
     finish_bulk,
     lock_bulk,
     open_bulk,
+    runs_in_order,
     set_attributes,
 )
 from everystep.db.charts import (
@@ -285,5 +286,5 @@ __all__ = [
     "prune_minutes", "roll_up_minutes",
     # run attributes, bulk actions
     "AttributeFilter", "BulkCursor", "BulkProgress", "TooManyAttributes", "advance_bulk", "count_runs",
-    "find_runs", "finish_bulk", "lock_bulk", "open_bulk", "set_attributes",
+    "find_runs", "finish_bulk", "lock_bulk", "open_bulk", "runs_in_order", "set_attributes",
 ]

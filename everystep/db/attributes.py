@@ -73,6 +73,15 @@ def find_runs(conn: psycopg.Connection, f: AttributeFilter, limit: int, after: u
     return rows
 
 
+def runs_in_order(conn: psycopg.Connection, f: AttributeFilter, limit: int, after: uuid.UUID | None = None,
+                  upto: uuid.UUID | None = None) -> list[dict]:
+    """find_runs as one statement, whatever the filter: what a bulk action's
+    chunks take, one after the other below the last one's oldest run, so
+    that the runs are walked once in all (through the primary key, newest
+    first, where the filter finds many)."""
+    return dicts(_unprepared(conn, queries.get("find_runs"), {**_params(f, after, upto), "limit": limit}))
+
+
 def _moment_of(run: uuid.UUID | None) -> datetime.datetime | None:
     """When a UUIDv7 was made (its first 48 bits: Unix milliseconds)."""
     if run is None:

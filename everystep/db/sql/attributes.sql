@@ -43,10 +43,11 @@ WITH
 SELECT EXISTS (SELECT FROM ins), (SELECT fits FROM w);
 
 -- name: find_runs
--- One page of the runs a filter without attributes finds, hot or in the
--- history, newest first
+-- One page of the runs a filter finds, hot or in the history, newest first
 -- (by id: a UUIDv7 is time-ordered); keyset paging: `after` is the id of the
--- last run of the previous page, `upto` the newest id to consider.
+-- last run of the previous page, `upto` the newest id to consider. With
+-- attributes, find_runs_by_attributes answers a search; this one walks a
+-- bulk action's runs chunk after chunk.
 SELECT id, name, status, attributes, idempotency_key, created_at, completed_at
 FROM everystep_workflow_all
 WHERE (%(workflow)s::text IS NULL OR name = %(workflow)s::text)
