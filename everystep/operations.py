@@ -15,6 +15,11 @@ one refusal refuses the whole action, and nothing is written). With
 `all_or_nothing=False` (the UI's bulk actions, up to a whole filter) it acts on
 every run it can and reports the others; what it did still commits in one
 transaction, with its audit records.
+
+`bulk` acts on every run a filter finds (workflow, status, attributes, time),
+however many: the same functions, chunk by chunk, each chunk its own
+transaction with the action's progress, so that it is resumed after an
+interruption and acts on no run twice.
 """
 
 from __future__ import annotations
