@@ -200,24 +200,25 @@ SELECT (SELECT status FROM run),
 -- cascades to the run's unfinished descendants.
 WITH RECURSIVE
     tree AS (
-        SELECT %(run)s::uuid AS id, 0 AS depth
+        SELECT %(run)s::uuid AS id
         UNION ALL
-        SELECT c.id, tree.depth + 1
+        SELECT c.id
         FROM everystep_workflow_all c
         JOIN tree ON c.parent_id = tree.id
     ),
-    -- The run and its unfinished descendants.
+    -- The run and its unfinished descendants, each found by its id (the
+    -- planner's guess of a recursive tree's size is large: joined to it,
+    -- it read the whole hot table for one run).
     hit AS (
         UPDATE everystep_workflow w
         SET status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,
             completed_at = CASE WHEN status = 'running' THEN completed_at ELSE everystep_now() END,
             cancel_requested_at = coalesce(cancel_requested_at, everystep_now()),
             cancel_reason = coalesce(%(reason)s, cancel_reason)
-        FROM tree
-        WHERE w.id = tree.id
+        WHERE w.id = ANY (ARRAY(SELECT tree.id FROM tree))
           AND (w.status IN ('scheduled', 'waiting', 'blocked')
                OR w.status = 'running' AND w.cancel_requested_at IS NULL)
-        RETURNING w.id, w.status, w.parent_id, tree.depth
+        RETURNING w.id, w.status, w.parent_id, w.id = %(run)s::uuid AS root
     ),
     -- A parent outside the tree parked on a child cancelled here wakes up.
     woke AS (
@@ -226,10 +227,10 @@ WITH RECURSIVE
             due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id THEN everystep_now()
                           ELSE p.due_at END
         FROM hit
-        WHERE p.id = hit.parent_id AND hit.depth = 0 AND hit.status = 'cancelled'
+        WHERE p.id = hit.parent_id AND hit.root AND hit.status = 'cancelled'
         RETURNING p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id AS due
     )
-SELECT coalesce((SELECT status FROM hit WHERE depth = 0),
+SELECT coalesce((SELECT status FROM hit WHERE root),
                 (SELECT status FROM everystep_workflow_history WHERE id = %(run)s)),
        (SELECT pg_notify('everystep:' || current_schema(), '') FROM woke WHERE due);
 
