@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -359,6 +360,11 @@ BULK_ACTIONS = ("cancel", "requeue", "rerun", "resolve-step")
 # next runs, writing the progress) stay under a few percent of the work.
 BULK_CHUNK = 100
 BULK_SAMPLE = 20  # the run ids a preview shows
+# After each chunk a bulk action waits this many times as long as the chunk
+# took: on a database that is busy with the workers too, it takes about half
+# of what it would alone, and leaves them the rest (w1 during a 100,000-run
+# bulk cancel: 0.68 of w1 alone without the pause, on 2 cores).
+BULK_PAUSE = 1.0
 _FILTER_KEYS = ("workflow", "status", "attributes", "since", "until")
 
 
@@ -378,7 +384,7 @@ class BulkOutcome(NamedTuple):
 def bulk(action: str, filter: dict, dry_run: bool = True, actor: Actor | str | None = None, *,
          conn: psycopg.Connection | None = None, reason: str | None = None, from_step: str | None = None,
          step: str | None = None, result: Any = _UNSET, error: str | None = None, discard: bool = False,
-         chunk: int = BULK_CHUNK) -> BulkOutcome:
+         chunk: int = BULK_CHUNK, pause: float = BULK_PAUSE) -> BulkOutcome:
     """Act on every run `filter` finds: `action` is "cancel" (`reason=`),
     "requeue", "rerun" (`from_step=`, required) or "resolve-step" (`step=`
     and exactly one of `result=`, `error=`, `discard=True`). `filter` has
@@ -391,6 +397,8 @@ def bulk(action: str, filter: dict, dry_run: bool = True, actor: Actor | str | N
     again with the same arguments, carries on where it stopped and acts on
     no run twice; runs created after it started are left alone. One audit
     record (`bulk-<action>`) says who, the filter, the count and the outcome.
+    After each chunk it waits `pause` times as long as the chunk took (0:
+    not at all), leaving the database to the workers meanwhile.
     `actor`: an Actor, or a name (source "api"; None: user@host).
     `conn`: a psycopg connection outside a transaction (each chunk commits),
     else the one bound with everystep.use. Bad input is an EverystepError
@@ -400,6 +408,8 @@ def bulk(action: str, filter: dict, dry_run: bool = True, actor: Actor | str | N
     f = run_attributes.run_filter(f"bulk({action!r})", **given)
     if type(chunk) is not int or not 1 <= chunk <= 10_000:
         raise EverystepError(f"bulk(): chunk is a whole number from 1 to 10000, not {chunk!r:.40}")
+    if not isinstance(pause, int | float) or isinstance(pause, bool) or not 0 <= pause <= 100:
+        raise EverystepError(f"bulk(): pause is a number from 0 to 100, not {pause!r:.40}")
     who = actor if isinstance(actor, Actor) else Actor(actor or api._local_actor(), "api")
     conn = _bulk_connection(conn)
     shown = {key: value.isoformat() if isinstance(value, datetime.datetime) else value
@@ -415,6 +425,7 @@ def bulk(action: str, filter: dict, dry_run: bool = True, actor: Actor | str | N
                                 sample[0] if sample else None)
     done, refused = progress.done, progress.refused
     while True:
+        began = time.monotonic()
         with conn.transaction():
             at = db.lock_bulk(conn, progress.id)
             if at.finished:  # another process resuming it finished it
@@ -429,6 +440,7 @@ def bulk(action: str, filter: dict, dry_run: bool = True, actor: Actor | str | N
                 break
             acted, left = _bulk_chunk(conn, who, action, runs, how)
             db.advance_bulk(conn, progress.id, runs[-1], acted, left)
+        time.sleep((time.monotonic() - began) * pause)
     return BulkOutcome(action, shown, progress.total, sample, False, done, refused, progress.resumed)
 
 
