@@ -23,6 +23,7 @@ from everystep.api import (
     schedule,
     schedule_many,
     send,
+    set_attributes,
     set_event,
     sleep,
     sleep_until,
@@ -35,6 +36,7 @@ from everystep.api import (
     wait_for,
     workflow,
 )
+from everystep.attributes import FoundRun, find_runs
 from everystep.context import Outcome, RunContext, current
 from everystep.errors import (
     Cancelled,
@@ -103,11 +105,14 @@ __all__ = [
     "schedule_many",
     "schedules",
     "send",
+    "set_attributes",
     "set_event",
     "step",
     "step_connection",
     "step_session",
     "astep_session",
+    "FoundRun",
+    "find_runs",
     "transaction",
     "use",
     "wait_for",

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, TypeVar, overload
 import psycopg
 
 from everystep import aio, db, registry, reruns, serde, tracing
+from everystep import attributes as run_attributes
 from everystep.connections import (  # noqa: F401  (atransaction, transaction, use: the API's, from there)
     async_connection,
     atransaction,
@@ -394,7 +395,7 @@ def schedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | Non
              conn: Any = None, at: datetime.datetime | None = None,
              after: float | datetime.timedelta | None = None,
              deadline: float | datetime.timedelta | datetime.datetime | None = None, priority: int | None = None,
-             concurrency_key: str | None = None) -> ScheduledRun:
+             concurrency_key: str | None = None, attributes: dict[str, Any] | None = None) -> ScheduledRun:
     """Insert a run of `workflow_fn(*args)` into the caller's transaction
     (`conn`: a psycopg connection or a SQLAlchemy Session or Connection;
     else the bound one, else Django's). Nothing runs now; workers claim the
@@ -406,20 +407,22 @@ def schedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | Non
     timeout counts). `priority` (-100..100, higher first; default: the
     workflow's, else 0): among due runs the claim takes the highest first.
     `concurrency_key` (a tenant, say): with @workflow(concurrency_per_key=N),
-    at most N runs per key at once, the keys taken in turn.
+    at most N runs per key at once, the keys taken in turn. `attributes`: a
+    flat dict of searchable scalars ({"tenant": "acme"}; everystep.find_runs).
 
     `workflow_fn` may be the workflow's name instead, `module.qualname`
     (e.g. "myapp.flows.provision_vm"), for a producer that does not import
     the workflow's code: the name's syntax and the arguments' encoding are
-    checked here, the rest by the worker that runs it (docs/flow.md,
+    checked here, the rest by the worker that runs it (docs/concepts.md,
     "Starting a run by name")."""
     name, args_json, at, after, limit = _run_args("schedule()", workflow_fn, args, idempotency_key, at, after,
                                                   deadline)
     flow = _flow_args("schedule()", workflow_fn, priority, concurrency_key)
+    attributes_json = run_attributes.check("schedule(attributes=...)", attributes)
     conn = transaction_connection(conn, "schedule()")
     with tracing.scheduling(name) as span:
         scheduled = db.insert_run(conn, uuid7(), name, args_json, idempotency_key, span.context, at, after, limit,
-                                  *flow)
+                                  *flow, attributes=attributes_json)
         span.scheduled(*scheduled)
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
@@ -428,17 +431,19 @@ async def aschedule(workflow_fn: Callable | str, *args: Any, idempotency_key: st
                     conn: Any = None, at: datetime.datetime | None = None,
                     after: float | datetime.timedelta | None = None,
                     deadline: float | datetime.timedelta | datetime.datetime | None = None,
-                    priority: int | None = None, concurrency_key: str | None = None) -> ScheduledRun:
+                    priority: int | None = None, concurrency_key: str | None = None,
+                    attributes: dict[str, Any] | None = None) -> ScheduledRun:
     """`schedule()` for asyncio: the run is inserted in the transaction of
     `conn`, a psycopg AsyncConnection or a SQLAlchemy AsyncSession or
     AsyncConnection (else the one bound by `everystep.atransaction`)."""
     name, args_json, at, after, limit = _run_args("aschedule()", workflow_fn, args, idempotency_key, at, after,
                                                   deadline)
     flow = _flow_args("aschedule()", workflow_fn, priority, concurrency_key)
+    attributes_json = run_attributes.check("aschedule(attributes=...)", attributes)
     aconn = await async_connection(conn, "aschedule()")
     with tracing.scheduling(name) as span:
         scheduled = await db.ainsert_run(aconn, uuid7(), name, args_json, idempotency_key, span.context, at, after,
-                                         limit, *flow)
+                                         limit, *flow, attributes=attributes_json)
         span.scheduled(*scheduled)
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
@@ -525,39 +530,47 @@ def _deadline(what: str, deadline: Any, workflow_fn: Callable | None) -> db.Dead
 def schedule_many(workflow_fn: Callable | str, args_list: Iterable[Sequence[Any]], *,
                   idempotency_keys: Sequence[str | None] | None = None,
                   conn: Any = None, priority: int | None = None,
-                  concurrency_key: str | None = None) -> list[ScheduledRun]:
+                  concurrency_key: str | None = None,
+                  attributes: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None) -> list[ScheduledRun]:
     """Insert one run of `workflow_fn(*args)` per element of `args_list` (a
     tuple or list of positional arguments each) into the caller's
     transaction, in one statement: for bulk. The same checks as `schedule()`,
     all made before anything is inserted; `idempotency_keys`, when given, has
     one key (or None) per run; `priority` and `concurrency_key` as for
-    `schedule()`, the same for every run.
+    `schedule()`, the same for every run; `attributes` one dict for every
+    run, or a list of one dict (or None) per run.
     Returns the runs in input order."""
     name, args_jsons, keys = _many_args("schedule_many()", workflow_fn, args_list, idempotency_keys)
     flow = _flow_args("schedule_many()", workflow_fn, priority, concurrency_key)
+    attributes_jsons = run_attributes.check_many("schedule_many(attributes=...)", attributes, len(args_jsons))
     conn = transaction_connection(conn, "schedule_many()")
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
     timeout = _workflow_option(workflow_fn, "__everystep_timeout__")
     return [ScheduledRun(run_id, name, created)
-            for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys, timeout, *flow)]
+            for run_id, created in db.insert_runs(conn, name, ids, args_jsons, keys, timeout, *flow,
+                                                  attributes=attributes_jsons)]
 
 
 async def aschedule_many(workflow_fn: Callable | str, args_list: Iterable[Sequence[Any]], *,
                          idempotency_keys: Sequence[str | None] | None = None,
                          conn: Any = None, priority: int | None = None,
-                         concurrency_key: str | None = None) -> list[ScheduledRun]:
+                         concurrency_key: str | None = None,
+                         attributes: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+                         ) -> list[ScheduledRun]:
     """`schedule_many()` for asyncio (`conn` as for `aschedule()`)."""
     name, args_jsons, keys = _many_args("aschedule_many()", workflow_fn, args_list, idempotency_keys)
     flow = _flow_args("aschedule_many()", workflow_fn, priority, concurrency_key)
+    attributes_jsons = run_attributes.check_many("aschedule_many(attributes=...)", attributes, len(args_jsons))
     aconn = await async_connection(conn, "aschedule_many()")
     if not args_jsons:
         return []
     ids = uuid7_many(len(args_jsons))
     timeout = _workflow_option(workflow_fn, "__everystep_timeout__")
     return [ScheduledRun(run_id, name, created)
-            for run_id, created in await db.ainsert_runs(aconn, name, ids, args_jsons, keys, timeout, *flow)]
+            for run_id, created in await db.ainsert_runs(aconn, name, ids, args_jsons, keys, timeout, *flow,
+                                                         attributes=attributes_jsons)]
 
 
 def _many_args(caller: str, workflow_fn: Callable | str, args_list: Any,
@@ -735,6 +748,18 @@ def set_event(key: str, value: Any) -> Any:
     value_json = serde.dumps(value)
     scope = _in_body("set_event()")
     return scope.run.replay.set_event(scope, key, value_json)
+
+
+def set_attributes(attributes: dict[str, Any]) -> Any:
+    """In a workflow body: add or change the run's searchable attributes
+    (as schedule(attributes=) takes them; at most 20 in all). Recorded like a
+    step: a replay does not write them again. In an async workflow: `await
+    everystep.set_attributes(...)`."""
+    attributes_json = run_attributes.check("set_attributes()", attributes)
+    if attributes_json is None:
+        raise EverystepError("set_attributes() takes a non-empty dict, e.g. {'tenant': 'acme'}")
+    scope = _in_body("set_attributes()")
+    return scope.run.replay.set_attributes(scope, attributes_json)
 
 
 def get_event(run_id: uuid.UUID | str, key: str, timeout: float | datetime.timedelta | None = None,

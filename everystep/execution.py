@@ -35,7 +35,7 @@ from everystep import db, metrics, serde
 from everystep import transactional as step_transactions
 from everystep.errors import Drain, EverystepError, LostClaim, Parked
 from everystep.ids import uuid7
-from everystep.schema import RunStatus, StepStatus
+from everystep.schema import MAX_ATTRIBUTES, RunStatus, StepStatus
 from everystep.writer import GroupWriter
 
 log = logging.getLogger("everystep")
@@ -695,6 +695,14 @@ class HeldRun:
                 db.notify_streams(cur, self.claim.id)
         except psycopg.Error as exc:
             log.warning("could not wake the readers of the run's streams: %s", exc, extra={"run": str(self.claim.id)})
+    def set_attributes(self, step_id: str, name: str, attributes_json: str) -> None:
+        """Merge attributes into the run's with the step row recording it; an
+        EverystepError (nothing written) if the merge would pass the bound."""
+        try:
+            self._fenced(db.set_attributes, (step_id, name, attributes_json, MAX_ATTRIBUTES), step_id,
+                         StepStatus.DONE, "attributes")
+        except db.TooManyAttributes as exc:
+            raise EverystepError(f"set_attributes(): {exc} (at most {MAX_ATTRIBUTES})") from None
 
     # -------------------------------------------------------------- the end
 

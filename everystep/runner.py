@@ -73,6 +73,7 @@ SLEEP = "everystep.sleep"
 # The step names of a wait for a message's row, and of a set_event's.
 WAIT = "everystep.wait_for"
 EVENT = "everystep.set_event"
+ATTRIBUTES = "everystep.set_attributes"  # the step name of a set_attributes' row
 # The step names of a child's start (result {"child": id}) and of a wait for its end.
 START = "everystep.start"
 RESULT = "everystep.result"
@@ -1024,6 +1025,20 @@ class Replay:
         if step is not None:
             return self.held.append_stream(key, value_json, step[0], step[1])
         return self.held.append_stream(key, value_json, step_id, None)
+    def set_attributes(self, scope: Scope, attributes_json: str) -> Any:
+        """Add or change the run's attributes, recorded like a step: a replay
+        does not write them again."""
+        return self._perform(self._set_attributes(self._next_id(scope, None), attributes_json))
+
+    def _set_attributes(self, step_id: str, attributes_json: str) -> Rules:
+        recorded = self.recorded.get(step_id)
+        if recorded is not None:
+            if recorded.name != ATTRIBUTES:
+                raise self._code_changed(step_id, recorded, "sets attributes")
+            return
+        yield from self._boundary(step_id, ATTRIBUTES)
+        yield _Io(self.held.set_attributes, (step_id, ATTRIBUTES, attributes_json))
+        self.recorded[step_id] = RecordedStep(step_id, ATTRIBUTES, StepStatus.DONE, None, None, None)
 
     # -------------------------------------------------------------- child workflows
 

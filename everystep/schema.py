@@ -37,3 +37,4 @@ MIN_PRIORITY, MAX_PRIORITY = -100, 100  # a run's priority (Django's tasks API's
 # ones included) unless @workflow(max_steps=) says otherwise: generous, for a
 # body that loops for ever.
 DEFAULT_MAX_STEPS = 100_000
+MAX_ATTRIBUTES = 20  # a run's attributes (0022): keys, each at most 64 characters, scalar values of at most 256

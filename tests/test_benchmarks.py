@@ -61,6 +61,10 @@ FIGURES = {
     "stream": {"entries", "readers", "sse_readers", "entries_per_s", "commit_to_reader_p50_ms",
                "commit_to_reader_p99_ms", "target_entries_per_s", "target_p50_ms", "target_p99_ms", "entries_read",
                "not_completed"},
+    "attributes": {"history", "first_page_p95_ms", "by_tenant_p95_ms", "by_order_p95_ms", "next_page_p95_ms",
+                   "target_ms", "index_bytes_per_run", "insert_us_per_run_without", "insert_us_per_run_with"},
+    "bulk": {"bulk", "w1_runs_per_s_alone", "w1_runs_per_s_during_bulk", "during_over_alone", "target",
+             "bulk_runs_per_s", "bulk_done", "not_completed"},
 }
 
 

@@ -95,3 +95,21 @@ def test_a_tasks_priority_is_its_runs(db):
     assert (priorities[urgent], priorities[plain], priorities[late]) == (9, 0, -100)
     with db.connect() as conn:
         assert [str(r.id) for r in everystep.db.claim(conn, "w", 1)] == [urgent]
+
+
+def test_tasks_enqueued_under_attributes_are_found_by_them(db):
+    """`with everystep.django.tasks.attributes({...}):` gives the runs of the
+    tasks enqueued in the block those attributes (schedule(attributes=...))."""
+    script = ("import django, json; django.setup(); from tests.apps import django_tasks as t\n"
+              "from everystep.django.tasks import attributes\n"
+              "with attributes({'tenant': 'acme', 'order': 42}):\n"
+              "    tagged = t.add.enqueue(1, 2).id\n"
+              "plain = t.add.enqueue(3, 4).id\n"
+              "print(json.dumps([tagged, plain]))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **_project(db)})
+    assert done.returncode == 0, done.stderr
+    tagged, plain = json.loads(done.stdout)
+    with db.connect() as conn:
+        assert [str(r.id) for r in everystep.find_runs(attributes={"tenant": "acme"}, conn=conn)] == [tagged]
+    assert db.value("SELECT attributes FROM everystep_workflow WHERE id = %s", (plain,)) is None

@@ -89,7 +89,8 @@ def last_tries(entries: list) -> list:
 
 def test_a_steps_entries_are_at_least_once_and_tell_their_try(db):
     run = schedule_one(db, flows.mixed, 2)
-    with crash_after_step(flows.tokens, before_outcome=True), pytest.raises(faults.Crash):  # its outcome lost: the step runs again
+    # Its outcome lost: the step runs again.
+    with crash_after_step(flows.tokens, before_outcome=True), pytest.raises(faults.Crash):
         db.run_pending()
     assert db.resume_held() == {run.id: "completed"}
     assert flows.calls["tokens"] == 2

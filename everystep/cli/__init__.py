@@ -2,7 +2,9 @@
 
     everystep [--context NAME] COMMAND ...
     everystep migrate [--environment NAME [--force]]
-    everystep runs list [--status S] [--workflow NAME] [--parent RUN] [--limit N] [-o text|json]
+    everystep runs list [--status S] [--workflow NAME] [--parent RUN] [--where K=V ...] [--limit N] [-o text|json]
+    everystep runs cancel|requeue|rerun|resolve-step [--where K=V ...] [--workflow W] [--status S] [--since T]
+        [--until T] (--dry-run | [--yes]) [--from-step STEP_ID] [--step STEP_ID --result JSON|--error MSG|--discard]
     everystep runs show RUN [-o text|json]
     everystep runs export RUN... | --workflow NAME [--status S] [--limit N] [-o FILE]
     everystep replay-check HISTORY [--imports MODULE ...] [-o text|json]

@@ -15,6 +15,8 @@ from typing import Any
 import psycopg
 
 from everystep import api, db, history, registry, serde
+from everystep.attributes import find_runs
+from everystep.cli import bulk
 from everystep.cli.common import (
     Add,
     CliError,
@@ -44,6 +46,7 @@ def add_commands(commands: Any, add: Add) -> None:
     listing.add_argument("--status", choices=STATUSES, help="only runs in this status")
     listing.add_argument("--workflow", metavar="NAME", help="only runs of this workflow (module.qualname)")
     listing.add_argument("--parent", type=run_id_argument, metavar="RUN", help="only the child runs of this run")
+    bulk.where_option(listing)
     listing.add_argument("--limit", type=whole_number_argument(1), default=50, metavar="N",
                          help="at most N runs (default 50)")
     output_option(listing)
@@ -58,6 +61,8 @@ def add_commands(commands: Any, add: Add) -> None:
     export.add_argument("--limit", type=whole_number_argument(1), default=100, metavar="N",
                         help="with a filter, at most N runs (default 100)")
     export.add_argument("-o", "--output", default="-", metavar="FILE", help="the file to write (default: stdout)")
+
+    bulk.add_bulk_commands(runs_commands, add)
 
     schedule = add(commands, "schedule", cmd_schedule, "schedule a run of a workflow")
     schedule.add_argument("target", metavar="MODULE:FUNC", help="the @workflow, e.g. myapp.workflows:provision_vm")
@@ -74,6 +79,8 @@ def add_commands(commands: Any, add: Add) -> None:
 def cmd_runs_list(args: argparse.Namespace) -> int:
     # MODULE:FUNC (as `schedule` takes it) names the same workflow as module.FUNC.
     name = args.workflow.replace(":", ".") if args.workflow else None
+    if args.where:
+        return _runs_where(args, name)
     with connect(args) as conn:
         runs = db.list_runs(conn, args.status, name, args.limit + 1, args.parent)
         if not runs and name is not None:
@@ -89,6 +96,34 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
         ("ID", "STATUS", "WORKFLOW", "CREATED", "ENDED", "CLAIMED BY"),
         [(str(run["id"]), run["status"], run["name"], utc(run["created_at"]), utc(run["completed_at"]),
           run["claimed_by"] or "-") for run in runs],
+    ))
+    if more:
+        print(f"(the newest {args.limit}; more runs match: raise --limit)")
+    return 0
+
+
+def _runs_where(args: argparse.Namespace, name: str | None) -> int:
+    """`runs list --where K=V ...`: the runs with those attributes (and the
+    other filters), newest first, with their attributes."""
+    if args.parent is not None:
+        raise CliError("runs list: --where and --parent do not go together")
+    with connect(args) as conn:
+        try:
+            runs = find_runs(workflow=name, status=args.status, attributes=dict(args.where), limit=args.limit + 1,
+                             conn=conn)
+        except EverystepError as exc:
+            raise CliError(str(exc)) from None
+    more, runs = len(runs) > args.limit, runs[: args.limit]
+    if args.output == "json":
+        print_json([run._asdict() for run in runs])
+        return 0
+    if not runs:
+        print("no runs")
+        return 0
+    print(table(
+        ("ID", "STATUS", "WORKFLOW", "CREATED", "ENDED", "ATTRIBUTES"),
+        [(str(run.id), run.status, run.workflow, utc(run.created_at), utc(run.completed_at),
+          _json_text(run.attributes)) for run in runs],
     ))
     if more:
         print(f"(the newest {args.limit}; more runs match: raise --limit)")
@@ -121,6 +156,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
             events = db.load_events(conn, args.run)
             now = db.database_now(conn)
     if args.output == "json":
+        if run.get("attributes") is None:
+            run.pop("attributes", None)  # shown only for a run that has attributes
         print_json({**run, "steps": steps, "children": children, "messages": messages, "events": events})
         return 0
     fields = [
@@ -134,6 +171,7 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         ("created", utc(run["created_at"])),
         ("ended", utc(run["completed_at"])),
         ("args", _json_text(run["args"])),
+        *([("attributes", _json_text(run["attributes"]))] if run.get("attributes") else []),
     ]
     if run["status"] == "waiting":
         fields.append(("due", utc(run["due_at"])))

@@ -17,6 +17,7 @@ consumers write `from everystep import db` and `db.claim(conn, ...)`:
 - ops, ui, observe: the operators' actions and audit trail, the web UI's
   reads, what metrics and health checks read
 - streams: durable streams' entries, written in the group commit, and their readers
+- attributes: run attributes, finding runs by them, bulk actions' progress
 - charts: the console's per-minute figures and the bounded reads its charts draw
 - session: session settings, pooled connections, liveness locks, LISTEN
 - testing: the engine's clock (everystep_now), and what everystep.testing reads
@@ -28,6 +29,20 @@ everystep/db/schema.sql shows the tables, indexes and functions the
 migrations leave, for reading; tests/test_schema.py keeps it true.
 """
 
+from everystep.db.attributes import (
+    AttributeFilter,
+    BulkCursor,
+    BulkProgress,
+    TooManyAttributes,
+    advance_bulk,
+    count_runs,
+    find_runs,
+    finish_bulk,
+    lock_bulk,
+    open_bulk,
+    runs_in_order,
+    set_attributes,
+)
 from everystep.db.charts import (
     CHART_DUE_CAP,
     CHART_LOOKBACK_S,
@@ -296,4 +311,7 @@ __all__ = [
     "listen_streams", "notify_streams", "read_stream", "run_streams", "stream_state", "write_streams",
     # the tracebacks of failed step attempts
     "record_traceback", "step_tracebacks",
+    # run attributes, bulk actions
+    "AttributeFilter", "BulkCursor", "BulkProgress", "TooManyAttributes", "advance_bulk", "count_runs",
+    "find_runs", "finish_bulk", "lock_bulk", "open_bulk", "runs_in_order", "set_attributes",
 ]

@@ -207,6 +207,7 @@ class RunFilter(NamedTuple):
     idempotency_key: str | None = None
     args_contain: str | None = None  # JSON text: args @> it
     before: tuple[datetime.datetime, uuid.UUID] | None = None  # keyset cursor: (created_at, id) of the last row shown
+    attributes_contain: str | None = None  # JSON text: attributes @> it (0022)
 
 
 def dicts(cur: psycopg.Cursor) -> list[dict]:

@@ -35,7 +35,7 @@ def insert_run(
     conn: psycopg.Connection, run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
     trace_context: str | None = None, at: datetime.datetime | None = None, after: float | None = None,
     deadline: Deadline = NO_DEADLINE, priority: int | None = None, default_priority: int = 0,
-    concurrency_key: str | None = None,
+    concurrency_key: str | None = None, attributes: str | None = None,
 ) -> Scheduled:
     """Insert a run into the caller's transaction and notify the workers
     waiting for runs, if any (delivered at commit; see everystep_wake). It is
@@ -43,30 +43,32 @@ def insert_run(
     at once; a run not due yet is `waiting`. With an idempotency key, an
     existing run of the same (name, key) is returned instead.
     `trace_context`: the scheduling span's context as JSON, when tracing is on.
-    `deadline`: when it must be finished by (database time)."""
+    `deadline`: when it must be finished by (database time). `attributes`:
+    its attributes as a JSON object (None: none)."""
     return queries.run(conn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after,
-                                         deadline, (priority, default_priority, concurrency_key)))
+                                         deadline, (priority, default_priority, concurrency_key), attributes))
 
 
 async def ainsert_run(aconn: psycopg.AsyncConnection, run_id: uuid.UUID, name: str, args_json: str,
                       idempotency_key: str | None, trace_context: str | None = None,
                       at: datetime.datetime | None = None, after: float | None = None,
                       deadline: Deadline = NO_DEADLINE, priority: int | None = None, default_priority: int = 0,
-                      concurrency_key: str | None = None) -> Scheduled:
+                      concurrency_key: str | None = None, attributes: str | None = None) -> Scheduled:
     """insert_run on an AsyncConnection."""
     return await queries.arun(aconn, _insert_run(run_id, name, args_json, idempotency_key, trace_context, at, after,
-                                                 deadline, (priority, default_priority, concurrency_key)))
+                                                 deadline, (priority, default_priority, concurrency_key), attributes))
 
 
 def _insert_run(run_id: uuid.UUID, name: str, args_json: str, idempotency_key: str | None,
                 trace_context: str | None, at: datetime.datetime | None, after: float | None,
-                deadline: Deadline, flow: tuple[int | None, int, str | None]) -> Plan:
+                deadline: Deadline, flow: tuple[int | None, int, str | None], attributes: str | None) -> Plan:
     due_now = at is None and after is None and deadline == NO_DEADLINE
     priority, default_priority, concurrency_key = flow
     row = yield Query("insert_run" if due_now else "insert_run_at", {
         "id": run_id, "name": name, "args": args_json, "key": idempotency_key, "at": at, "after": after,
         "trace": trace_context, "deadline": deadline.at, "deadline_in": deadline.in_, "timeout": deadline.timeout,
         "priority": priority, "default_priority": default_priority, "ckey": concurrency_key,
+        "attributes": attributes,
     })
     if row is not None:
         return Scheduled(row[0], True)
@@ -79,32 +81,36 @@ def _insert_run(run_id: uuid.UUID, name: str, args_json: str, idempotency_key: s
 def insert_runs(
     conn: psycopg.Connection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
     idempotency_keys: list[str | None], timeout: float | None = None, priority: int | None = None,
-    default_priority: int = 0, concurrency_key: str | None = None,
+    default_priority: int = 0, concurrency_key: str | None = None, attributes: list[str | None] | None = None,
 ) -> list[Scheduled]:
     """Insert many scheduled runs of one workflow in one statement (one
     notification at most). Returns them in input order; a key that exists
     already, or repeats within the batch, gives the first run's id. The
     arrays go in binary where psycopg binds them (no array literal for the
     server to parse), and only the ids of created runs with a key come back.
-    `timeout`: their deadline is that many seconds from now."""
+    `timeout`: their deadline is that many seconds from now. `attributes`:
+    each run's as a JSON object, or None (None: no run has any)."""
     binary = isinstance(conn, psycopg.Connection)
     return queries.run(conn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, binary, timeout,
-                                          (priority, default_priority, concurrency_key)))
+                                          (priority, default_priority, concurrency_key), attributes))
 
 
 async def ainsert_runs(aconn: psycopg.AsyncConnection, name: str, run_ids: list[uuid.UUID], args_jsons: list[str],
                        idempotency_keys: list[str | None], timeout: float | None = None, priority: int | None = None,
-                       default_priority: int = 0, concurrency_key: str | None = None) -> list[Scheduled]:
+                       default_priority: int = 0, concurrency_key: str | None = None,
+                       attributes: list[str | None] | None = None) -> list[Scheduled]:
     """insert_runs on an AsyncConnection."""
     return await queries.arun(aconn, _insert_runs(name, run_ids, args_jsons, idempotency_keys, True, timeout,
-                                                  (priority, default_priority, concurrency_key)))
+                                                  (priority, default_priority, concurrency_key), attributes))
 
 
 def _insert_runs(name: str, run_ids: list[uuid.UUID], args_jsons: list[str], idempotency_keys: list[str | None],
-                 binary: bool, timeout: float | None, flow: tuple[int | None, int, str | None]) -> Plan:
+                 binary: bool, timeout: float | None, flow: tuple[int | None, int, str | None],
+                 attributes: list[str | None] | None) -> Plan:
     keyed_created = (yield Query("insert_runs" if binary else "insert_runs_text", {
         "name": name, "ids": run_ids, "args": args_jsons, "keys": idempotency_keys, "timeout": timeout,
-        "priority": flow[0], "default_priority": flow[1], "ckey": flow[2]}))[0]
+        "priority": flow[0], "default_priority": flow[1], "ckey": flow[2],
+        "attributes": [None] * len(run_ids) if attributes is None else attributes}))[0]
     if not keyed_created and all(key is None for key in idempotency_keys):
         return [Scheduled(run_id, True) for run_id in run_ids]
     created = set(keyed_created)

@@ -113,7 +113,10 @@ CREATE TABLE everystep_workflow (
     keyed               boolean NOT NULL DEFAULT false,
     -- 0015: the run this one re-runs from a step (everystep.rerun); no
     -- foreign key: a re-run outlives its pruned original
-    rerun_of            uuid
+    rerun_of            uuid,
+    -- 0022: its searchable attributes, a flat object of scalars
+    -- (schedule(attributes=), everystep.set_attributes); NULL: none
+    attributes          jsonb
 );
 
 -- What makes schedule()'s idempotency key safe under concurrency.
@@ -165,6 +168,11 @@ CREATE INDEX everystep_workflow_running_keyed ON everystep_workflow (name, concu
 
 -- The re-runs of a run (0015); only re-runs are in it.
 CREATE INDEX everystep_workflow_rerun_of ON everystep_workflow (rerun_of) WHERE rerun_of IS NOT NULL;
+
+-- Search by attributes (0022): `attributes @> '{"k": "v"}'`; only runs with
+-- attributes are in it.
+CREATE INDEX everystep_workflow_attributes ON everystep_workflow USING gin (attributes jsonb_path_ops)
+    WHERE attributes IS NOT NULL;
 
 -- Execution tokens: every claim of a run (first claim, catchup, successor
 -- claim, reclaim after a lost answer) takes a new one.
@@ -416,6 +424,9 @@ CREATE INDEX everystep_workflow_history_ended ON everystep_workflow_history (sta
 -- 0017: the re-runs of a moved run
 CREATE INDEX everystep_workflow_history_rerun_of ON everystep_workflow_history (rerun_of)
     WHERE rerun_of IS NOT NULL;
+-- Search by attributes (0022), as everystep_workflow_attributes.
+CREATE INDEX everystep_workflow_history_attributes ON everystep_workflow_history
+    USING gin (attributes jsonb_path_ops) WHERE attributes IS NOT NULL;
 
 CREATE TABLE everystep_step_history (LIKE everystep_step) PARTITION BY RANGE (workflow_id);
 ALTER TABLE everystep_step_history ADD PRIMARY KEY (workflow_id, step_id);
@@ -601,6 +612,27 @@ CREATE INDEX everystep_audit_at ON everystep_audit (at);
 CREATE INDEX everystep_audit_run ON everystep_audit (run_id) WHERE run_id IS NOT NULL;
 -- The audit page's filter by person.
 CREATE INDEX everystep_audit_actor ON everystep_audit (actor, id);
+
+-- 0022: the bulk actions on the runs a filter finds (everystep.operations.bulk):
+-- their progress, advanced in the transaction of each chunk's actions, so an
+-- action interrupted halfway is resumed where it stopped, nothing twice.
+CREATE TABLE everystep_bulk (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    key         text NOT NULL,                           -- the action, its arguments and its filter, as JSON
+    action      varchar(32) NOT NULL,                    -- cancel requeue rerun resolve-step
+    filter      jsonb NOT NULL,
+    actor       varchar(255) NOT NULL,                   -- who started it
+    source      varchar(16) NOT NULL,                    -- cli, ui, api
+    total       bigint NOT NULL,                         -- the runs the filter found at the start
+    upto        uuid,                                    -- the newest of them: runs made later are left alone
+    cursor      uuid,                                    -- the oldest run acted on so far (runs go newest first)
+    done        bigint NOT NULL DEFAULT 0,
+    refused     bigint NOT NULL DEFAULT 0,
+    started_at  timestamptz NOT NULL DEFAULT everystep_now(),
+    finished_at timestamptz
+);
+-- One unfinished action per key: what a repeated command resumes.
+CREATE UNIQUE INDEX everystep_bulk_open ON everystep_bulk (key) WHERE finished_at IS NULL;
 
 -- Which environment the database is (staging, production, ...): at most one
 -- row, written by `everystep migrate --environment NAME`.

@@ -23,7 +23,7 @@ def ui_runs(conn: psycopg.Connection, f: RunFilter, limit: int) -> list[dict]:
     return dicts(conn.execute(queries.get("ui_runs"), {
         "status": f.status, "workflow": f.workflow, "since": f.since, "until": f.until, "run_id": f.run_id,
         "key": f.idempotency_key, "args": f.args_contain, "before_at": before_at, "before_id": before_id,
-        "limit": limit,
+        "limit": limit, "attributes": f.attributes_contain,
     }, prepare=False))
 
 

@@ -17,7 +17,8 @@ Python 3.11) of the `django-tasks` backport (`django_tasks`, the same API).
   instead and the function is the run's body: the @steps it calls are
   recorded, and the task is a durable workflow (sleeps, messages, children).
   `with idempotency_key("order:42"): send_receipt.enqueue(42)` enqueues once
-  per key.
+  per key; `with attributes({"tenant": "acme"}): ...` gives the runs enqueued
+  in the block those searchable attributes.
 - `get_result` maps the run's status: scheduled, and waiting before its
   first step (a delayed start) -> READY; running, waiting after it began (a
   sleep, a message, a child, a retry's back-off) and blocked (an unsafe
@@ -74,6 +75,7 @@ except ImportError:  # the backport
 log = logging.getLogger("everystep")
 
 _key: ContextVar[str | None] = ContextVar("everystep_task_key", default=None)
+_attributes: ContextVar[dict | None] = ContextVar("everystep_task_attributes", default=None)
 
 
 @contextlib.contextmanager
@@ -85,6 +87,17 @@ def idempotency_key(key: str) -> Iterator[None]:
         yield
     finally:
         _key.reset(token)
+
+
+@contextlib.contextmanager
+def attributes(values: dict) -> Iterator[None]:
+    """The tasks enqueued in this block get these run attributes (as
+    schedule(attributes=...) takes them), searchable with everystep.find_runs."""
+    token = _attributes.set(dict(values))
+    try:
+        yield
+    finally:
+        _attributes.reset(token)
 
 
 class EverystepBackend(BaseTaskBackend):
@@ -123,7 +136,8 @@ class EverystepBackend(BaseTaskBackend):
             at = timezone.make_aware(at)
         conn = DjangoCursorConnection(connections[self.database])
         run = api.schedule(registry.WORKFLOWS[_name(task)], *positional, idempotency_key=_key.get(),
-                           conn=conn, at=at, priority=task.priority or None)  # 0: the workflow's default
+                           conn=conn, at=at, priority=task.priority or None,  # 0: the workflow's default
+                           attributes=_attributes.get())
         result = self._result(task, str(run.id), TaskResultStatus.READY, positional, timezone.now())
         if not run.created:
             result = self.get_result(str(run.id))

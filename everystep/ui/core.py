@@ -22,7 +22,9 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from everystep import attributes as run_attributes
 from everystep import db, liveness, operations, serde, streams
+from everystep.errors import EverystepError
 from everystep.logs import first_line
 from everystep.ui.hub import Hub
 
@@ -246,8 +248,28 @@ def run_filter(query: Mapping[str, str]) -> db.RunFilter:
     since, until = _time(query.get("since"), "since"), _time(query.get("until"), "until")
     if since is not None and until is not None and until <= since:
         raise Problem(400, f"until ({plain(until)}) must be after since ({plain(since)})")
+    attributes = attribute_filter(query.get("attr"))
     return db.RunFilter(status=status, workflow=query.get("workflow") or None, since=since, until=until,
-                           run_id=run_id, idempotency_key=key, args_contain=args, before=before)
+                        run_id=run_id, idempotency_key=key, args_contain=args, before=before,
+                        attributes_contain=None if attributes is None else json.dumps(attributes))
+
+
+def attribute_filter(text: str | None) -> dict | None:
+    """The list's attribute filter, `attr` in the URL: `tenant=acme,order=42`
+    (each value read as the command line's --where reads it), or a JSON
+    object; a bad one is a 400."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    try:
+        if text.startswith("{"):
+            given = json.loads(text, parse_constant=_reject_constant)
+        else:
+            given = dict(run_attributes.parse_where(pair) for pair in text.split(",") if pair.strip())
+        run_attributes.run_filter("attr", attributes=given)
+    except (ValueError, EverystepError) as exc:
+        raise Problem(400, f"attr: {first_line(exc)} (e.g. tenant=acme,order=42)") from None
+    return given
 
 
 def _limit(query: Mapping[str, str]) -> int:
@@ -603,6 +625,64 @@ class Console:
         return _answer(f"re-ran {len(done)} run(s) from step {step.strip()}", [each.new for each in done],
                        [refusal.why for refusal in refused])
 
+    def _bulk_request(self, body: dict) -> tuple[str, dict, dict]:
+        """A bulk action by filter from the UI: the action, the filter (the
+        list's filters: status, workflow, times, attributes; not the search
+        box) and the action's arguments."""
+        action = body.get("action")
+        if action not in operations.BULK_ACTIONS:
+            raise Problem(400, f"action must be one of {', '.join(operations.BULK_ACTIONS)}")
+        query = body.get("filter")
+        if not isinstance(query, dict):
+            raise Problem(400, "filter must be an object of list parameters")
+        query = {k: str(v) for k, v in query.items() if v not in (None, "")}
+        if query.get("q"):
+            raise Problem(400, "a bulk action takes the list's status, workflow, time and attribute filters, "
+                               "not the search box: clear it")
+        f = run_filter(query)
+        given = {"workflow": f.workflow, "status": f.status, "since": f.since, "until": f.until,
+                 "attributes": attribute_filter(query.get("attr"))}
+        how: dict[str, Any] = {}
+        if action == "cancel" and body.get("reason"):
+            how["reason"] = str(body["reason"])
+        if action == "rerun":
+            how["from_step"] = str(body.get("from_step") or "").strip() or None
+        if action == "resolve-step":
+            how["step"] = str(body.get("step") or "").strip() or None
+            outcome = body.get("outcome")
+            if outcome == "result":
+                how["result"] = _value(body.get("value"), "result")
+            elif outcome == "error":
+                how["error"] = str(body.get("value") or "") or None
+            elif outcome == "discard":
+                how["discard"] = True
+        return action, {k: v for k, v in given.items() if v is not None}, how
+
+    def _bulk_preview(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
+        """How many runs a bulk action by filter would act on, and the newest 20."""
+        action, given, how = self._bulk_request(body)
+        try:
+            preview = operations.bulk(action, given, dry_run=True, actor=actor, conn=conn, **how)
+        except EverystepError as exc:
+            raise Problem(400, str(exc)) from None
+        return {"message": f"{action} would act on {preview.count} run(s)", "count": preview.count,
+                "sample": preview.sample, "filter": preview.filter}
+
+    def _bulk(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
+        """A bulk action by filter, confirmed by the count the operator typed
+        (`confirm`): refused when the filter finds another number of runs now."""
+        action, given, how = self._bulk_request(body)
+        try:
+            preview = operations.bulk(action, given, dry_run=True, actor=actor, conn=conn, **how)
+            if str(body.get("confirm", "")).strip() != str(preview.count):
+                raise Problem(409, f"type the number of runs to confirm: the filter finds {preview.count} run(s) "
+                                   "now")
+            outcome = operations.bulk(action, given, dry_run=False, actor=actor, conn=conn, **how)
+        except EverystepError as exc:
+            raise Problem(400, str(exc)) from None
+        return {"message": f"{action}: {outcome.done} of {outcome.count} run(s) done, {outcome.refused} refused",
+                "count": outcome.count, "done_count": outcome.done, "refused_count": outcome.refused}
+
     def _send(self, conn: psycopg.Connection, actor: operations.Actor, body: dict) -> dict:
         run, topic = _run_id(body.get("run")), body.get("topic")
         if not isinstance(topic, str) or not topic.strip():
@@ -649,4 +729,6 @@ _ACTIONS = {
     "schedule": Console._schedule_action,
     "rerun": Console._rerun,
     "send": Console._send,
+    "bulk-preview": Console._bulk_preview,
+    "bulk": Console._bulk,
 }

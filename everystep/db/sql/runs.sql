@@ -13,7 +13,8 @@
 -- back: a key is unique among the hot runs by the unique index, and
 -- against the history's by everystep_key_archived (0017_history.sql). Its
 -- priority: %(priority)s, else its workflow's default as the workers wrote it (everystep_priority), else %(default_priority)s (the
--- decorator's). With a concurrency key of a workflow with a per-key limit,
+-- decorator's). Its attributes (0022_attributes.sql): a JSON object, or
+-- NULL. With a concurrency key of a workflow with a per-key limit,
 -- the run is keyed (0014_priorities.sql) and its key has a row, ready (a
 -- key already ready is only read, not written: producers of one key do not
 -- queue on its row).
@@ -25,10 +26,10 @@ WITH opt AS (
                AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
 ), ins AS (
     INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, limited, priority,
-                                    concurrency_key, keyed)
+                                    concurrency_key, keyed, attributes)
     SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb,
            opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), opt.priority,
-           %(ckey)s, opt.keyed
+           %(ckey)s, opt.keyed, %(attributes)s::jsonb
     FROM opt
     WHERE CASE WHEN %(key)s::varchar IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s, %(key)s) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
@@ -58,12 +59,12 @@ WITH opt AS (
                AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
 ), ins AS (
     INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at, limited,
-                                    deadline_at, priority, concurrency_key, keyed)
+                                    deadline_at, priority, concurrency_key, keyed, attributes)
     SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,
            CASE WHEN least(due.at, due.deadline) > everystep_now() THEN 'waiting' ELSE 'scheduled' END,
            %(trace)s::jsonb, greatest(least(due.at, due.deadline), everystep_now()),
            opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), due.deadline,
-           opt.priority, %(ckey)s, opt.keyed
+           opt.priority, %(ckey)s, opt.keyed, %(attributes)s::jsonb
     FROM (SELECT a.at, least(%(deadline)s::timestamptz, everystep_now() + make_interval(secs => %(deadline_in)s::float8),
                              greatest(a.at, everystep_now()) + make_interval(secs => %(timeout)s::float8)) AS deadline
           FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8),
@@ -94,20 +95,22 @@ WHERE name = %(name)s AND idempotency_key = %(key)s;
 -- parse); only the ids of created runs with a key come back. `timeout`:
 -- their workflow's (@workflow(timeout=)), their deadline that many seconds
 -- from now (NULL: none). Their priority, and their concurrency key (one
--- for all), as for insert_run.
+-- for all), as for insert_run; `attributes`: each run's JSON object, or NULL.
 WITH opt AS (
     SELECT %(ckey)b::varchar IS NOT NULL
                AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)b::varchar) AS keyed
 ), ins AS (
     INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority, concurrency_key,
-                                    keyed, deadline_at)
+                                    keyed, deadline_at, attributes)
     SELECT id, %(name)b::varchar, args::jsonb, key, 'scheduled',
            opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar),
            coalesce(%(priority)b::smallint,
                     (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)b::varchar),
                     %(default_priority)b::smallint),
-           %(ckey)b::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)b::float8)
-    FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[]) AS t(id, args, key), opt
+           %(ckey)b::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)b::float8),
+           attributes::jsonb
+    FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[], %(attributes)b::text[])
+             AS t(id, args, key, attributes), opt
     WHERE CASE WHEN key IS NULL THEN true ELSE NOT everystep_key_archived(%(name)b::varchar, key) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
@@ -129,14 +132,16 @@ WITH opt AS (
                AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
 ), ins AS (
     INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority, concurrency_key,
-                                    keyed, deadline_at)
+                                    keyed, deadline_at, attributes)
     SELECT id, %(name)s::varchar, args::jsonb, key, 'scheduled',
            opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar),
            coalesce(%(priority)s::smallint,
                     (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
                     %(default_priority)s::smallint),
-           %(ckey)s::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)s::float8)
-    FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[]) AS t(id, args, key), opt
+           %(ckey)s::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)s::float8),
+           attributes::jsonb
+    FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[], %(attributes)s::text[])
+             AS t(id, args, key, attributes), opt
     WHERE CASE WHEN key IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s::varchar, key) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
@@ -195,24 +200,25 @@ SELECT (SELECT status FROM run),
 -- cascades to the run's unfinished descendants.
 WITH RECURSIVE
     tree AS (
-        SELECT %(run)s::uuid AS id, 0 AS depth
+        SELECT %(run)s::uuid AS id
         UNION ALL
-        SELECT c.id, tree.depth + 1
+        SELECT c.id
         FROM everystep_workflow_all c
         JOIN tree ON c.parent_id = tree.id
     ),
-    -- The run and its unfinished descendants.
+    -- The run and its unfinished descendants, each found by its id (the
+    -- planner's guess of a recursive tree's size is large: joined to it,
+    -- it read the whole hot table for one run).
     hit AS (
         UPDATE everystep_workflow w
         SET status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,
             completed_at = CASE WHEN status = 'running' THEN completed_at ELSE everystep_now() END,
             cancel_requested_at = coalesce(cancel_requested_at, everystep_now()),
             cancel_reason = coalesce(%(reason)s, cancel_reason)
-        FROM tree
-        WHERE w.id = tree.id
+        WHERE w.id = ANY (ARRAY(SELECT tree.id FROM tree))
           AND (w.status IN ('scheduled', 'waiting', 'blocked')
                OR w.status = 'running' AND w.cancel_requested_at IS NULL)
-        RETURNING w.id, w.status, w.parent_id, tree.depth
+        RETURNING w.id, w.status, w.parent_id, w.id = %(run)s::uuid AS root
     ),
     -- A parent outside the tree parked on a child cancelled here wakes up.
     woke AS (
@@ -221,10 +227,10 @@ WITH RECURSIVE
             due_at = CASE WHEN p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id THEN everystep_now()
                           ELSE p.due_at END
         FROM hit
-        WHERE p.id = hit.parent_id AND hit.depth = 0 AND hit.status = 'cancelled'
+        WHERE p.id = hit.parent_id AND hit.root AND hit.status = 'cancelled'
         RETURNING p.status = 'waiting' AND p.waiting_on = 'child:' || hit.id AS due
     )
-SELECT coalesce((SELECT status FROM hit WHERE depth = 0),
+SELECT coalesce((SELECT status FROM hit WHERE root),
                 (SELECT status FROM everystep_workflow_history WHERE id = %(run)s)),
        (SELECT pg_notify('everystep:' || current_schema(), '') FROM woke WHERE due);
 
@@ -243,7 +249,7 @@ WHERE w.id = %(run)s;
 
 -- name: load_run
 SELECT id, name, args, idempotency_key, status, claimed_by, result, error, created_at, completed_at,
-       due_at, cancel_requested_at, cancel_reason, parent_id, deadline_at, priority, concurrency_key
+       due_at, cancel_requested_at, cancel_reason, parent_id, deadline_at, priority, concurrency_key, attributes
 FROM everystep_workflow_all
 WHERE id = %(run)s;
 

@@ -22,6 +22,7 @@ FROM (
       AND (%(run_id)s::uuid IS NULL OR id = %(run_id)s::uuid)
       AND (%(key)s::text IS NULL OR idempotency_key = %(key)s::text)
       AND (%(args)s::jsonb IS NULL OR args @> %(args)s::jsonb)
+      AND (%(attributes)s::jsonb IS NULL OR attributes @> %(attributes)s::jsonb)
       AND (%(before_at)s::timestamptz IS NULL
            OR created_at <= %(before_at)s::timestamptz
               AND (created_at < %(before_at)s::timestamptz OR id < %(before_id)s::uuid))
@@ -178,12 +179,12 @@ WHERE EXISTS (
 ORDER BY c.name;
 
 -- name: ui_reschedule
--- A new run of the same workflow with the same args and priority (no
--- idempotency key, no concurrency key).
+-- A new run of the same workflow with the same args, priority and
+-- attributes (no idempotency key, no concurrency key).
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, status, limited, priority)
+    INSERT INTO everystep_workflow (id, name, args, status, limited, priority, attributes)
     SELECT %(id)s, w.name, w.args, 'scheduled', EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name),
-           w.priority
+           w.priority, w.attributes
     FROM everystep_workflow_all w
     WHERE w.id = %(run)s
     RETURNING id

@@ -218,7 +218,7 @@ document.getElementById("open-run").addEventListener("submit", (ev) => {
 
 // ------------------------------------------------------------------ runs
 
-const filters = { status: "", workflow: "", since: "", until: "", q: "" };
+const filters = { status: "", workflow: "", since: "", until: "", attr: "", q: "" };
 let listState = { runs: [], next: null, selected: new Set(), pages: 1 };
 
 // The from/to inputs are read in UTC, like every time on these pages.
@@ -285,6 +285,7 @@ async function buildRunsPage() {
       names.workflows.map((n) => h("option", { value: n, selected: filters.workflow === n }, n))),
     h("label", {}, "from ", input("since", { type: "datetime-local" }), " UTC"),
     h("label", {}, "to ", input("until", { type: "datetime-local" }), " UTC"),
+    input("attr", { type: "search", size: 24, placeholder: "attributes: tenant=acme,order=42", "aria-label": "attributes" }),
     input("q", { type: "search", size: 40, placeholder: "run id, idempotency key, or args JSON {\"k\": 1}", "aria-label": "search" }),
     h("button", {}, "Filter"),
     h("button", { type: "button", onclick: () => { Object.keys(filters).forEach((k) => { filters[k] = ""; }); go(""); } }, "Clear"));
@@ -297,6 +298,7 @@ async function buildRunsPage() {
     h("button", { onclick: () => bulkAct("cancel", "Cancel the selected runs?", false) }, "Cancel selected"),
     h("button", { onclick: () => bulkAct("cancel", "Cancel EVERY run matching the filter?", true) }, "Cancel all matching"),
     h("button", { onclick: () => bulkRerun() }, "Re-run selected from a step"),
+    h("button", { id: "bulk-open", onclick: () => bulkByFilter() }, "Bulk action on the filter…"),
   ) : null;
   fill(main, 
     h("section", { id: "counts", class: "counts" }),
@@ -324,6 +326,62 @@ async function bulkAct(action, question, everything) {
     body = { runs: [...listState.selected] };
   }
   if (await confirmed(question, action, body)) listState.selected.clear();
+}
+
+// A bulk action on every run the filter finds (status, workflow, times,
+// attributes): preview the count and the newest 20, then confirm by typing
+// the count (operations.bulk: chunks, resumable, audited).
+function bulkByFilter() {
+  const f = Object.fromEntries(filterQuery());
+  delete f.q;
+  if (!Object.keys(f).length) return flash("set a filter first (status, workflow, times or attributes): a bulk action never takes every run", true);
+  const old = document.getElementById("bulk-panel");
+  if (old) old.remove();
+  const field = (name, attrs) => h("input", { name, ...attrs });
+  const form = h("form", { id: "bulk-panel", class: "bulk-panel", onsubmit: (ev) => ev.preventDefault() },
+    h("h3", {}, "Bulk action on ", h("span", { class: "mono" }, Object.entries(f).map(([k, v]) => `${k}=${v}`).join(" "))),
+    h("select", { name: "action", "aria-label": "bulk action" },
+      [["cancel", "cancel"], ["requeue", "requeue (claimer dead)"], ["rerun", "re-run from a step"], ["resolve-step", "resolve a started step"]]
+        .map(([v, t]) => h("option", { value: v }, t))),
+    field("reason", { placeholder: "reason (cancel)", size: 18 }),
+    field("from_step", { placeholder: "from step (re-run)", size: 14 }),
+    field("step", { placeholder: "step id (resolve)", size: 12 }),
+    h("select", { name: "outcome", "aria-label": "outcome" }, ["", "result", "error", "discard"].map((o) => h("option", { value: o }, o || "outcome (resolve)"))),
+    field("value", { placeholder: "result JSON or error message", size: 22 }),
+    h("button", { id: "bulk-preview", type: "button", onclick: () => preview() }, "Preview"),
+    h("div", { id: "bulk-found" }),
+    h("label", {}, "type the number of runs to confirm ", field("confirm", { id: "bulk-confirm", size: 8, autocomplete: "off" })),
+    h("button", { id: "bulk-apply", type: "button", disabled: true, onclick: () => apply() }, "Apply"),
+    h("button", { type: "button", onclick: () => form.remove() }, "Close"));
+  let count = null;
+  const body = () => {
+    const b = { filter: f };
+    for (const k of ["action", "reason", "from_step", "step", "outcome", "value"]) if (form[k].value) b[k] = form[k].value;
+    return b;
+  };
+  async function preview() {
+    try {
+      const answer = await act("bulk-preview", body());
+      count = answer.count;
+      document.getElementById("bulk-found").replaceChildren(
+        h("p", { id: "bulk-count" }, `${answer.count} run(s) found`),
+        h("ul", { class: "sample" }, answer.sample.map((id) => h("li", {}, runLink(id)))));
+      form.confirm.value = "";
+      form.querySelector("#bulk-apply").disabled = true;
+    } catch (err) { flash(err.message, true); }
+  }
+  form.confirm.addEventListener("input", () => {
+    form.querySelector("#bulk-apply").disabled = count === null || form.confirm.value.trim() !== String(count);
+  });
+  async function apply() {
+    try {
+      const answer = await act("bulk", { ...body(), confirm: form.confirm.value.trim() });
+      flash(answer.message);
+      form.remove();
+      refresh();
+    } catch (err) { flash(err.message, true); }
+  }
+  document.querySelector(".bulk").after(form);
 }
 
 async function bulkRerun() {
@@ -437,6 +495,8 @@ async function showRun(quiet) {
       field("idempotency key", run.idempotency_key || "-"),
       field("priority", run.priority === undefined ? "-" : String(run.priority)),
       field("concurrency key", run.concurrency_key || "-"), field("scheduled", when(run.created_at)),
+      run.attributes ? field("attributes", Object.entries(run.attributes).map(([k, v], i) => [i ? " " : "",
+        h("a", { class: "attribute mono", href: `#?${new URLSearchParams({ attr: `${k}=${typeof v === "string" ? v : JSON.stringify(v)}` })}` }, `${k}=${typeof v === "string" ? v : JSON.stringify(v)}`)]), "attributes") : null,
       !TERMINAL.includes(run.status) ? field(run.status === "waiting" ? "wakes" : "due", when(run.due_at), "due-at") : null,
       run.waiting_on ? field("waiting for", h("span", { class: "mono" }, run.waiting_on), "waiting-on") : null,
       field("finished", when(run.completed_at)),
