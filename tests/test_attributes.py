@@ -209,7 +209,7 @@ def test_a_database_of_the_version_before_migrates_in_place(server_url):
         with db.connect() as conn:
             conn.execute("INSERT INTO everystep_workflow (id, name, args, status) VALUES (%s, %s, '[1]', "
                          "'scheduled')", (old, "tests.apps.attribute_workflows.noop"))
-            assert everystep.db.migrate(conn) == ["0022_attributes"]
+            assert everystep.db.migrate(conn)[:1] == ["0022_attributes"]  # and those after it
         with db.connect() as conn, everystep.transaction(conn):
             new = everystep.schedule(flows.order, 3, attributes={"tenant": "acme"})
         assert db.run_pending() == {old: "completed", new.id: "completed"}
