@@ -231,14 +231,15 @@ def list_dags(conn: psycopg.Connection, status: str | None = None, limit: int | 
     return store.list_dags(conn, status, limit)
 
 
-def cancel(key: str, reason: str | None = None, conn: Any = None) -> None:
+def cancel(key: str, reason: str | None = None, conn: Any = None, actor: str | None = None,
+           source: str = "api") -> None:
     """Cancel the graph: every member not ended yet is cancelled (at once
     when it is not running; at its next step when it is), and so are the
     follow-ups waiting for them."""
     conn = transaction_connection(conn, "dags.cancel()")
     if not store.cancel_dag(conn, key, reason):
         raise DagNotFound(f"no graph {key!r}")
-    db.audit(conn, api._local_actor(), "api", "dag-cancel", target=key, details={"reason": reason})
+    db.audit(conn, actor or api._local_actor(), source, "dag-cancel", target=key, details={"reason": reason})
 
 
 def rerun(key: str, member: str, conn: Any = None, actor: str | None = None, source: str = "api") -> uuid.UUID:

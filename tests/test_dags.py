@@ -197,3 +197,44 @@ def test_bad_input_is_refused_and_writes_nothing(db, case):
         with pytest.raises(EverystepError):
             attempts[case]()
     assert _count_everything(db) == before
+
+
+def test_the_cli_lists_shows_cancels_and_reruns_graphs(db, tmp_path):
+    import json  # noqa: PLC0415
+
+    from tests.support.inprocess import run_cli  # noqa: PLC0415
+
+    fixed = str(tmp_path / "fixed")
+    with db.connect() as conn, everystep.transaction(conn):
+        g = dags.create("cli")
+        root = g.add(fail_unless, fixed, key="root")
+        g.add(noop, key="after", depends_on=[root])
+        g.seal()
+        dags.create("open-one").add(noop, key="x")
+    db.run_pending()
+    code, out, err = run_cli("--database-url", db.url, "dag", "list", "-o", "json")
+    assert code == 0, err
+    assert {g["key"]: g["status"] for g in json.loads(out)} == {"cli": "failed", "open-one": "open"}
+    code, out, _ = run_cli("--database-url", db.url, "dag", "list", "--status", "open")
+    assert "open-one" in out and "cli" not in out.replace("open-one", "")
+    code, out, _ = run_cli("--database-url", db.url, "dag", "show", "cli", "-o", "json")
+    shown = json.loads(out)
+    assert [(m["key"], m["status"], m["depends_on"]) for m in shown["members"]] == [
+        ("root", "failed", []), ("after", "cancelled", ["root"])]
+    code, out, _ = run_cli("--database-url", db.url, "dag", "show", "cli")
+    assert "after" in out and str(root.run_id) in out
+    open(fixed, "w").close()
+    code, out, err = run_cli("--database-url", db.url, "dag", "rerun", "cli", "root", "-o", "json")
+    assert code == 0, err
+    new = uuid.UUID(json.loads(out)["run_id"])
+    db.run_pending()
+    assert status(db, new) == "completed"
+    code, out, _ = run_cli("--database-url", db.url, "dag", "show", "cli", "-o", "json")
+    assert json.loads(out)["status"] == "completed"
+    code, out, err = run_cli("--database-url", db.url, "dag", "cancel", "open-one", "-o", "json")
+    assert (code, json.loads(out)["status"]) == (0, "cancelled"), err
+    assert db.value("SELECT count(*) FROM everystep_audit WHERE action IN ('dag-rerun', 'dag-cancel')") == 2
+    code, _, err = run_cli("--database-url", db.url, "dag", "show", "nope")
+    assert code == 2 and "no graph 'nope'" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli("--database-url", db.url, "dag", "rerun", "cli", "after")
+    assert code == 1 and "completed" in err

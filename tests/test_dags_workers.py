@@ -66,3 +66,22 @@ def test_concurrent_ends_of_a_fan_ins_dependencies_release_it_once(db, marks, st
     assert sorted(lines(out)) == ["all", "pair0", "pair1", "pair2", "pair3"]
     with db.connect() as conn:
         assert dags.get("fan-in", conn=conn).status == "completed"
+
+
+def test_the_supervisor_counts_graphs_by_status_and_releases(db, marks, supervisors):
+    from tests.support.supervisor_process import config  # noqa: PLC0415
+    from tests.test_supervisor_metrics import scrape_when, total  # noqa: PLC0415
+
+    out = f"{marks}/out"
+    with db.connect() as conn, everystep.transaction(conn):
+        g = dags.create("metrics")
+        root = g.add(mark, out, "root", key="root")
+        g.add(mark, out, "a", key="a", depends_on=[root])
+        g.add(mark, out, "b", key="b", depends_on=[root])
+        g.seal()
+        dags.create("still-open").add(mark, out, "x", key="x")
+    sup = supervisors(config(db.url, "dagm", imports=list(IMPORTS)))
+    found = scrape_when(sup, lambda f: total(f, "everystep_dags", status="completed") == 1, what="a completed graph")
+    assert total(found, "everystep_dags", status="open") == 1
+    assert total(found, "everystep_dags", status="failed") == 0
+    assert total(found, "everystep_dag_releases_total") == 2
