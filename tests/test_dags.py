@@ -238,3 +238,33 @@ def test_the_cli_lists_shows_cancels_and_reruns_graphs(db, tmp_path):
     assert code == 2 and "no graph 'nope'" in err and len(err.strip().splitlines()) == 1
     code, _, err = run_cli("--database-url", db.url, "dag", "rerun", "cli", "after")
     assert code == 1 and "completed" in err
+
+
+def test_the_examples_of_docs_dags_run_as_written(db, tmp_path, monkeypatch):
+    import re  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "dags.md").read_text()
+    module, follow_up = re.findall(r"```python\n(.*?)```", text, re.S)
+    (tmp_path / "myapp").mkdir()
+    (tmp_path / "myapp" / "__init__.py").write_text("")
+    (tmp_path / "myapp" / "publishing.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("myapp", "myapp.publishing"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from myapp import publishing  # noqa: PLC0415
+
+    with db.connect() as conn:
+        publishing.plan_wave(conn, "2026-08-02")
+    db.run_pending()
+    with db.connect() as conn:
+        state = dags.get("publish-wave:2026-08-02", conn=conn)
+        assert state.status == "completed"
+        assert db.run(state.members["notify"].run_id)["result"] == {
+            "article": "a-123", "url": "https://example.com/a-123", "html": "<h1>a-123</h1>"}
+        namespace = {"everystep": everystep, "conn": conn, "order_id": 7,
+                     "make_invoice": produce, "send_invoice": produce}
+        exec(follow_up, namespace)
+    db.run_pending()
+    assert db.query("SELECT status, awaiting FROM everystep_workflow ORDER BY id DESC LIMIT 1") == [("completed", 0)]
