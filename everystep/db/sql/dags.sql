@@ -57,10 +57,12 @@ WITH marked AS (
     WHERE d.id = ANY(%(depends_on)s::uuid[])
     RETURNING d.id, d.status
 ), deps AS (
+    -- An ended one (hot or in the history) has its status for good: this
+    -- statement's snapshot tells it.
     SELECT id, status FROM marked
     UNION ALL
-    SELECT h.id, h.status FROM everystep_workflow_history h
-    WHERE h.id = ANY(%(depends_on)s::uuid[]) AND h.id NOT IN (SELECT id FROM marked)
+    SELECT a.id, a.status FROM everystep_workflow_all a
+    WHERE a.id = ANY(%(depends_on)s::uuid[]) AND a.id NOT IN (SELECT id FROM marked)
 ), edges AS (
     INSERT INTO everystep_dependency (depends_on, run_id)
     SELECT DISTINCT unnest(%(depends_on)s::uuid[]), %(run)s::uuid
