@@ -58,6 +58,9 @@ FIGURES = {
     "write_cost": {"runs", "one_step", "three_steps", "not_completed"},
     "sustained": {"backlog", "runs_per_s_first", "runs_per_s_last", "last_over_first", "target", "dead_tuples_peak",
                   "autovacuums", "runs_done"},
+    "dag": {"members", "seal_s", "seal_to_fan_in_start_s", "runs_per_s_graph", "runs_per_s_plain", "graph_over_plain",
+            "target", "small_members", "release_us_per_member_small", "release_us_per_member_large",
+            "fan_in_end_us_small", "fan_in_end_us_large", "not_completed"},
 }
 
 
