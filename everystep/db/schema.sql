@@ -599,8 +599,10 @@ BEGIN
     IF ids IS NULL OR cardinality(ids) = 0 THEN
         RETURN 0;
     END IF;
+    -- = ANY(ARRAY(...)): a probe of the primary key per dependent, whatever
+    -- the plan cached for the function expects of the arrays' sizes.
     PERFORM 1 FROM everystep_workflow w
-    WHERE w.id IN (SELECT d.run_id FROM everystep_dependency d WHERE d.depends_on = ANY(ids))
+    WHERE w.id = ANY(ARRAY(SELECT d.run_id FROM everystep_dependency d WHERE d.depends_on = ANY(ids)))
     ORDER BY w.id
     FOR UPDATE;
     WITH met AS (
@@ -615,7 +617,8 @@ BEGIN
             due_at = CASE WHEN w.awaiting - met.n <= 0 THEN everystep_now() ELSE w.due_at END,
             waiting_on = CASE WHEN w.awaiting - met.n <= 0 THEN NULL ELSE w.waiting_on END
         FROM met
-        WHERE w.id = met.run_id AND w.status = 'waiting' AND w.awaiting > 0
+        WHERE w.id = ANY(ARRAY(SELECT run_id FROM met)) AND w.id = met.run_id
+          AND w.status = 'waiting' AND w.awaiting > 0
         RETURNING w.awaiting
     )
     SELECT count(*) FILTER (WHERE awaiting <= 0) INTO released FROM freed;
@@ -634,13 +637,16 @@ BEGIN
         ), hit AS (
             SELECT DISTINCT ON (id) id, reason FROM down ORDER BY id, reason
         ), locked AS (
-            SELECT w.id FROM everystep_workflow w JOIN hit ON hit.id = w.id ORDER BY w.id FOR UPDATE OF w
+            SELECT w.id FROM everystep_workflow w
+            WHERE w.id = ANY(ARRAY(SELECT id FROM hit))
+            ORDER BY w.id
+            FOR UPDATE OF w
         )
         UPDATE everystep_workflow w
         SET status = 'cancelled', completed_at = everystep_now(), cancel_requested_at = everystep_now(),
             cancel_reason = hit.reason, waiting_on = NULL
         FROM hit
-        WHERE w.id = hit.id AND w.id IN (SELECT id FROM locked) AND w.status = 'waiting' AND w.awaiting > 0;
+        WHERE w.id = ANY(ARRAY(SELECT id FROM locked)) AND w.id = hit.id AND w.status = 'waiting' AND w.awaiting > 0;
     END IF;
     IF released > 0 THEN
         PERFORM pg_notify('everystep:' || current_schema(), '');
