@@ -599,8 +599,9 @@ BEGIN
     IF ids IS NULL OR cardinality(ids) = 0 THEN
         RETURN 0;
     END IF;
-    -- = ANY(ARRAY(...)): a probe of the primary key per dependent, whatever
-    -- the plan cached for the function expects of the arrays' sizes.
+    -- = ANY(ARRAY(...)), and `(status = 'waiting') IS TRUE` below: a probe
+    -- of the primary key per dependent, never a scan of the status index,
+    -- whatever the plan cached for the function expects.
     PERFORM 1 FROM everystep_workflow w
     WHERE w.id = ANY(ARRAY(SELECT d.run_id FROM everystep_dependency d WHERE d.depends_on = ANY(ids)))
     ORDER BY w.id
@@ -608,8 +609,8 @@ BEGIN
     WITH met AS (
         SELECT d.run_id, count(*)::integer AS n
         FROM everystep_dependency d
-        JOIN unnest(ids, statuses) AS e(id, status) ON d.depends_on = e.id
-        WHERE e.status = 'completed'
+        WHERE d.depends_on = ANY(ARRAY(SELECT e.id FROM unnest(ids, statuses) AS e(id, status)
+                                       WHERE e.status = 'completed'))
         GROUP BY d.run_id
     ), freed AS (
         UPDATE everystep_workflow w
@@ -618,7 +619,7 @@ BEGIN
             waiting_on = CASE WHEN w.awaiting - met.n <= 0 THEN NULL ELSE w.waiting_on END
         FROM met
         WHERE w.id = ANY(ARRAY(SELECT run_id FROM met)) AND w.id = met.run_id
-          AND w.status = 'waiting' AND w.awaiting > 0
+          AND (w.status = 'waiting') IS TRUE AND w.awaiting > 0
         RETURNING w.awaiting
     )
     SELECT count(*) FILTER (WHERE awaiting <= 0) INTO released FROM freed;
@@ -646,7 +647,8 @@ BEGIN
         SET status = 'cancelled', completed_at = everystep_now(), cancel_requested_at = everystep_now(),
             cancel_reason = hit.reason, waiting_on = NULL
         FROM hit
-        WHERE w.id = ANY(ARRAY(SELECT id FROM locked)) AND w.id = hit.id AND w.status = 'waiting' AND w.awaiting > 0;
+        WHERE w.id = ANY(ARRAY(SELECT id FROM locked)) AND w.id = hit.id
+          AND (w.status = 'waiting') IS TRUE AND w.awaiting > 0;
     END IF;
     IF released > 0 THEN
         PERFORM pg_notify('everystep:' || current_schema(), '');
