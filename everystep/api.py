@@ -27,6 +27,7 @@ from everystep.connections import (  # noqa: F401  (atransaction, transaction, u
     use,
 )
 from everystep.context import SEGMENT, current_scope, run_branches
+from everystep.db import dags as dag_store
 from everystep.errors import EverystepError, RunFailed, StepFailure, WorkflowArgumentsError
 from everystep.ids import uuid7, uuid7_many
 from everystep.retries import Backoff, RetryPolicy
@@ -395,7 +396,8 @@ def schedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | Non
              conn: Any = None, at: datetime.datetime | None = None,
              after: float | datetime.timedelta | None = None,
              deadline: float | datetime.timedelta | datetime.datetime | None = None, priority: int | None = None,
-             concurrency_key: str | None = None, attributes: dict[str, Any] | None = None) -> ScheduledRun:
+             concurrency_key: str | None = None, attributes: dict[str, Any] | None = None,
+             depends_on: Iterable[Any] = ()) -> ScheduledRun:
     """Insert a run of `workflow_fn(*args)` into the caller's transaction
     (`conn`: a psycopg connection or a SQLAlchemy Session or Connection;
     else the bound one, else Django's). Nothing runs now; workers claim the
@@ -409,6 +411,9 @@ def schedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | Non
     `concurrency_key` (a tenant, say): with @workflow(concurrency_per_key=N),
     at most N runs per key at once, the keys taken in turn. `attributes`: a
     flat dict of searchable scalars ({"tenant": "acme"}; everystep.find_runs).
+    `depends_on` (runs: ids or handles): a follow-up, that starts once every
+    one of them has completed, and is cancelled if one fails, stops or is
+    cancelled (docs/dags.md).
 
     `workflow_fn` may be the workflow's name instead, `module.qualname`
     (e.g. "myapp.flows.provision_vm"), for a producer that does not import
@@ -420,11 +425,32 @@ def schedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | Non
     flow = _flow_args("schedule()", workflow_fn, priority, concurrency_key)
     attributes_json = run_attributes.check("schedule(attributes=...)", attributes)
     conn = transaction_connection(conn, "schedule()")
+    dependencies = _dependencies(conn, depends_on)
     with tracing.scheduling(name) as span:
         scheduled = db.insert_run(conn, uuid7(), name, args_json, idempotency_key, span.context, at, after, limit,
                                   *flow, attributes=attributes_json)
         span.scheduled(*scheduled)
+    if dependencies and scheduled.created:
+        dag_store.hold_for_dependencies(conn, scheduled.id, dependencies)
     return ScheduledRun(scheduled.id, name, scheduled.created)
+
+
+def _dependencies(conn: Any, depends_on: Iterable[Any]) -> list[uuid.UUID]:
+    """A follow-up's dependencies as run ids, each an existing run (else
+    EverystepError, before anything is written)."""
+    if isinstance(depends_on, (str, uuid.UUID)) or hasattr(depends_on, "run_id") or hasattr(depends_on, "id"):
+        depends_on = [depends_on]
+    runs: list[uuid.UUID] = []
+    for dep in depends_on:
+        run = getattr(dep, "run_id", None) or getattr(dep, "id", None) or dep
+        run = _run_id("schedule(depends_on=...)", run)
+        if run not in runs:
+            runs.append(run)
+    if runs:
+        missing = set(runs) - dag_store.runs_exist(conn, runs)
+        if missing:
+            raise EverystepError(f"schedule(depends_on=...): no run {sorted(missing)[0]}")
+    return runs
 
 
 async def aschedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | None = None,

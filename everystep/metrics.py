@@ -101,6 +101,10 @@ RATE_LIMITED = Counter(
     "and waited for the next.", ["workflow", "rate_limit"]
 )
 
+# Graphs and follow-ups (everystep.dags): runs released by the end of their last dependency.
+DAG_RELEASES = Counter(
+    "everystep_dag_releases", "Runs released by the end of their last dependency (graph members and follow-ups).")
+
 # Recovery (the maintenance child's sweep and the workers' catchup).
 RECOVERED = Counter("everystep_recovered_runs", "Runs requeued from dead claimers by the sweep.")
 POISONED = Counter(

@@ -119,6 +119,13 @@ GRANT SELECT, INSERT ON {s}.everystep_execution TO {operator};
 GRANT SELECT ON {s}.everystep_minute, {s}.everystep_schedule_run TO {operator};
 GRANT SELECT ON {s}.everystep_step_traceback TO {operator};  -- the run page's tracebacks
 GRANT pg_read_all_stats TO {operator};
+-- Graphs and follow-ups (0031_dags.sql): a worker's end of a run with
+-- dependents reads the edges and member keys (everystep_settle); writing a
+-- graph or a follow-up changes runs not yet ended (their dependents flag,
+-- the seal's release), which is the operator's, not the producer's.
+GRANT SELECT ON {s}.everystep_dag, {s}.everystep_dag_member, {s}.everystep_dependency TO {worker};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_dag, {s}.everystep_dag_member, {s}.everystep_dependency
+    TO {operator};
 -- Every role may read which environment the database is (0016_environment.sql):
 -- the CLI checks it before it acts; `migrate --environment` (the owner) writes it.
 GRANT SELECT ON {s}.everystep_environment TO {producer}, {worker}, {operator};

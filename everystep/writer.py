@@ -178,6 +178,8 @@ class GroupWriter:
                 ended = db.end_runs(self._conn, self.runner, [w.write for w in ends], self.routes(),
                                        unlimited_only, self.skipped())
                 finished = ended.finished
+                if ended.released:
+                    metrics.DAG_RELEASES.inc(ended.released)
                 if ended.whole_claim_wanted:
                     self._whole_claim_until = time.monotonic() + WHOLE_CLAIM
         except db.CONNECTION_ERRORS as exc:

@@ -13,6 +13,7 @@ stuck turns into `everystep_database_up 0` or a 503, never into a hung request.
 
 from __future__ import annotations
 
+import collections
 import glob
 import logging
 import os
@@ -34,6 +35,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from everystep import db, liveness
+from everystep.dags import STATUSES as DAG_STATUSES
+from everystep.db import dags as dag_store
 from supervisor import metrics_dir, state_file
 
 log = logging.getLogger("everystep.supervisor")
@@ -200,6 +203,7 @@ class QueueCollector:
             family.add_metric([name], count)
         yield family
         yield from self._vacuum()
+        yield from self._dags()
         try:
             auto_paused = self._database.call(db.auto_paused_schedules)
         except (DatabaseUnavailable, psycopg.Error) as exc:  # e.g. a schema older than auto-pause
@@ -210,6 +214,19 @@ class QueueCollector:
             "Live schedules that paused themselves because their runs kept failing (resume them when fixed).",
             value=auto_paused,
         )
+
+    def _dags(self) -> Iterator[Metric]:
+        """The graphs of runs (everystep.dags) by status."""
+        try:
+            graphs = self._database.call(lambda conn: dag_store.list_dags(conn, None, None))
+        except (DatabaseUnavailable, psycopg.Error) as exc:  # e.g. a schema older than 0031
+            log.debug("metrics: no graph gauge: %s", exc)
+            return
+        family = GaugeMetricFamily("everystep_dags", "Graphs of runs (everystep.dags) by status.", labels=["status"])
+        counts = collections.Counter(g["status"] for g in graphs)
+        for status in DAG_STATUSES:
+            family.add_metric([status], counts[status])
+        yield family
 
     def _vacuum(self) -> Iterator[Metric]:
         """The known killers of a PostgreSQL queue: dead tuples piling up in

@@ -67,6 +67,9 @@ FIGURES = {
                    "target_ms", "index_bytes_per_run", "insert_us_per_run_without", "insert_us_per_run_with"},
     "bulk": {"bulk", "w1_runs_per_s_alone", "w1_runs_per_s_during_bulk", "during_over_alone", "target",
              "bulk_runs_per_s", "bulk_done", "not_completed"},
+    "dag": {"members", "seal_s", "seal_to_fan_in_start_s", "runs_per_s_graph", "runs_per_s_plain", "graph_over_plain",
+            "target", "small_members", "release_us_per_member_small", "release_us_per_member_large",
+            "fan_in_end_us_small", "fan_in_end_us_large", "not_completed"},
 }
 
 

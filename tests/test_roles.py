@@ -154,3 +154,26 @@ def test_a_worker_keeps_tracebacks_and_an_operator_reads_them(db, roles, tmp_pat
     with as_role(db, f"{roles}operator") as conn:
         [found] = everystep.db.step_tracebacks(conn, run.id)
     assert found["step_id"] == "4" and "ValueError: no address for o-1" in found["traceback"]
+def test_a_worker_role_releases_and_cancels_graph_members_an_operator_wrote(db, roles, tmp_path):
+    from psycopg import conninfo  # noqa: PLC0415
+
+    from everystep import dags  # noqa: PLC0415
+    from tests.apps.dag_workflows import fail, produce  # noqa: PLC0415
+    from tests.support.processes import WorkerProcess  # noqa: PLC0415
+
+    with as_role(db, f"{roles}operator") as conn, everystep.transaction(conn):
+        g = dags.create("roles")
+        ok = g.add(produce, 1, key="ok")
+        bad = g.add(fail, "x", key="bad")
+        after_ok = g.add(produce, 2, key="after-ok", depends_on=[ok])
+        after_bad = g.add(produce, 3, key="after-bad", depends_on=[bad])
+        g.seal()
+    url = conninfo.make_conninfo(db.url, options=f"-c search_path={db.schema} -c role={roles}worker")
+    worker = WorkerProcess(url, "role-worker", tmp_path / "logs", imports=("tests.apps.dag_workflows",))
+    try:
+        wait_for(lambda: db.run(after_ok.run_id)["status"] == "completed", 30, what="the released member")
+        wait_for(lambda: db.run(after_bad.run_id)["status"] == "cancelled", 30, what="the cancelled member")
+    finally:
+        worker.signal(15)
+        worker.proc.wait(30)
+    assert db.run(after_bad.run_id)["cancel_reason"] == "dependency bad failed"

@@ -20,6 +20,7 @@
     everystep maintenance [--interval S] [--grace S] [--max-crashes N]
     everystep ui [--bind ADDRESS] [--port N]
     everystep roles [--apply] [--prefix P] [--schema S]
+    everystep dag list [--status S] | show KEY | cancel KEY | rerun KEY MEMBER [-o text|json]
 
 Every action (resolve-step, requeue, cancel, reschedule, rerun, prune, schedule,
 schedules apply and retire) is recorded in the audit trail, everystep_audit.
@@ -54,7 +55,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from everystep.cli import actions, admin, history, processes, runs, schedules
+from everystep.cli import actions, admin, dags, history, processes, runs, schedules
 from everystep.cli.common import EXIT_DATABASE, EXIT_REFUSED, EXIT_USAGE, CliError
 from everystep.errors import DatabaseRefused
 from everystep.logs import first_line
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (admin, runs, history, actions, schedules, processes):
+    for module in (admin, runs, history, actions, schedules, processes, dags):
         module.add_commands(commands, add)
     return parser
 

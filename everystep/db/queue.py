@@ -288,7 +288,7 @@ def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes
         "routes": libpq.array_literal(routes), "skipped": libpq.array_literal(list(skipped)),
         **_step_columns([e.last_step for e in ends])})
     successors = libpq.claimed_runs(conn, result, first_column=3)
-    receivers, statuses, exists, whole_claim_wanted = [], {}, set(), False
+    receivers, statuses, exists, whole_claim_wanted, released = [], {}, set(), False, 0
     for i in range(result.ntuples):
         kind = result.get_value(i, 0)
         if kind == b"h":
@@ -299,10 +299,12 @@ def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes
             exists.add(int(result.get_value(i, 1)))
         elif kind == b"l":
             whole_claim_wanted = True
+        elif kind == b"r":
+            released = int(result.get_value(i, 1))
     successors.sort(key=lambda r: r.id)  # UUIDv7: the oldest to the first asking
     given = dict(zip(sorted(receivers), successors))
     return EndedRuns([BatchEnd(statuses.get(n), n in exists, given.get(n)) for n in range(1, len(ends) + 1)],
-                     whole_claim_wanted)
+                     whole_claim_wanted, released)
 
 
 def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:

@@ -91,6 +91,7 @@ class BatchEnd(NamedTuple):
 class EndedRuns(NamedTuple):
     finished: list[BatchEnd]  # for each end
     whole_claim_wanted: bool  # (end_plain_runs) the whole claim would take runs it does not see: use end_runs
+    released: int = 0  # runs these ends released (their last dependency completed: everystep.dags)
 
 
 class Ended(NamedTuple):

@@ -23,7 +23,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from everystep import attributes as run_attributes
-from everystep import db, liveness, operations, serde, streams
+from everystep import dags, db, liveness, operations, serde, streams
 from everystep.errors import EverystepError
 from everystep.logs import first_line
 from everystep.ui.hub import Hub
@@ -432,6 +432,9 @@ class Console:
         if found is None:
             raise Problem(404, f"no run {run}")
         found["execution_history"] = execution_history(found)
+        with self._db() as conn:
+            member = dags.member_of(conn, run)
+        found["dag"] = None if member is None else {"key": member[0], "member": member[1]}
         blocked_on = [s["step_id"] for s in found["steps"] if s["status"] == "started"]
         if found["status"] == "blocked" and blocked_on:
             found["resolve"] = {
@@ -459,6 +462,25 @@ class Console:
             if db.read_stream(conn, run, key, start, 0).status is None:
                 raise Problem(404, f"no run {run}")
         return run, key, start
+    def dags(self, query: Mapping[str, str]) -> dict:
+        """Graphs of runs, newest first; `status` filters."""
+        status = query.get("status") or None
+        if status is not None and status not in dags.STATUSES:
+            raise Problem(400, f"status must be one of {', '.join(dags.STATUSES)}")
+        with self._db() as conn:
+            return {"dags": dags.list_dags(conn, status, _limit(query))}
+
+    def dag(self, key: str) -> dict:
+        """A graph with its members (status, dependencies, run), in the order they were added."""
+        with self._db() as conn:
+            try:
+                state = dags.get(key, conn=conn)
+            except dags.DagNotFound as exc:
+                raise Problem(404, str(exc)) from None
+        return {"key": state.key, "status": state.status, "created_at": state.created_at,
+                "sealed_at": state.sealed_at, "sealed_by": state.sealed_by, "cancelled_at": state.cancelled_at,
+                "members": [{"key": k, "run_id": m.run_id, "status": m.status, "depends_on": list(m.depends_on),
+                             "cancel_reason": m.cancel_reason} for k, m in state.members.items()]}
 
     def workflows(self) -> dict:
         with self._db() as conn:

@@ -161,6 +161,8 @@ def create_app(console: Console) -> Starlette:
         Route("/api/runs", api(console.runs, with_query=True)),
         Route("/api/runs/{run_id}", api(console.run)),
         Route("/api/runs/{run_id}/streams/{key:path}", stream),
+        Route("/api/dags", api(console.dags, with_query=True)),
+        Route("/api/dags/{key:path}", api(console.dag)),
         Route("/api/workflows", api(console.workflows)),
         Route("/api/schedules", api(console.schedules)),
         Route("/api/workers", api(console.workers)),

@@ -701,7 +701,7 @@ RETURNING workflow_id, crashes;
 UPDATE everystep_workflow
 SET status = 'failed', completed_at = everystep_now(), error = %(error)s::jsonb
 WHERE id = ANY(%(ids)s) AND status = 'running' AND claimed_by = %(claimer)s
-RETURNING id;
+RETURNING id, CASE WHEN dependents THEN everystep_settle(ARRAY[id], ARRAY['failed']) END;
 
 
 -- name: record_steps
@@ -1014,7 +1014,7 @@ WITH RECURSIVE high_levels(priority) AS (
     FROM held h
     WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
       AND w.claimed_by = %(runner)s AND w.claim_token = h.token
-    RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id
+    RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id, w.dependents
 ), step AS (
     INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
                                 started_at, finished_at)
@@ -1032,6 +1032,12 @@ WITH RECURSIVE high_levels(priority) AS (
           FROM ended WHERE parent_id IS NOT NULL GROUP BY parent_id) e
     WHERE p.id = e.parent_id
     RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due
+), settled AS (
+    -- Runs others depend on release or cancel their dependents in this
+    -- transaction (everystep_settle, 0031_dags.sql), plain runs skip it.
+    SELECT everystep_settle(array_agg(id), array_agg(status)) AS released
+    FROM ended WHERE dependents
+    HAVING count(*) > 0
 )
 SELECT 'c', NULL::bigint, NULL::text, claimed.* FROM claimed
 UNION ALL
@@ -1052,7 +1058,11 @@ SELECT 'n', NULL, pg_notify('everystep:' || current_schema(), '')::text, NULL::u
 WHERE EXISTS (SELECT FROM ended
               WHERE ended.slot IS NOT NULL
                 AND NOT EXISTS (SELECT FROM picked WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))
-   OR EXISTS (SELECT FROM woke WHERE due);
+   OR EXISTS (SELECT FROM woke WHERE due)
+UNION ALL
+SELECT 'r', released, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean,
+       NULL::float8, NULL::integer, NULL::uuid
+FROM settled;
 
 
 -- name: end_plain_runs
@@ -1121,7 +1131,7 @@ WITH prioritized AS MATERIALIZED (
     FROM held h
     WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
       AND w.claimed_by = %(runner)s AND w.claim_token = h.token
-    RETURNING h.n, w.status
+    RETURNING h.n, w.id, w.status, w.dependents
 ), step AS (
     INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
                                 started_at, finished_at)
@@ -1130,6 +1140,12 @@ WITH prioritized AS MATERIALIZED (
     FROM ended JOIN i USING (n)
     WHERE i.step_id IS NOT NULL
     ON CONFLICT (workflow_id, step_id) DO NOTHING
+), settled AS (
+    -- Runs others depend on release or cancel their dependents in this
+    -- transaction (everystep_settle, 0031_dags.sql), plain runs skip it.
+    SELECT everystep_settle(array_agg(id), array_agg(status)) AS released
+    FROM ended WHERE dependents
+    HAVING count(*) > 0
 )
 SELECT 'c', NULL::bigint, NULL::text, claimed.* FROM claimed
 UNION ALL
@@ -1171,7 +1187,11 @@ WHERE (SELECT waiting FROM prioritized)
                 AND (SELECT count(*) FROM everystep_workflow r
                      WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
                        AND r.name = k.name AND r.concurrency_key = k.key)
-                    < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name));
+                    < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name))
+UNION ALL
+SELECT 'r', released, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean,
+       NULL::float8, NULL::integer, NULL::uuid
+FROM settled;
 
 
 -- name: requeue_held

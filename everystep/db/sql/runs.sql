@@ -218,7 +218,13 @@ WITH RECURSIVE
         WHERE w.id = ANY (ARRAY(SELECT tree.id FROM tree))
           AND (w.status IN ('scheduled', 'waiting', 'blocked')
                OR w.status = 'running' AND w.cancel_requested_at IS NULL)
-        RETURNING w.id, w.status, w.parent_id, w.id = %(run)s::uuid AS root
+        RETURNING w.id, w.status, w.parent_id, w.id = %(run)s::uuid AS root, w.dependents
+    ),
+    -- Runs that depend on one cancelled here are cancelled too (0031_dags.sql).
+    settled AS (
+        SELECT everystep_settle(array_agg(id), array_agg(status)) AS released
+        FROM hit WHERE dependents AND status = 'cancelled'
+        HAVING count(*) > 0
     ),
     -- A parent outside the tree parked on a child cancelled here wakes up.
     woke AS (
@@ -232,7 +238,8 @@ WITH RECURSIVE
     )
 SELECT coalesce((SELECT status FROM hit WHERE root),
                 (SELECT status FROM everystep_workflow_history WHERE id = %(run)s)),
-       (SELECT pg_notify('everystep:' || current_schema(), '') FROM woke WHERE due);
+       (SELECT pg_notify('everystep:' || current_schema(), '') FROM woke WHERE due),
+       (SELECT released FROM settled);
 
 -- name: run_status
 SELECT status

@@ -190,6 +190,8 @@ function route() {
   if ((m = hash.match(/^run\/(.+)$/))) current = { view: "run", id: m[1] };
   else if (!hash && !params.toString() && (m = path.match(/^\/runs\/(.+)$/))) current = { view: "run", id: m[1] };
   else if ((m = hash.match(/^schedule\/(.+)$/))) current = { view: "fires", key: m[1] };
+  else if ((m = hash.match(/^dag\/(.+)$/))) current = { view: "dag", key: m[1] };
+  else if (hash === "dags") current = { view: "dags", status: params.get("status") || "" };
   else if (hash === "charts") current = { view: "charts", workflow: params.get("workflow") || "", window: params.get("window") || "hour" };
   else if (["schedules", "workers", "failures", "audit"].includes(hash)) current = { view: hash };
   else {
@@ -205,7 +207,7 @@ function route() {
 
 function refresh(quiet = false) {
   const views = { runs: showRuns, run: showRun, schedules: showSchedules, workers: showWorkers, failures: showFailures,
-    audit: showAudit, charts: showCharts, fires: showFires };
+    audit: showAudit, charts: showCharts, fires: showFires, dags: showDags, dag: showDag };
   views[current.view](quiet).catch((err) => { if (!quiet) fill(main, h("p", { class: "error" }, err.message)); });
 }
 
@@ -505,6 +507,7 @@ async function showRun(quiet) {
         ? field("cancel", [h("span", { id: "run-cancel" }, run.cancel_reason ? `reason: ${run.cancel_reason}` : "requested"),
                            run.cancel_requested_at ? [" at ", when(run.cancel_requested_at)] : null], "cancel-request") : null,
       stepTimeouts(run) ? field("timeouts", h("span", { id: "run-timeouts" }, `${stepTimeouts(run)} step attempt(s) timed out`)) : null,
+      run.dag ? field("graph", [h("a", { href: `#dag/${encodeURIComponent(run.dag.key)}`, id: "run-dag" }, run.dag.key), " member ", h("span", { class: "mono" }, run.dag.member)], "dag") : null,
       run.parent_id ? field("parent", runLink(run.parent_id, short(run.parent_id)), "parent") : null,
       run.children && run.children.length ? field("children", run.children.map((c, i) => [i ? " " : "", runLink(c.id, short(c.id)), " ", badge(c.status)]), "children") : null,
       run.rerun_of ? field("re-run of", runLink(run.rerun_of, short(run.rerun_of)), "rerun-of") : null,
@@ -1103,6 +1106,70 @@ async function showFires() {
 }
 
 // ------------------------------------------------------------------ other pages
+
+// Graphs of runs (everystep.dags): the list, filtered by status, and one
+// graph drawn in columns by depth (a member right of every dependency).
+const DAG_STATUSES = ["open", "running", "completed", "failed", "cancelled"];
+const DAG_DRAWN = 2000;  // members drawn at most; the table lists them all
+
+async function showDags() {
+  const asked = current;
+  const status = current.status;
+  const { dags } = await getJSON(`/api/dags${status ? `?status=${status}` : ""}`);
+  if (current !== asked) return;
+  const filter = (s) => h("a", { href: s ? `#dags?status=${s}` : "#dags", class: `filter${s === status ? " active" : ""}`, "data-status": s || "all" }, s || "all");
+  fill(main, h("h2", {}, "Graphs"),
+    h("p", { id: "dag-filters" }, [filter(""), ...DAG_STATUSES.map(filter)].map((a) => [a, " "])),
+    dags.length ? h("table", { id: "dags" },
+      h("thead", {}, h("tr", {}, ["key", "status", "members", "completed", "created", "sealed"].map((t) => h("th", {}, t)))),
+      h("tbody", {}, dags.map((d) => h("tr", { "data-key": d.key },
+        h("td", { class: "mono" }, h("a", { href: `#dag/${encodeURIComponent(d.key)}` }, d.key)), h("td", {}, badge(d.status)),
+        h("td", {}, d.members), h("td", {}, d.completed), h("td", {}, when(d.created_at)), h("td", {}, when(d.sealed_at))))))
+      : h("p", { class: "muted" }, status ? `no ${status} graphs` : "no graphs"));
+  onSnapshot = (snapshot, changed) => { if (changed) refetchSoon(); };
+}
+
+async function showDag(quiet) {
+  const asked = current;
+  const dag = await getJSON(`/api/dags/${encodeURIComponent(current.key)}`);
+  if (current !== asked) return;
+  const graph = h("div", { class: "graph dag-graph", id: "dag-graph" });
+  fill(main, h("h2", {}, "graph ", h("span", { class: "mono" }, dag.key), " ", badge(dag.status)),
+    h("p", {}, h("a", { href: "#dags" }, "← graphs"), ` · ${dag.members.length} members · sealed ${when(dag.sealed_at)}`),
+    graph,
+    h("table", { id: "dag-members" }, h("thead", {}, h("tr", {}, ["member", "status", "depends on", "run", "cancel reason"].map((t) => h("th", {}, t)))),
+      h("tbody", {}, dag.members.map((m) => h("tr", { "data-member": m.key }, h("td", { class: "mono" }, m.key), h("td", {}, badge(m.status || "pruned")),
+        h("td", { class: "mono" }, m.depends_on.join(", ") || "-"), h("td", {}, runLink(m.run_id, short(m.run_id))), h("td", {}, m.cancel_reason || ""))))));
+  drawDag(graph, dag.members.slice(0, DAG_DRAWN));
+  onSnapshot = (snapshot, changed) => { if (changed && !["completed", "failed", "cancelled"].includes(dag.status)) refetchSoon(); };
+}
+
+function drawDag(container, members) {
+  const NS = "http://www.w3.org/2000/svg";
+  const el = (tag, attrs, ...kids) => { const e = document.createElementNS(NS, tag); for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v); kids.forEach((k) => e.append(k)); return e; };
+  const depth = {}, rows = [], at = {};
+  for (const m of members) {  // added after its dependencies: their depths are known
+    depth[m.key] = Math.max(-1, ...m.depends_on.map((d) => (d in depth ? depth[d] : -1))) + 1;
+    const column = (rows[depth[m.key]] = rows[depth[m.key]] || []);
+    at[m.key] = { x: 20 + depth[m.key] * 190, y: 20 + column.length * 44 };
+    column.push(m.key);
+  }
+  const width = 40 + rows.length * 190, height = 40 + Math.max(1, ...rows.map((r) => r.length)) * 44;
+  const svg = el("svg", { viewBox: `0 0 ${width} ${height}`, width: Math.min(width, 1200), height: Math.min(height, 640) });
+  const edges = el("g", { class: "edges" }), nodes = el("g", { class: "nodes" });
+  for (const m of members) for (const d of m.depends_on) if (at[d]) {
+    edges.append(el("line", { x1: at[d].x + 150, y1: at[d].y + 15, x2: at[m.key].x, y2: at[m.key].y + 15, class: "edge", "data-from": d, "data-to": m.key }));
+  }
+  for (const m of members) {
+    const link = el("a", { href: `#run/${m.run_id}`, class: `dag-node status ${m.status || "pruned"}`, "data-member": m.key, "data-status": m.status || "pruned" },
+      el("rect", { x: at[m.key].x, y: at[m.key].y, width: 150, height: 30, rx: 4 }),
+      el("text", { x: at[m.key].x + 8, y: at[m.key].y + 19 }, `${m.key} · ${m.status || "pruned"}`));
+    link.append(el("title", {}, `${m.key}: ${m.status || "pruned"} (run ${m.run_id})`));
+    nodes.append(link);
+  }
+  svg.append(edges, nodes);
+  container.append(svg);
+}
 
 async function showSchedules() {
   const asked = current;
