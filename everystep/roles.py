@@ -52,7 +52,7 @@ GRANT USAGE ON SCHEMA {s} TO {producer}, {worker}, {operator};
 -- for a delayed start, see the policy below) and reads back the columns an
 -- idempotency key needs. Cancelling (everystep.cancel) is the operator's.
 GRANT INSERT (id, name, args, idempotency_key, status, due_at, trace_context, limited, deadline_at, priority,
-              concurrency_key, keyed) ON {workflow} TO {producer};
+              concurrency_key, keyed, attributes) ON {workflow} TO {producer};
 GRANT SELECT (id, name, idempotency_key, keyed) ON {workflow} TO {producer};  -- keyed: whose key gets a row
 GRANT INSERT ON {s}.everystep_audit TO {producer};
 GRANT SELECT ON {s}.everystep_waiting TO {producer};  -- scheduling notifies only when a worker waits

@@ -88,7 +88,8 @@ def test_the_marks_are_known_justified_and_rare():
 @pytest.mark.parametrize("page", RUNNABLE, ids=[str(p.relative_to(ROOT)) for p in RUNNABLE])
 def test_the_examples_of_the_page_run(page, db, tmp_path):
     for example in examples(page):
-        if example.file:
+        if example.file:  # a path: myapp/flows.py is module myapp.flows
+            (tmp_path / example.file).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / example.file).write_text(example.code)
     module = module_name(page)
     (tmp_path / f"{module}.py").write_text(session(page))
