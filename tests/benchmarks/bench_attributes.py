@@ -33,9 +33,9 @@ TENANTS = 1000
 
 FILL = f"""
 INSERT INTO everystep_workflow_history (id, name, args, status, result, created_at, completed_at, due_at, wakes,
-                                        limited, priority, keyed, attributes)
+                                        limited, priority, keyed, attributes, dependents)
 SELECT {V7.format(at=AT)}, '{NAME}', jsonb_build_array(n), 'completed', to_jsonb(n), {AT}, {AT} + interval '1 second',
-       {AT}, 0, false, 0, false, jsonb_build_object('tenant', 't' || (n %% {TENANTS}), 'order', n)
+       {AT}, 0, false, 0, false, jsonb_build_object('tenant', 't' || (n %% {TENANTS}), 'order', n), false
 FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS n
 """
 

@@ -51,12 +51,12 @@ AT = "(%(start)s::timestamptz + (n::float8 / %(total)s) * %(span)s::interval)"
 FILL_HISTORY = f"""
 WITH runs AS (
     INSERT INTO everystep_workflow_history (id, name, args, status, result, error, created_at, completed_at,
-                                            due_at, wakes, limited, priority, keyed)
+                                            due_at, wakes, limited, priority, keyed, dependents)
     SELECT {V7.format(at=AT)}, '{NAME}', jsonb_build_array(n),
            CASE WHEN n %% 10 = 0 THEN 'failed' ELSE 'completed' END,
            CASE WHEN n %% 10 = 0 THEN NULL ELSE to_jsonb(n) END,
            CASE WHEN n %% 10 = 0 THEN '{{"type": "ValueError", "message": "no"}}'::jsonb END,
-           {AT}, {AT} + interval '1 second', {AT}, 0, false, 0, false
+           {AT}, {AT} + interval '1 second', {AT}, 0, false, 0, false, false
     FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS n
     RETURNING id, args, created_at
 )

@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=30.0, help="the first and last windows compared")
     args = harness.arguments(parser, quick=QUICK)
     with harness.scratch() as folder:
-        server = PrivatePostgres(folder / "postgres")
+        server = PrivatePostgres()
         try:
             db = Database(server.url, "public")  # migrated by PrivatePostgres
             try:

@@ -290,7 +290,9 @@ async function buildRunsPage() {
     input("attr", { type: "search", size: 24, placeholder: "attributes: tenant=acme,order=42", "aria-label": "attributes" }),
     input("q", { type: "search", size: 40, placeholder: "run id, idempotency key, or args JSON {\"k\": 1}", "aria-label": "search" }),
     h("button", {}, "Filter"),
-    h("button", { type: "button", onclick: () => { Object.keys(filters).forEach((k) => { filters[k] = ""; }); go(""); } }, "Clear"));
+    h("button", { type: "button", onclick: () => { Object.keys(filters).forEach((k) => { filters[k] = ""; }); go(""); } }, "Clear"),
+    // Acts on what the filter finds, not on a selection: shown to operators whatever is selected.
+    ROLE === "operator" ? h("button", { type: "button", id: "bulk-open", onclick: () => bulkByFilter() }, "Bulk action on the filter…") : null);
   const bulk = ROLE === "operator" ? h("div", { class: "bulk", id: "bulk", hidden: true },
     h("span", { id: "selection" }, ""),
     h("button", { onclick: () => bulkAct("requeue", "Requeue the selected runs whose claimer is dead?", false) }, "Requeue selected"),
@@ -300,7 +302,6 @@ async function buildRunsPage() {
     h("button", { onclick: () => bulkAct("cancel", "Cancel the selected runs?", false) }, "Cancel selected"),
     h("button", { onclick: () => bulkAct("cancel", "Cancel EVERY run matching the filter?", true) }, "Cancel all matching"),
     h("button", { onclick: () => bulkRerun() }, "Re-run selected from a step"),
-    h("button", { id: "bulk-open", onclick: () => bulkByFilter() }, "Bulk action on the filter…"),
   ) : null;
   fill(main, 
     h("section", { id: "counts", class: "counts" }),
