@@ -373,13 +373,14 @@ class Runner:
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _caller_line() -> str:
-    """file:line of the call into everystep that is being made (the first
-    frame outside the package)."""
+def _caller_line() -> tuple[str, int] | None:
+    """(file, line) of the call into everystep that is being made (the first
+    frame outside the package); formatted only if the call is reported, as
+    it is taken at every async step call."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame = frame.f_back
-    return "an unknown line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
 class RecordedStep(NamedTuple):
@@ -681,7 +682,8 @@ class Replay:
             coroutine.close()
         if not calls:
             return None
-        _, step_id, name, line = calls[0]
+        _, step_id, name, where = calls[0]
+        line = "an unknown line" if where is None else f"{where[0]}:{where[1]}"
         more = f" (and {len(calls) - 1} more step calls never awaited)" if len(calls) > 1 else ""
         return EverystepError(f"step {step_id!r} ({name}) called at {line} was never awaited, so it never ran: "
                               f"write `await {name.rsplit('.', 1)[-1]}(...)`{more}")
