@@ -92,6 +92,7 @@ class Hub:
         self._by_run: dict[str, list[_Tail]] = {}
         self._wake_r, self._wake_w = os.pipe()
         self.dead = False  # the thread has ended (idle, or its connection failed): a new reader starts another hub
+        self.backend_pid: int | None = None  # its connection's server process, once connected
         self._idle_since = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="everystep-stream-readers", daemon=True)
         self._thread.start()
@@ -152,6 +153,7 @@ class Hub:
         conn = None
         try:
             conn = psycopg.connect(self.url, autocommit=True)
+            self.backend_pid = conn.info.backend_pid
             db.listen_streams(conn)  # before any look: no commit after it goes unnoticed
             while self._turn(conn):
                 pass
