@@ -91,6 +91,7 @@ class Hub:
         self._tails: dict[tuple[str, str], _Tail] = {}
         self._by_run: dict[str, list[_Tail]] = {}
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self.dead = False  # the thread has ended (idle, or its connection failed): a new reader starts another hub
         self.backend_pid: int | None = None  # its connection's server process, once connected
         self._idle_since = time.monotonic()
@@ -142,10 +143,12 @@ class Hub:
                     self._idle_since = time.monotonic()
 
     def _poke(self) -> None:
-        try:
-            os.write(self._wake_w, b".")
-        except OSError:
-            pass  # the thread has ended and closed its pipe
+        with self._lock:  # the thread closes the pipe under the lock: its number is never another file's here
+            if not self.dead:
+                try:
+                    os.write(self._wake_w, b".")
+                except BlockingIOError:
+                    pass  # full of pokes the thread has not read yet: it will wake
 
     # ------------------------------------------------------------ the thread's side
 
@@ -162,8 +165,10 @@ class Hub:
         finally:
             if conn is not None:
                 conn.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            with self._lock:
+                self.dead = True
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     def _turn(self, conn: psycopg.Connection) -> bool:
         """Look at the streams that need it, then wait for a notification or a

@@ -146,7 +146,8 @@ def test_a_lost_listener_connection_ends_its_readers_with_the_error_and_the_next
 
     thread = threading.Thread(target=reader)
     thread.start()
-    wait_until(lambda: db.url in stream_readers._hubs and readers_of(db, run) == 1, "the reader")
+    wait_until(lambda: db.url in stream_readers._hubs and readers_of(db, run) == 1
+               and hub_of(db)._tails[(str(run.id), "out")].readers[0].looked, "the reader's first look")
     lost = hub_of(db)
     db.value("SELECT pg_terminate_backend(%s)", (lost.backend_pid,))
     thread.join(20)
