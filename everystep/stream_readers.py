@@ -6,8 +6,10 @@ database URL share one connection, LISTENing, and one thread that owns it:
 a notification names the stream written and its last offset, so the thread
 looks only at the streams that have a reader behind it, once per wake for
 all of its readers (from the lowest offset they need), and hands each reader
-its part. The values stay JSON text here: each reader decodes its own, so no
-two readers share a mutable value.
+its part. An entry is decoded once for all the readers of the process when
+its value cannot be changed (a string, a number: the tokens of a model);
+else each reader decodes its own, so that no two readers share a mutable
+value (everystep.streams does it, in the readers' threads, see Cell).
 
 A reader's backlog is bounded: the thread looks for a reader only while it
 holds less than one look's worth of entries; a reader that takes a full
@@ -45,6 +47,19 @@ IDLE = 5.0
 Row = tuple  # (offset, value JSON text, closes, step_id, attempt, claim_token), as db.read_stream gives them
 
 
+class Cell:
+    """One entry of a look, as all the readers of the process get it: its
+    row, and the entry the first reader made of it when the others may have
+    the same (see everystep.streams._entry_of)."""
+
+    __slots__ = ("row", "entry", "raw")
+
+    def __init__(self, row: Row):
+        self.row = row
+        self.entry = None  # the decoded entry, when its value is immutable
+        self.raw = None  # the entry with its value as JSON text
+
+
 def parse_notification(payload: str) -> tuple[str, int | None, str | None]:
     """(run, last offset, key) of a stream notification; (run, None, None)
     when a run's end closed all its streams."""
@@ -62,7 +77,7 @@ class Reader:
     def __init__(self, tail: _Tail, offset: int, wake: Callable[[], None]):
         self.tail = tail
         self.want = offset  # the next offset to look up for it
-        self.rows: list[Row] = []
+        self.rows: list[Cell] = []
         self.looked = False  # its first look is done (an unknown run is found out there)
         self.missing = False  # the run is not there (error says so)
         self.ended = False  # the stream ends after its rows
@@ -115,7 +130,7 @@ class Hub:
         self._poke()
         return reader
 
-    def take(self, reader: Reader) -> tuple[list[Row], bool, BaseException | None]:
+    def take(self, reader: Reader) -> tuple[list[Cell], bool, BaseException | None]:
         """What was looked up for the reader since it last took, whether the
         stream ends after it, and the error that ended the reading."""
         with self._lock:
@@ -217,6 +232,7 @@ class Hub:
         look = db.read_stream(conn, tail.run, tail.key, low, READ_BATCH)
         full = len(look.entries) == READ_BATCH
         offsets = [row[0] for row in look.entries]
+        cells = [Cell(row) for row in look.entries]
         with self._lock:
             tail.looked_at = time.monotonic()
             for reader in readers:
@@ -229,12 +245,12 @@ class Hub:
                     reader.wake()
                     continue
                 got = False
-                for row in look.entries[bisect.bisect_left(offsets, reader.want):]:
-                    if row[2]:  # the close
+                for cell in cells[bisect.bisect_left(offsets, reader.want):]:
+                    if cell.row[2]:  # the close
                         reader.ended = True
                         break
-                    reader.rows.append(row)
-                    reader.want, got = row[0] + 1, True
+                    reader.rows.append(cell)
+                    reader.want, got = cell.row[0] + 1, True
                 if not reader.ended:
                     reader.more = full
                     reader.ended = not full and look.status in TERMINAL

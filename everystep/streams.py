@@ -157,6 +157,24 @@ def _entry(row: tuple, raw: bool) -> StreamEntry:
                        step_id if attempt is not None else None, attempt, token)
 
 
+# Values a reader cannot change: one entry of them serves all the readers of a process.
+_IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, datetime.datetime, datetime.date,
+                        datetime.time, datetime.timedelta, uuid.UUID})
+
+
+def _entry_of(cell: stream_readers.Cell, raw: bool) -> StreamEntry:
+    """The entry of a cell of a shared look: made once for all the readers
+    of the process when its value is immutable, else this reader's own."""
+    entry = cell.raw if raw else cell.entry
+    if entry is None:
+        entry = _entry(cell.row, raw)
+        if raw:
+            cell.raw = entry
+        elif type(entry.value) in _IMMUTABLE:
+            cell.entry = entry
+    return entry
+
+
 def _entries(what: str, run_id: uuid.UUID, look: db.StreamLook, raw: bool = False) -> _Look:
     """The entries of a look (`raw`: their values as JSON text)."""
     if look.status is None:
@@ -246,8 +264,8 @@ def _follow(hub: stream_readers.Hub, reader: stream_readers.Reader, signal: thre
         while True:
             signal.clear()  # before taking: a wake after it is not lost
             rows, ended, error = hub.take(reader)
-            for row in rows:
-                yield _entry(row, False)
+            for cell in rows:
+                yield _entry_of(cell, False)
             if ended:
                 return
             if error is not None:
@@ -362,7 +380,7 @@ async def _alooks_shared(what: str, url: str, run_id: uuid.UUID, key: str, offse
             if reader.missing:
                 raise EverystepError(f"{what}: no run {run_id}")
             if rows:
-                yield [_entry(row, raw) for row in rows]
+                yield [_entry_of(cell, raw) for cell in rows]
             if ended:
                 return
             if error is not None:
