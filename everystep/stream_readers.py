@@ -224,7 +224,13 @@ class Hub:
     def _look(self, conn: psycopg.Connection, tail: _Tail) -> None:
         """One look at a stream for all its readers that have room."""
         with self._lock:
-            readers = [r for r in tail.readers if r.error is None and not r.ended and len(r.rows) < READ_BATCH]
+            readers = []
+            for reader in tail.readers:
+                if reader.error is None and not reader.ended:
+                    if len(reader.rows) < READ_BATCH:
+                        readers.append(reader)
+                    else:  # no room: it asks for a look once it has taken what it holds
+                        reader.more = True
             tail.looked_at = time.monotonic()
         if not readers:
             return

@@ -160,3 +160,20 @@ def test_an_unknown_run_is_an_error_at_the_call_and_leaves_no_reader(db):
     with pytest.raises(everystep.EverystepError, match="read_stream\\(\\): no run"):
         everystep.read_stream(everystep.ids.uuid7(), "out", conn=db.url)
     assert all(not tail.readers for tail in hub_of(db)._tails.values())
+
+
+def test_a_slow_reader_holds_at_most_a_look_or_two_and_still_gets_everything(db, monkeypatch):
+    monkeypatch.setattr(stream_readers, "READ_BATCH", 4)
+    monkeypatch.setattr(stream_readers, "LOOK_AGAIN", 60.0)  # a look it would not ask for would come too late
+    run = schedule_one(db, flows.ticks, ENTRIES, 0.002)
+    fast = everystep.read_stream(run.id, "out", timeout=20, conn=db.url)
+    slow = everystep.read_stream(run.id, "out", timeout=3, conn=db.url)
+    assert db.run_pending() == {run.id: "completed"}
+    assert [tuple(e) for e in fast] == ticks()
+    reader = hub_of(db)._tails[(str(run.id), "out")].readers[0]
+    assert len(reader.rows) <= 2 * 4  # the slow one was not given the whole stream meanwhile
+    got = []
+    for entry in slow:
+        got.append(tuple(entry))
+        time.sleep(0.001)
+    assert got == ticks()
