@@ -109,6 +109,7 @@ class Hub:
         os.set_blocking(self._wake_w, False)
         self.dead = False  # the thread has ended (idle, or its connection failed): a new reader starts another hub
         self.backend_pid: int | None = None  # its connection's server process, once connected
+        self.error: BaseException | None = None  # what ended the thread, if not idleness
         self._idle_since = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="everystep-stream-readers", daemon=True)
         self._thread.start()
@@ -116,10 +117,15 @@ class Hub:
     # ------------------------------------------------------------ the readers' side
 
     def open(self, run: uuid.UUID, key: str, offset: int, wake: Callable[[], None]) -> Reader | None:
-        """A reader of the stream from `offset` on (None: this hub has ended, use another)."""
+        """A reader of the stream from `offset` on (None: this hub has ended
+        idle, use another; one that failed gives its error to the reader)."""
         with self._lock:
             if self.dead:
-                return None
+                if self.error is None:
+                    return None
+                reader = Reader(_Tail(run, key), offset, wake)
+                reader.looked, reader.error = True, self.error
+                return reader
             tail = self._tails.get((str(run), key))
             if tail is None:
                 tail = self._tails[(str(run), key)] = _Tail(run, key)
@@ -267,7 +273,7 @@ class Hub:
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
-            self.dead = True
+            self.dead, self.error = True, exc
             readers = [r for tail in self._tails.values() for r in tail.readers]
             for reader in readers:
                 reader.error = exc

@@ -252,6 +252,8 @@ def _read_shared(what: str, url: str, run_id: uuid.UUID, key: str, offset: int,
             signal.clear()
         if reader.missing:
             raise EverystepError(f"{what}: no run {run_id}")
+        if reader.error is not None:  # the connection could not be made, or was lost
+            raise reader.error
     except BaseException:
         hub.close(reader)
         raise

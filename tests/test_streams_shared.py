@@ -177,3 +177,17 @@ def test_a_slow_reader_holds_at_most_a_look_or_two_and_still_gets_everything(db,
         got.append(tuple(entry))
         time.sleep(0.001)
     assert got == ticks()
+
+
+def test_a_database_that_cannot_be_reached_is_an_error_at_the_call():
+    url = "host=127.0.0.1 port=1 user=nobody dbname=nothing connect_timeout=2"
+    for _ in range(2):  # and again: a new listener tries again
+        with pytest.raises(psycopg.OperationalError):
+            everystep.read_stream(everystep.ids.uuid7(), "out", conn=url)
+
+    async def read() -> None:
+        async for _entry in everystep.aread_stream(everystep.ids.uuid7(), "out", conn=url):
+            pass
+
+    with pytest.raises(psycopg.OperationalError):
+        asyncio.run(read())
