@@ -227,9 +227,11 @@ def read_stream(run_id: uuid.UUID | str, key: str, offset: int = 0, timeout: flo
     blocks for the next one (woken by NOTIFY) and ends when the stream is
     closed or the run has ended; TimeoutError after `timeout` seconds with
     nothing new. `conn`: a psycopg Connection in autocommit mode (the reader
-    LISTENs on it), a database URL (the reader's own connection, closed at
-    its end), or the one bound with `everystep.use`. Bad arguments and an
-    unknown run are an EverystepError here, before the first entry."""
+    LISTENs on it), a database URL (read through the process's one
+    listener for it, shared with its other readers: see
+    everystep.stream_readers), or the one bound with `everystep.use`. Bad
+    arguments, an unknown run and a database that cannot be reached are
+    errors here, before the first entry."""
     what = "read_stream()"
     run_id, key, offset, timeout = _read_args(what, run_id, key, offset, timeout)
     conn = conn if conn is not None else bound_connection()
