@@ -7,7 +7,10 @@ which gives it its offset and sends it to the process's group commit without
 waiting: the body goes on at once, and the entries of many writes share a
 statement and a commit. What a step wrote commits before its outcome, and
 everything before the run's end. A reader LISTENs, looks, and looks again
-when a commit notifies it.
+when a commit of its stream notifies it (the notification carries the
+stream and its last offset, so a reader that is not behind does not look).
+The readers of a process that read by database URL share one connection and
+one look per wake of each stream (everystep.stream_readers).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -22,7 +26,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 
-from everystep import db, serde
+from everystep import db, serde, stream_readers
 from everystep.connections import bound_connection
 from everystep.context import current_run, current_scope
 from everystep.errors import EverystepError
@@ -30,11 +34,11 @@ from everystep.schema import TERMINAL
 
 MAX_STREAM_KEY = 300
 # Entries a reader takes per look.
-READ_BATCH = 1000
+READ_BATCH = stream_readers.READ_BATCH
 # Without a notification a reader looks again this often (seconds): a run
 # ended by something else than its execution (a cancel while it waited, a
 # dead worker's poison run) closes its streams without notifying them.
-LOOK_AGAIN = 2.0
+LOOK_AGAIN = stream_readers.LOOK_AGAIN
 
 
 class StreamEntry(tuple):
@@ -146,16 +150,40 @@ class _Look(NamedTuple):
     full: bool  # READ_BATCH entries: there may be more already
 
 
+def _entry(row: tuple, raw: bool) -> StreamEntry:
+    """The entry of a row of a look (`raw`: its value as JSON text)."""
+    offset, value, _closes, step_id, attempt, token = row
+    return StreamEntry(offset, value if raw else serde.from_json(json.loads(value)),
+                       step_id if attempt is not None else None, attempt, token)
+
+
+# Values a reader cannot change: one entry of them serves all the readers of a process.
+_IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, datetime.datetime, datetime.date,
+                        datetime.time, datetime.timedelta, uuid.UUID})
+
+
+def _entry_of(cell: stream_readers.Cell, raw: bool) -> StreamEntry:
+    """The entry of a cell of a shared look: made once for all the readers
+    of the process when its value is immutable, else this reader's own."""
+    entry = cell.raw if raw else cell.entry
+    if entry is None:
+        entry = _entry(cell.row, raw)
+        if raw:
+            cell.raw = entry
+        elif type(entry.value) in _IMMUTABLE:
+            cell.entry = entry
+    return entry
+
+
 def _entries(what: str, run_id: uuid.UUID, look: db.StreamLook, raw: bool = False) -> _Look:
     """The entries of a look (`raw`: their values as JSON text)."""
     if look.status is None:
         raise EverystepError(f"{what}: no run {run_id}")
     entries = []
-    for offset, value, closes, step_id, attempt, token in look.entries:
-        if closes:
+    for row in look.entries:
+        if row[2]:  # the close
             return _Look(entries, True, False)
-        entries.append(StreamEntry(offset, value if raw else serde.from_json(json.loads(value)),
-                                   step_id if attempt is not None else None, attempt, token))
+        entries.append(_entry(row, raw))
     full = len(look.entries) == READ_BATCH
     return _Look(entries, not full and look.status in TERMINAL, full)
 
@@ -180,11 +208,8 @@ class _Clock:
         return min(left, LOOK_AGAIN)
 
 
-def _reader_connection(what: str, conn: Any) -> tuple[psycopg.Connection, bool]:
-    """The reader's connection, and whether it opened it (then it closes it)."""
-    conn = conn if conn is not None else bound_connection()
-    if isinstance(conn, str):
-        return psycopg.connect(conn, autocommit=True), True
+def _reader_connection(what: str, conn: Any) -> psycopg.Connection:
+    """The reader's own connection (a URL is read through the process's listener)."""
     if not isinstance(conn, psycopg.Connection):
         raise EverystepError(f"{what} reads with conn=<psycopg Connection in autocommit mode, or a database URL> "
                              "(or the one bound with everystep.use), not "
@@ -192,7 +217,7 @@ def _reader_connection(what: str, conn: Any) -> tuple[psycopg.Connection, bool]:
     if not conn.autocommit:
         raise EverystepError(f"{what} needs a connection in autocommit mode: it LISTENs for new entries between "
                              "its reads (psycopg.connect(url, autocommit=True), or pass the URL)")
-    return conn, False
+    return conn
 
 
 def read_stream(run_id: uuid.UUID | str, key: str, offset: int = 0, timeout: float | None = None,
@@ -202,48 +227,89 @@ def read_stream(run_id: uuid.UUID | str, key: str, offset: int = 0, timeout: flo
     blocks for the next one (woken by NOTIFY) and ends when the stream is
     closed or the run has ended; TimeoutError after `timeout` seconds with
     nothing new. `conn`: a psycopg Connection in autocommit mode (the reader
-    LISTENs on it), a database URL (the reader's own connection, closed at
-    its end), or the one bound with `everystep.use`. Bad arguments and an
-    unknown run are an EverystepError here, before the first entry."""
+    LISTENs on it), a database URL (read through the process's one
+    listener for it, shared with its other readers: see
+    everystep.stream_readers), or the one bound with `everystep.use`. Bad
+    arguments, an unknown run and a database that cannot be reached are
+    errors here, before the first entry."""
     what = "read_stream()"
     run_id, key, offset, timeout = _read_args(what, run_id, key, offset, timeout)
-    conn, owned = _reader_connection(what, conn)
+    conn = conn if conn is not None else bound_connection()
+    if isinstance(conn, str):
+        return _read_shared(what, conn, run_id, key, offset, timeout)
+    conn = _reader_connection(what, conn)
+    db.listen_streams(conn)  # before the first look: no commit after it goes unnoticed
+    look = _entries(what, run_id, db.read_stream(conn, run_id, key, offset, READ_BATCH))
+    return _read(conn, run_id, key, look, offset, _Clock(timeout))
+
+
+def _read_shared(what: str, url: str, run_id: uuid.UUID, key: str, offset: int,
+                 timeout: float | None) -> Iterator[StreamEntry]:
+    """read_stream by URL: through this process's listener for the URL."""
+    signal = threading.Event()
+    hub, reader = stream_readers.open_reader(url, run_id, key, offset, signal.set)
     try:
-        db.listen_streams(conn)  # before the first look: no commit after it goes unnoticed
-        look = _entries(what, run_id, db.read_stream(conn, run_id, key, offset, READ_BATCH))
+        while not reader.looked and reader.error is None:  # the first look, here: its errors at the call
+            signal.wait()
+            signal.clear()
+        if reader.missing:
+            raise EverystepError(f"{what}: no run {run_id}")
+        if reader.error is not None:  # the connection could not be made, or was lost
+            raise reader.error
     except BaseException:
-        if owned:
-            conn.close()
+        hub.close(reader)
         raise
-    return _read(conn, owned, run_id, key, look, offset, _Clock(timeout))
+    return _follow(hub, reader, signal, run_id, key, _Clock(timeout))
 
 
-def _read(conn: psycopg.Connection, owned: bool, run_id: uuid.UUID, key: str, look: _Look, offset: int,
-          clock: _Clock) -> Iterator[StreamEntry]:
-    payload = str(run_id)
+def _follow(hub: stream_readers.Hub, reader: stream_readers.Reader, signal: threading.Event, run_id: uuid.UUID,
+            key: str, clock: _Clock) -> Iterator[StreamEntry]:
     try:
         while True:
-            for entry in look.entries:
-                yield entry
-                offset = entry.offset + 1
-            if look.ended:
+            signal.clear()  # before taking: a wake after it is not lost
+            rows, ended, error = hub.take(reader)
+            for cell in rows:
+                yield _entry_of(cell, False)
+            if ended:
                 return
-            if look.entries:
+            if error is not None:
+                raise error
+            if rows:
                 clock.reset()
-            if not look.full:  # the next look after the next commit (a notification come meanwhile: at once)
-                _notified(conn, payload, clock.wait(run_id, key))
-            look = _entries("read_stream()", run_id, db.read_stream(conn, run_id, key, offset, READ_BATCH))
+            else:
+                signal.wait(clock.wait(run_id, key))
     finally:
-        if owned:
-            conn.close()
+        hub.close(reader)
 
 
-def _notified(conn: psycopg.Connection, payload: str, seconds: float) -> None:
-    """Until a notification about this run, or `seconds`."""
+def _read(conn: psycopg.Connection, run_id: uuid.UUID, key: str, look: _Look, offset: int,
+          clock: _Clock) -> Iterator[StreamEntry]:
+    while True:
+        for entry in look.entries:
+            yield entry
+            offset = entry.offset + 1
+        if look.ended:
+            return
+        if look.entries:
+            clock.reset()
+        if not look.full:  # the next look after the next commit (a notification come meanwhile: at once)
+            _notified(conn, str(run_id), key, offset, clock.wait(run_id, key))
+        look = _entries("read_stream()", run_id, db.read_stream(conn, run_id, key, offset, READ_BATCH))
+
+
+def _concerns(payload: str, run: str, key: str, offset: int) -> bool:
+    """Whether a notification may bring a reader of `run`'s stream `key`
+    at `offset` something new: an entry at or after it, or the run's end."""
+    notified, last, notified_key = stream_readers.parse_notification(payload)
+    return notified == run and (last is None or (notified_key == key and last >= offset))
+
+
+def _notified(conn: psycopg.Connection, run: str, key: str, offset: int, seconds: float) -> None:
+    """Until a notification that concerns the reader, or `seconds`."""
     until = time.monotonic() + seconds
     while (left := until - time.monotonic()) > 0:
         for notify in conn.notifies(timeout=left, stop_after=1):
-            if notify.payload == payload:
+            if _concerns(notify.payload, run, key, offset):
                 return
 
 
@@ -270,33 +336,66 @@ async def _alooks(what: str, run_id: Any, key: Any, offset: Any, timeout: Any, c
                   raw: bool) -> AsyncIterator[list[StreamEntry]]:
     run_id, key, offset, timeout = _read_args(what, run_id, key, offset, timeout)
     conn = conn if conn is not None else bound_connection()
-    owned = isinstance(conn, str)
-    if owned:
-        conn = await psycopg.AsyncConnection.connect(conn, autocommit=True)
-    elif not isinstance(conn, psycopg.AsyncConnection) or not conn.autocommit:
+    if isinstance(conn, str):
+        async for entries in _alooks_shared(what, conn, run_id, key, offset, _Clock(timeout), raw):
+            yield entries
+        return
+    if not isinstance(conn, psycopg.AsyncConnection) or not conn.autocommit:
         raise EverystepError(f"{what} reads with conn=<psycopg AsyncConnection in autocommit mode, or a database "
                              "URL> (or the one bound with everystep.use)")
-    clock, payload = _Clock(timeout), str(run_id)
+    clock = _Clock(timeout)
+    await db.alisten_streams(conn)
+    while True:
+        look = _entries(what, run_id, await db.aread_stream(conn, run_id, key, offset, READ_BATCH), raw)
+        if look.entries:
+            yield look.entries
+            offset = look.entries[-1].offset + 1
+        if look.ended:
+            return
+        if look.entries:
+            clock.reset()
+        if look.full:
+            continue
+        until = time.monotonic() + clock.wait(run_id, key)
+        while (left := until - time.monotonic()) > 0:
+            async for notify in conn.notifies(timeout=left, stop_after=1):
+                if _concerns(notify.payload, str(run_id), key, offset):
+                    left = 0
+            if left == 0:
+                break
+
+
+async def _alooks_shared(what: str, url: str, run_id: uuid.UUID, key: str, offset: int, clock: _Clock,
+                         raw: bool) -> AsyncIterator[list[StreamEntry]]:
+    """aread_stream by URL: through this process's listener for the URL."""
+    loop, signal = asyncio.get_running_loop(), asyncio.Event()
+
+    def wake() -> None:  # from the listener's thread
+        try:
+            loop.call_soon_threadsafe(signal.set)
+        except RuntimeError:
+            pass  # the loop has closed: nobody is waiting
+
+    hub, reader = stream_readers.open_reader(url, run_id, key, offset, wake)
     try:
-        await db.alisten_streams(conn)
         while True:
-            look = _entries(what, run_id, await db.aread_stream(conn, run_id, key, offset, READ_BATCH), raw)
-            if look.entries:
-                yield look.entries
-                offset = look.entries[-1].offset + 1
-            if look.ended:
+            signal.clear()  # before taking: a wake after it is not lost
+            rows, ended, error = hub.take(reader)
+            if reader.missing:
+                raise EverystepError(f"{what}: no run {run_id}")
+            if rows:
+                yield [_entry_of(cell, raw) for cell in rows]
+            if ended:
                 return
-            if look.entries:
+            if error is not None:
+                raise error
+            if rows:
                 clock.reset()
-            if look.full:
                 continue
-            until = time.monotonic() + clock.wait(run_id, key)
-            while (left := until - time.monotonic()) > 0:
-                async for notify in conn.notifies(timeout=left, stop_after=1):
-                    if notify.payload == payload:
-                        left = 0
-                if left == 0:
-                    break
+            seconds = clock.wait(run_id, key)
+            try:
+                await asyncio.wait_for(signal.wait(), seconds)
+            except TimeoutError:
+                pass  # the clock says at the next turn whether the reader's timeout has passed
     finally:
-        if owned:
-            await conn.close()
+        hub.close(reader)

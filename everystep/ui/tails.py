@@ -2,8 +2,9 @@
 
 However many clients follow a run's stream over Server-Sent Events, the
 server reads it once: a task per (run, key) with clients reads it from
-offset 0 with `aread_stream_looks` (one LISTEN connection, one statement per
-commit), keeps every entry as its formatted event, and wakes the clients,
+offset 0 with `aread_stream_looks` (through the process's one LISTEN
+connection, one statement per commit of the stream), keeps every entry as
+its formatted event, and wakes the clients,
 each of which sends the events from its own offset on. The task ends when
 the stream does, or when its last client has gone.
 """

@@ -1,7 +1,9 @@
 -- Durable streams (0023): what a run writes for the outside to read while
 -- it goes on. Read by everystep/db/streams.py. Readers LISTEN on
--- 'everystep_stream:<schema>'; every write notifies there with the run's
--- id, at its commit.
+-- 'everystep_stream:<schema>'; every write notifies there at its commit,
+-- once per stream written, with '<run> <last offset written> <key>' (the key
+-- last: it may hold spaces), so that a reader looks only when it is behind;
+-- a run's end notifies '<run>' alone (every stream of the run is closed).
 
 
 -- name: write_streams
@@ -11,7 +13,8 @@
 -- from both winning). The entries come as parallel arrays, their offsets
 -- given by the execution (it is the run's only writer); an entry there
 -- already is this execution's own earlier try, its answer lost. Returns
--- the runs held by the writing executions, each notified to the readers.
+-- the runs held by the writing executions (a row per stream written, each
+-- notified to its readers with its last offset).
 WITH
     i AS (
         SELECT *
@@ -37,8 +40,10 @@ WITH
         JOIN held ON held.id = i.run
         ON CONFLICT (run_id, key, "offset") DO NOTHING
     )
-SELECT held.id, pg_notify('everystep_stream:' || current_schema(), held.id::text)
-FROM held;
+SELECT i.run, pg_notify('everystep_stream:' || current_schema(), i.run::text || ' ' || max(i."offset") || ' ' || i.key)
+FROM i
+JOIN held ON held.id = i.run
+GROUP BY i.run, i.key;
 
 -- name: stream_state
 -- What an execution needs before it writes to a run's streams: per key,
