@@ -156,6 +156,6 @@ def private_server():
 
 @pytest.fixture
 def db(server_url):
-    database = Database(server_url, server.create_schema(server_url, prefix="t_"))
+    database = Database(server_url, server.supply(server_url, prefix="t_").take())
     yield database
-    server.drop(database, server_url)
+    server.give_back(database, server_url, prefix="t_")

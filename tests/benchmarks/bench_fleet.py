@@ -26,7 +26,7 @@ import everystep
 from tests.benchmarks import harness, workflows
 from tests.support.scraping import get, samples
 
-QUICK = {"runs": 1000, "trickle": 10}
+QUICK = {"runs": 400, "trickle": 10}
 THREADS = 4
 
 

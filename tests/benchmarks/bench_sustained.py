@@ -21,7 +21,7 @@ from tests.benchmarks import harness, workflows
 from tests.conftest import Database
 from tests.support.private_postgres import PrivatePostgres
 
-QUICK = {"backlog": 200, "seconds": 6.0, "window": 2.0}
+QUICK = {"backlog": 200, "seconds": 3.0, "window": 1.0}
 WAITING = """
 SELECT count(*) FILTER (WHERE status = 'scheduled'), count(*)
 FROM everystep_workflow

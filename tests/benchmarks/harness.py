@@ -16,6 +16,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -299,6 +300,11 @@ def _clients_for(url: str, process_index: int, seconds: float, commit: Callable,
 
 
 # ---------------------------------------------------------------- figures
+
+
+def quick_mode() -> bool:
+    """Whether the benchmark runs with --quick (its figures prove only that it works)."""
+    return "--quick" in sys.argv[1:]
 
 
 def arguments(parser: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:

@@ -90,5 +90,9 @@ class PrivatePostgres:
                 self._pg_ctl("-m", "immediate", "stop")
             except subprocess.CalledProcessError:
                 pass  # a stale pid file: no server is running
+        # Stopped: the library is not to stop it again. Its postmaster, reparented
+        # and not yet reaped, would look alive to it, and it would wait seconds
+        # for it to end before deleting the folder.
+        self.server._postmaster_info = None
         self.server.cleanup()
         shutil.rmtree(self.folder, ignore_errors=True)
