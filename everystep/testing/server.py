@@ -12,6 +12,7 @@ stopped by the last one out.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import functools
 import logging
@@ -142,30 +143,33 @@ def drop(database: Database, server_url: str) -> None:
 # ---------------------------------------------------------------- schemas made ahead
 
 class Supply:
-    """Migrated schemas of one server and prefix, made one ahead on a thread
-    of the test process, and dropped after their test on another: a
-    migration is a few hundred milliseconds of DDL and commit flushes, which
-    then overlap the test before instead of delaying the next one (and a
-    drop delays neither)."""
+    """Migrated schemas of one server and prefix, made ahead on threads of
+    the test process, and dropped after their test on another: a migration
+    is a few hundred milliseconds of DDL and commit flushes (more on a busy
+    machine), which then overlap the tests before instead of delaying the
+    next one (and a drop delays neither). Two are made at a time and kept
+    ready: the latency is the flushes', so two at once take little longer
+    than one, and a run of short tests does not outpace them."""
+
+    AHEAD = 2
 
     def __init__(self, server_url: str, prefix: str):
         self.server_url = server_url
         self.prefix = prefix
-        self._maker = ThreadPoolExecutor(1, thread_name_prefix="everystep-schemas")
+        self._maker = ThreadPoolExecutor(self.AHEAD, thread_name_prefix="everystep-schemas")
         self._dropper = ThreadPoolExecutor(1, thread_name_prefix="everystep-schema-drops")
-        self._next: Future[str] | None = None
+        self._made: collections.deque[Future[str]] = collections.deque()
         self._lock = threading.Lock()
 
     def take(self) -> str:
-        """A new migrated schema (made now if none is ready), and the next one started."""
+        """A new migrated schema (made now if none is under way), the next ones started."""
         with self._lock:
-            made, self._next = self._next, None
-            if made is None:
-                made = self._maker.submit(create_schema, self.server_url, self.prefix)
-            try:
-                return made.result()  # a failure to make it is the test's setup error, as it would be made now
-            finally:
-                self._next = self._maker.submit(create_schema, self.server_url, self.prefix)
+            if not self._made:
+                self._made.append(self._maker.submit(create_schema, self.server_url, self.prefix))
+            made = self._made.popleft()
+            while len(self._made) < self.AHEAD:
+                self._made.append(self._maker.submit(create_schema, self.server_url, self.prefix))
+            return made.result()  # a failure to make it is the test's setup error, as it would be made now
 
     def give_back(self, schema: str) -> None:
         """Drop `schema` on the thread, its connections closed."""
@@ -173,13 +177,15 @@ class Supply:
             self._dropper.submit(_drop_quietly, self.server_url, schema)
 
     def close(self) -> None:
-        """Wait for the drops, and drop the schema made ahead."""
+        """Wait for the drops, and drop the schemas made ahead."""
         with self._lock:
-            made, self._next = self._next, None
+            made = list(self._made)
+            self._made.clear()
         self._maker.shutdown(wait=True)
         self._dropper.shutdown(wait=True)
-        if made is not None and made.exception() is None:
-            _drop_quietly(self.server_url, made.result())
+        for each in made:
+            if each.exception() is None:
+                _drop_quietly(self.server_url, each.result())
 
 
 def _drop_quietly(server_url: str, schema: str) -> None:
