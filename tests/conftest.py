@@ -8,6 +8,7 @@ import compileall
 import os
 from pathlib import Path
 
+import psycopg
 import pytest
 from psycopg import conninfo
 
@@ -57,10 +58,44 @@ class Database(server.Database):
 
     def __init__(self, server_url: str, schema: str):
         super().__init__(conninfo.make_conninfo(server_url, options=f"-c search_path={schema}"), schema)
+        self._sessions: list[psycopg.Connection] = []  # idle, for query()
 
     def query(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
-        with self.connect() as conn:
-            return conn.execute(sql, params).fetchall()
+        """One statement, autocommit, on a connection kept for the next: the
+        tests' wait loops poll through here many times a second, and a new
+        connection each time (a server process forked and authenticated) took
+        longer than the statement, more so on a busy machine. Never prepared
+        (a table a test migrates changes under it); not kept after an error."""
+        for attempt in (1, 2):
+            conn, reused = self._session()
+            try:
+                rows = conn.execute(sql, params).fetchall()
+            except psycopg.OperationalError:
+                conn.close()
+                if reused and conn.broken and attempt == 1:
+                    continue  # lost while idle (its server restarted): once more, on a new connection
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            self._sessions.append(conn)
+            return rows
+        raise AssertionError("unreachable")
+
+    def _session(self) -> tuple[psycopg.Connection, bool]:
+        while self._sessions:
+            try:
+                conn = self._sessions.pop()
+            except IndexError:  # taken by another thread meanwhile
+                break
+            if not conn.closed and not conn.broken:
+                return conn, True
+        return psycopg.connect(self.url, autocommit=True, prepare_threshold=None), False
+
+    def close(self) -> None:
+        super().close()
+        while self._sessions:
+            self._sessions.pop().close()
 
     def value(self, sql: str, params: tuple | dict = ()):
         rows = self.query(sql, params)
