@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=30.0, help="the first and last windows compared")
     args = harness.arguments(parser, quick=QUICK)
     with harness.scratch() as folder:
-        server = PrivatePostgres()
+        server = PrivatePostgres(from_template=False)  # its only one: a template would cost more
         try:
             db = Database(server.url, "public")  # migrated by PrivatePostgres
             try:

