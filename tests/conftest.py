@@ -71,8 +71,9 @@ class Database(server.Database):
             try:
                 rows = conn.execute(sql, params).fetchall()
             except psycopg.OperationalError:
+                lost = conn.broken
                 conn.close()
-                if reused and conn.broken and attempt == 1:
+                if reused and lost and attempt == 1:
                     continue  # lost while idle (its server restarted): once more, on a new connection
                 raise
             except BaseException:
