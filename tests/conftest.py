@@ -35,6 +35,13 @@ def pytest_configure(config) -> None:
             compileall.compile_dir(ROOT / package, quiet=2)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The long fault-injection tests first (the same order in every xdist
+    # process): collected last (test_unsafe_chaos.py), one would start when
+    # the other process has nothing left, and run alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("chaos") is None)
+
+
 def find_server() -> str:
     """The tests' server (the benchmarks' too): everystep.testing's, with this local default."""
     return server.find_server(LOCAL_SERVER)
