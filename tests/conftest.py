@@ -4,9 +4,11 @@ test gets its own schema."""
 
 from __future__ import annotations
 
+import compileall
 import os
 from pathlib import Path
 
+import psycopg
 import pytest
 from psycopg import conninfo
 
@@ -20,6 +22,24 @@ pytest_plugins = ["pytester"]  # tests/test_testing_plugin.py runs test projects
 
 LOCAL_SERVER = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeout=3"
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config) -> None:
+    # Hundreds of processes the tests start (commands, workers, supervisors)
+    # import the project; where PYTHONDONTWRITEBYTECODE is set, none of them
+    # writes its bytecode and each compiles the sources again: a quarter of a
+    # command's start-up. Compiled once here (the controller, before xdist's
+    # workers start), they read it. Files already compiled are skipped.
+    if not hasattr(config, "workerinput"):
+        for package in ("everystep", "supervisor", "tests"):
+            compileall.compile_dir(ROOT / package, quiet=2)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The long fault-injection tests first (the same order in every xdist
+    # process): collected last (test_unsafe_chaos.py), one would start when
+    # the other process has nothing left, and run alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("chaos") is None)
 
 
 def find_server() -> str:
@@ -45,10 +65,45 @@ class Database(server.Database):
 
     def __init__(self, server_url: str, schema: str):
         super().__init__(conninfo.make_conninfo(server_url, options=f"-c search_path={schema}"), schema)
+        self._sessions: list[psycopg.Connection] = []  # idle, for query()
 
     def query(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
-        with self.connect() as conn:
-            return conn.execute(sql, params).fetchall()
+        """One statement, autocommit, on a connection kept for the next: the
+        tests' wait loops poll through here many times a second, and a new
+        connection each time (a server process forked and authenticated) took
+        longer than the statement, more so on a busy machine. Never prepared
+        (a table a test migrates changes under it); not kept after an error."""
+        for attempt in (1, 2):
+            conn, reused = self._session()
+            try:
+                rows = conn.execute(sql, params).fetchall()
+            except psycopg.OperationalError:
+                lost = conn.broken
+                conn.close()
+                if reused and lost and attempt == 1:
+                    continue  # lost while idle (its server restarted): once more, on a new connection
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            self._sessions.append(conn)
+            return rows
+        raise AssertionError("unreachable")
+
+    def _session(self) -> tuple[psycopg.Connection, bool]:
+        while self._sessions:
+            try:
+                conn = self._sessions.pop()
+            except IndexError:  # taken by another thread meanwhile
+                break
+            if not conn.closed and not conn.broken:
+                return conn, True
+        return psycopg.connect(self.url, autocommit=True, prepare_threshold=None), False
+
+    def close(self) -> None:
+        super().close()
+        while self._sessions:
+            self._sessions.pop().close()
 
     def value(self, sql: str, params: tuple | dict = ()):
         rows = self.query(sql, params)
@@ -156,6 +211,6 @@ def private_server():
 
 @pytest.fixture
 def db(server_url):
-    database = Database(server_url, server.create_schema(server_url, prefix="t_"))
+    database = Database(server_url, server.supply(server_url, prefix="t_").take())
     yield database
-    server.drop(database, server_url)
+    server.give_back(database, server_url, prefix="t_")

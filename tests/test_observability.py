@@ -192,7 +192,7 @@ def test_archived_gauges_keep_their_multiprocess_mode(db, folders, start):
 
 def test_restarts_keep_the_folder_small_and_every_count(db, folders, start):
     server = start.http(db.url)
-    restarts, runners = 200, 4
+    restarts, runners = 100, 4  # (each restart archives a dead child: a hundred make the point)
     scrapes: list[dict] = []
     errors: list[BaseException] = []
     done = threading.Event()

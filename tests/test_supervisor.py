@@ -45,12 +45,14 @@ def test_sigkill_of_a_worker_child_brings_the_same_name_back(db, supervisors, ma
     sup.wait_logged(f"worker sk-0 (pid {before}) was killed by signal 9 (SIGKILL) unexpectedly")
 
 
-def test_a_lost_pod_is_recovered_by_another_supervisor(db, supervisors, marks):
+def test_a_lost_pod_is_recovered_by_another_supervisor(db, supervisors, marks, tmp_path):
     first = supervisors(config(db.url, "pod-a"))
     first.wait_workers({"pod-a-0", "pod-a-1"})
-    # Ten seconds a run: still in flight once pod-b is up, even when a loaded machine starts it slowly.
-    db.schedule_many(workflows.timed_steps, [(marks, 10, 1.0)] * 6)
-    wait_for(lambda: count(db, "running") == 6, what="six runs in flight")
+    # Held until released: still in flight once pod-b is up, however slowly a loaded machine starts it.
+    release = tmp_path / "release"
+    db.schedule_many(workflows.recorded_then_held, [(marks, str(release))] * 6)
+    wait_for(lambda: count(db, "running") == 6 and [tag for _, tag, _ in marks_of(marks)].count("held") == 6,
+             what="six runs in flight, past their first step")
     second = supervisors(config(db.url, "pod-b"))
     second.wait_workers({"pod-b-0", "pod-b-1"})
     wait_for(lambda: "started maintenance" in second.output(), what="pod-b's sweep running")
@@ -63,6 +65,7 @@ def test_a_lost_pod_is_recovered_by_another_supervisor(db, supervisors, marks):
     # The bound docs/running.md states (the process died, its host lives: detection
     # is immediate), with a margin for a loaded machine.
     assert time.monotonic() - lost < recovery["interval"] + recovery["grace"] + 5
+    release.touch()
     wait_for(lambda: count(db, "completed") == 6, timeout=60, what="every run completed")
 
 

@@ -86,8 +86,12 @@ def test_a_sqlalchemy_session_writes_in_the_steps_transaction(booking, workflow)
     assert assert_ended(run.id).result == "booked"
     assert flows.calls["o-5"] == 2
     assert booked(booking, "o-5") == [(1,), (2,)]  # the failed attempt's rows were rolled back
+    # Sessions of this test's steps: a transaction left open on them touched
+    # this schema's tables (other tests' sessions, other schemas', are theirs).
     idle = booking.execute("SELECT query FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' "
-                           "AND (query ILIKE '%booking%' OR query ILIKE '%savepoint%')")
+                           "AND (query ILIKE '%booking%' OR query ILIKE '%savepoint%') AND pid IN ("
+                           " SELECT l.pid FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
+                           " WHERE c.relnamespace = current_schema()::regnamespace)")
     assert idle.fetchall() == []  # no session of the steps left in a transaction
 
 

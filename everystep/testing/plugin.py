@@ -41,14 +41,14 @@ def everystep_db(everystep_settings: server.Settings) -> Iterator[psycopg.Connec
     for module in everystep_settings.imports:
         registry.import_module(module)
     server_url = server.server(everystep_settings.database_url)
-    database = server.create(server_url)
+    database = server.take(server_url)
     server.enter(database)
     try:
         with database.connect() as conn:
             yield conn
     finally:
         faults.disarm_all()
-        server.drop(database, server_url)
+        server.give_back(database, server_url)
 
 
 @pytest.fixture

@@ -12,13 +12,16 @@ stopped by the last one out.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import functools
+import logging
 import os
 import tempfile
 import threading
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
@@ -27,6 +30,8 @@ from psycopg_pool import ConnectionPool
 
 from everystep import db
 from everystep.errors import EverystepError
+
+logger = logging.getLogger("everystep.testing")
 
 LOCAL_SERVER = "host=127.0.0.1 port=5432 user=postgres dbname=postgres connect_timeout=3"
 URL_VARIABLE = "EVERYSTEP_TEST_DATABASE_URL"
@@ -117,6 +122,12 @@ def create_schema(server_url: str, prefix: str = "everystep_test_") -> str:
     return schema
 
 
+def drop_schema(server_url: str, schema: str) -> None:
+    """Drop `schema` and everything in it."""
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        db.drop_schema(conn, schema)
+
+
 def create(server_url: str, prefix: str = "everystep_test_") -> Database:
     """A new schema on the server, migrated."""
     return Database.in_schema(server_url, create_schema(server_url, prefix))
@@ -126,8 +137,90 @@ def drop(database: Database, server_url: str) -> None:
     """Close the database's pool and drop its schema."""
     forget(database)
     database.close()
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        db.drop_schema(conn, database.schema)
+    drop_schema(server_url, database.schema)
+
+
+# ---------------------------------------------------------------- schemas made ahead
+
+class Supply:
+    """Migrated schemas of one server and prefix, made ahead on threads of
+    the test process, and dropped after their test on another: a migration
+    is a few hundred milliseconds of DDL and commit flushes (more on a busy
+    machine), which then overlap the tests before instead of delaying the
+    next one (and a drop delays neither). Two are made at a time and kept
+    ready: the latency is the flushes', so two at once take little longer
+    than one, and a run of short tests does not outpace them."""
+
+    AHEAD = 2
+
+    def __init__(self, server_url: str, prefix: str):
+        self.server_url = server_url
+        self.prefix = prefix
+        self._maker = ThreadPoolExecutor(self.AHEAD, thread_name_prefix="everystep-schemas")
+        self._dropper = ThreadPoolExecutor(1, thread_name_prefix="everystep-schema-drops")
+        self._made: collections.deque[Future[str]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def take(self) -> str:
+        """A new migrated schema (made now if none is under way), the next ones started."""
+        with self._lock:
+            if not self._made:
+                self._made.append(self._maker.submit(create_schema, self.server_url, self.prefix))
+            made = self._made.popleft()
+            while len(self._made) < self.AHEAD:
+                self._made.append(self._maker.submit(create_schema, self.server_url, self.prefix))
+            return made.result()  # a failure to make it is the test's setup error, as it would be made now
+
+    def give_back(self, schema: str) -> None:
+        """Drop `schema` on the thread, its connections closed."""
+        with self._lock:
+            self._dropper.submit(_drop_quietly, self.server_url, schema)
+
+    def close(self) -> None:
+        """Wait for the drops, and drop the schemas made ahead."""
+        with self._lock:
+            made = list(self._made)
+            self._made.clear()
+        self._maker.shutdown(wait=True)
+        self._dropper.shutdown(wait=True)
+        for each in made:
+            if each.exception() is None:
+                _drop_quietly(self.server_url, each.result())
+
+
+def _drop_quietly(server_url: str, schema: str) -> None:
+    # After its test: a schema left behind (the server went away, say) is
+    # reported, not raised in another test.
+    try:
+        drop_schema(server_url, schema)
+    except psycopg.Error as exc:
+        logger.warning("could not drop the test schema %s: %s", schema, exc)
+
+
+_supplies: dict[tuple[str, str], Supply] = {}
+_supplies_lock = threading.Lock()
+
+
+def supply(server_url: str, prefix: str = "everystep_test_") -> Supply:
+    """This process's supply of schemas of `server_url` named `prefix`..."""
+    with _supplies_lock:
+        found = _supplies.get((server_url, prefix))
+        if found is None:
+            found = _supplies[(server_url, prefix)] = Supply(server_url, prefix)
+        return found
+
+
+def take(server_url: str, prefix: str = "everystep_test_") -> Database:
+    """A new migrated schema from the supply (see Supply): a test's."""
+    return Database.in_schema(server_url, supply(server_url, prefix).take())
+
+
+def give_back(database: Database, server_url: str, prefix: str = "everystep_test_") -> None:
+    """Close the database's pool (in the test's thread: its connections are
+    gone when this returns) and have the supply drop its schema."""
+    forget(database)
+    database.close()
+    supply(server_url, prefix).give_back(database.schema)
 
 
 # ---------------------------------------------------------------- which database
@@ -180,3 +273,8 @@ def _close_all() -> None:
         databases = list(_known.values())
     for database in databases:
         database.close()
+    with _supplies_lock:
+        supplies = list(_supplies.values())
+        _supplies.clear()
+    for each in supplies:
+        each.close()

@@ -143,5 +143,10 @@ def held_then_quick(marks: str, release: str) -> list:
 
 
 @workflow
+def recorded_then_held(marks: str, release: str) -> list:
+    return [work(marks, "one"), hold_until(marks, "held", release), work(marks, "after")]
+
+
+@workflow
 def held_then_unsafe(marks: str, release: str) -> list:
     return [hold_until(marks, "held", release), unsafe_effect(marks, release)]

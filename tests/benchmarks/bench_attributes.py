@@ -27,7 +27,7 @@ import everystep
 from tests.benchmarks import harness
 from tests.benchmarks.bench_history import AT, V7, WEEKS, fill, monday, settle, timed
 
-QUICK = {"history": 100_000, "inserts": 5_000}
+QUICK = {"history": 20_000, "inserts": 1_000}
 NAME = "tests.benchmarks.workflows.one_step"
 TENANTS = 1000
 

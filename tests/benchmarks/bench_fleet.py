@@ -26,7 +26,7 @@ import everystep
 from tests.benchmarks import harness, workflows
 from tests.support.scraping import get, samples
 
-QUICK = {"runs": 1000, "trickle": 10}
+QUICK = {"runs": 400, "trickle": 10}
 THREADS = 4
 
 
@@ -45,9 +45,11 @@ def counters(supervisors: list) -> dict[str, float]:
 def drain(runs: int, supervisors: int, trickled: int = 0) -> tuple[float, dict[str, float], int]:
     """runs/s of `supervisors` supervisors draining `runs` runs; counter deltas; failures."""
     with harness.schema() as db, harness.scratch() as folder, contextlib.ExitStack() as stack:
-        fleet = [stack.enter_context(harness.supervisor(db, f"fleet{i}", folder / str(i),
+        fleet = [stack.enter_context(harness.supervisor(db, f"fleet{i}", folder / str(i), ready=False,
                                                         workers={"threads": THREADS}))
                  for i in range(supervisors)]
+        for sup in fleet:  # started together, then waited for
+            harness.wait_ready(sup)
         time.sleep(1.0)  # at rest: pools filled, every worker waiting
         before = counters(fleet)
         started = schedule_many(db, runs)

@@ -21,7 +21,7 @@ import everystep.db
 from tests.benchmarks import harness, workflows
 from tests.conftest import Database
 
-QUICK = {"seconds": 8.0, "batch": 300}
+QUICK = {"seconds": 3.0, "batch": 300}
 
 
 def schedule_batch(db: Database, args_list: list[tuple]) -> list:

@@ -37,7 +37,7 @@ from tests.benchmarks import harness, workflows
 from tests.conftest import Database, find_server
 from tests.support.migrations import migrated_before
 
-QUICK = {"history": 100_000, "runs": 500, "migrate": 20_000, "repeat": 1}
+QUICK = {"history": 20_000, "runs": 200, "migrate": 5_000, "repeat": 1}
 CHUNK = 1_000_000  # rows per transaction while generating
 WEEKS = 10
 NAME = "tests.benchmarks.workflows.one_step"
@@ -137,7 +137,11 @@ def history_weeks(db: Database, history: int) -> tuple[float, dt.datetime]:
 def settle(db: Database) -> None:
     """Write the generated rows out before measuring: a w1 drain is bound
     by its commits' flushes, which the checkpoint of gigabytes of freshly
-    written pages would otherwise share the disk with."""
+    written pages would otherwise share the disk with. Not in quick mode: a
+    checkpoint writes out the whole server's dirty pages, the other clients'
+    too (the test suite's), and quick figures are not measurements."""
+    if harness.quick_mode():
+        return
     with db.connect() as conn:
         conn.execute("CHECKPOINT")
 

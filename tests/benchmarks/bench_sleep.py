@@ -18,7 +18,6 @@ Prints one JSON line."""
 import argparse
 import contextlib
 import time
-import uuid
 from collections.abc import Iterator
 
 import psycopg
@@ -33,23 +32,30 @@ from tests.support.supervisor_process import children_of, cpu_seconds
 QUICK = {"probes": 5, "sleeping": 200, "window": 1.0, "quiet": 0.5}
 
 
+DATABASE = "everystep_bench_sleep"
+
+
 @contextlib.contextmanager
 def own_database() -> Iterator[Database]:
-    """A database of its own (its pg_stat_database row counts only our clients), migrated."""
+    """A database of its own (its pg_stat_database row counts only our
+    clients), its public schema made again and migrated. The database is
+    kept between runs: dropping one forces a checkpoint of the whole server
+    (seconds of writes, which every other client of the server shares).
+    Runs on one server take turns (a session advisory lock)."""
     server_url = find_server()
-    name = f"bench_sleep_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    url = conninfo.make_conninfo(server_url, dbname=name)
-    database = Database(url, "public")
-    try:
-        with database.connect() as conn:
-            everystep.db.migrate(conn)
-        yield database
-    finally:
-        database.close()
-        with psycopg.connect(server_url, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    with psycopg.connect(server_url, autocommit=True) as turn:
+        turn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (DATABASE,))
+        if not turn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone():
+            turn.execute(f"CREATE DATABASE {DATABASE}")
+        database = Database(conninfo.make_conninfo(server_url, dbname=DATABASE), "public")
+        try:
+            with database.connect() as conn:
+                conn.execute("DROP SCHEMA IF EXISTS public CASCADE")
+                conn.execute("CREATE SCHEMA public")
+                everystep.db.migrate(conn)
+            yield database
+        finally:
+            database.close()
 
 
 def fleet_cpu(pid: int) -> float:

@@ -21,7 +21,7 @@ from tests.benchmarks import harness, workflows
 from tests.conftest import Database
 from tests.support.private_postgres import PrivatePostgres
 
-QUICK = {"backlog": 200, "seconds": 6.0, "window": 2.0}
+QUICK = {"backlog": 200, "seconds": 3.0, "window": 1.0}
 WAITING = """
 SELECT count(*) FILTER (WHERE status = 'scheduled'), count(*)
 FROM everystep_workflow
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=30.0, help="the first and last windows compared")
     args = harness.arguments(parser, quick=QUICK)
     with harness.scratch() as folder:
-        server = PrivatePostgres()
+        server = PrivatePostgres(from_template=False)  # its only one: a template would cost more
         try:
             db = Database(server.url, "public")  # migrated by PrivatePostgres
             try:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -165,9 +166,11 @@ class CpuMeter:
 
 
 @contextlib.contextmanager
-def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[SupervisorProcess]:
+def supervisor(db: Database, name: str, folder: Path, ready: bool = True, **sections) -> Iterator[SupervisorProcess]:
     """A real supervisor (2 workers x 8 threads) on the schema, its workers
-    holding their locks; drained and stopped afterwards."""
+    holding their locks (unless not `ready`: started, for the caller to wait
+    for with wait_ready, as a fleet that starts together does); drained and
+    stopped afterwards."""
     receiver = None
     if TRACING:
         # Spans of every run and step, exported with OTLP/HTTP to a receiver
@@ -182,7 +185,8 @@ def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[Su
     document = config(db.url, name, imports=imports, workers=workers, **sections)
     process = SupervisorProcess(document, folder)
     try:
-        process.wait_logged("holding the lock of", count=PROCESSES)
+        if ready:
+            wait_ready(process)
         yield process
     finally:
         if process.proc.poll() is None:
@@ -194,6 +198,11 @@ def supervisor(db: Database, name: str, folder: Path, **sections) -> Iterator[Su
         process.close()
         if receiver is not None:
             receiver.close()
+
+
+def wait_ready(process: SupervisorProcess) -> None:
+    """Until the supervisor's workers hold their locks."""
+    process.wait_logged("holding the lock of", count=PROCESSES)
 
 
 @contextlib.contextmanager
@@ -299,6 +308,11 @@ def _clients_for(url: str, process_index: int, seconds: float, commit: Callable,
 
 
 # ---------------------------------------------------------------- figures
+
+
+def quick_mode() -> bool:
+    """Whether the benchmark runs with --quick (its figures prove only that it works)."""
+    return "--quick" in sys.argv[1:]
 
 
 def arguments(parser: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:
