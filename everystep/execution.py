@@ -741,8 +741,7 @@ class HeldRun:
 
         def write_end(run: uuid.UUID, runner: str, token: int, last_step: db.StepRow | None) -> str | None:
             done = self.lent.end_writer.finish_run(run, token, status, result, error, last_step,
-                                                   self.claim_successor and self.successor is None,
-                                                   plain=self.claim.ends_plainly)
+                                                   self.claim_successor and self.successor is None)
             if done.successor is not None:
                 self.successor = done.successor  # this slot's next run, whatever became of this end
             if done.step_exists:

@@ -75,8 +75,8 @@ class Maintenance:
                     sweep_due = time.monotonic() >= next_sweep
                     if sweep_due:
                         self.sweep.sweep(conn)
-                        db.sort_lanes(conn)  # a run inserted while a limit changed (0011_lanes.sql)
-                        db.sweep_keys(conn)  # the fair queues' idle keys out of the claims' way (0014)
+                        db.sort_lanes(conn)  # a run admitted while a limit changed, a missed release (0032)
+                        db.sweep_keys(conn)  # the fair queues' idle keys go (0032)
                         next_sweep = time.monotonic() + self.sweep.next_probe_in(self.interval)
                     scheduler.tick(conn)  # logs what it fires
                     if time.monotonic() >= next_rollup:

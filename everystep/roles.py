@@ -126,6 +126,15 @@ GRANT pg_read_all_stats TO {operator};
 GRANT SELECT ON {s}.everystep_dag, {s}.everystep_dag_member, {s}.everystep_dependency TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_dag, {s}.everystep_dag_member, {s}.everystep_dependency
     TO {operator};
+-- Where runs wait (0032_ready.sql): every change of a run's status reaches
+-- the queue tables through the trigger, in the role that made it: a producer
+-- admits what it schedules (and a message or a cancel moves a run), a worker
+-- claims, ends and requeues, an operator cancels and requeues.
+GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_ready, {s}.everystep_timer, {s}.everystep_blocked,
+    {s}.everystep_claimed TO {producer}, {worker}, {operator};
+GRANT SELECT ON {s}.everystep_pending TO {worker}, {operator};
+GRANT SELECT, UPDATE ON {s}.everystep_slot TO {producer};
+GRANT UPDATE (held, claimed_at) ON {s}.everystep_key TO {producer};
 -- Every role may read which environment the database is (0016_environment.sql):
 -- the CLI checks it before it acts; `migrate --environment` (the owner) writes it.
 GRANT SELECT ON {s}.everystep_environment TO {producer}, {worker}, {operator};

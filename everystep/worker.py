@@ -461,7 +461,7 @@ class Worker(Successors):
         if not self._waiting:
             db.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
             self._waiting = True
-        runs = db.claim(conn, self.name, free, self.routes, unlimited_only=True, skipped=self.skipped)
+        runs = db.claim(conn, self.name, free, self.routes, skipped=self.skipped)
         if runs:
             metrics.CLAIMS.labels(self.name).inc(len(runs))
             for run in runs:

@@ -22,7 +22,6 @@ found out write by write, so that it reaches only the run it belongs to.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -35,15 +34,6 @@ from everystep import db, metrics
 # Writes per transaction at most: the run slots of a process stay far below
 # it; parallel branches and late outcomes may add some.
 MAX_BATCH = 64
-# Ends claim their successors among the priority-0 runs of unlimited
-# workflows only (for plain ends, db's end_plain_runs: a fraction of the
-# plan, which PostgreSQL sets up again for every batch) until one such batch
-# finds a limited workflow with a free slot and runs to claim, or a run of
-# another priority due; from then on, for this many seconds, with the
-# whole claim, limits, slots and priorities included. So a limited
-# workflow's runs wait at most one batch behind later runs of unlimited ones,
-# and a prioritized run never waits behind one of priority 0.
-WHOLE_CLAIM = 1.0
 # Seconds without a write after which the thread ends and its connection goes
 # back to the pool (the next write starts it again).
 IDLE = 5.0
@@ -85,9 +75,6 @@ class GroupWriter:
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
         self._closed = False
-        # Until when ends claim successors with the whole claim, concurrency
-        # limits included (see WHOLE_CLAIM).
-        self._whole_claim_until = 0.0
 
     # ------------------------------------------------------------ the runs' side
 
@@ -96,11 +83,10 @@ class GroupWriter:
         return self._submit(db.StepWrite(run, token, row))
 
     def finish_run(self, run: uuid.UUID, token: int, status: str, result: str | None, error: str | None,
-                   last_step: db.StepRow | None, claim: bool, plain: bool = False) -> db.BatchEnd:
+                   last_step: db.StepRow | None, claim: bool) -> db.BatchEnd:
         """End a held run (with its last step's row) in the next batch, and
-        claim a successor for its slot when `claim`. `plain`: the run ends
-        plainly (db.ClaimedRun.ends_plainly)."""
-        return self._submit(db.EndWrite(run, token, status, result, error, last_step, claim, plain))
+        claim a successor for its slot when `claim`."""
+        return self._submit(db.EndWrite(run, token, status, result, error, last_step, claim))
 
     def write_streams(self, run: uuid.UUID, runner: str, token: int, entries: list[db.StreamEntryRow]) -> bool:
         """Stream entries of a held run in the next batch: whether its
@@ -174,14 +160,11 @@ class GroupWriter:
                 written = db.record_steps(self._conn, self.runner, [w.write for w in steps]) if steps else []
             finished = []
             if ends:
-                unlimited_only = time.monotonic() >= self._whole_claim_until
                 ended = db.end_runs(self._conn, self.runner, [w.write for w in ends], self.routes(),
-                                       unlimited_only, self.skipped())
+                                    self.skipped())
                 finished = ended.finished
                 if ended.released:
                     metrics.DAG_RELEASES.inc(ended.released)
-                if ended.whole_claim_wanted:
-                    self._whole_claim_until = time.monotonic() + WHOLE_CLAIM
         except db.CONNECTION_ERRORS as exc:
             self._give_back()  # the pool discards a broken connection; the retries get another
             for waiting in batch:

@@ -102,8 +102,9 @@ class Database(server.Database):
 
     def close(self) -> None:
         super().close()
-        while self._sessions:
-            self._sessions.pop().close()
+        sessions = getattr(self, "_sessions", [])  # none on a Database made without __init__
+        while sessions:
+            sessions.pop().close()
 
     def value(self, sql: str, params: tuple | dict = ()):
         rows = self.query(sql, params)

@@ -28,25 +28,22 @@ def end(db, run: everystep.db.ClaimedRun, runner: str, claim: bool = False) -> l
         return everystep.db.finish_run(conn, run.id, runner, run.token, "completed", "null", None, claim=claim).claimed
 
 
-@pytest.mark.parametrize("unlimited_only", [False, True], ids=["whole claim", "plain claim first"])
-def test_the_claim_admits_a_limited_workflow_up_to_its_limit_in_order(db, unlimited_only):
-    # The plain claim (claim_unlimited) sees a free slot with runs to take
-    # and gives way to the whole claim; with none, it claims alone.
+def test_the_claim_admits_a_limited_workflow_up_to_its_limit_in_order(db):
     with db.connect() as conn:
         everystep.db.apply_limits(conn, {LIMITED: 2})
     limited_runs = db.schedule_many(limited, [("m", i) for i in range(5)])
     unlimited_runs = db.schedule_many(unlimited, [("m", i) for i in range(3)])
     with db.connect() as conn:
-        claimed = everystep.db.claim(conn, "w1", 10, unlimited_only=unlimited_only)
+        claimed = everystep.db.claim(conn, "w1", 10)
         assert [r.id for r in claimed] == [r.id for r in limited_runs[:2] + unlimited_runs]
-        assert everystep.db.claim(conn, "w1", 10, unlimited_only=unlimited_only) == []  # the limited runs wait
+        assert everystep.db.claim(conn, "w1", 10) == []  # the limited runs wait
     # Ending one frees its slot for the next in line (and wakes the claimers).
     with db.connect() as listener:
         everystep.db.listen(listener)
         end(db, claimed[0], "w1")
         assert list(listener.notifies(timeout=2, stop_after=1))
     with db.connect() as conn:
-        assert [r.id for r in everystep.db.claim(conn, "w1", 10, unlimited_only=unlimited_only)] == [limited_runs[2].id]
+        assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [limited_runs[2].id]
     assert running(db, LIMITED) == 2
 
 
@@ -64,7 +61,7 @@ def test_a_slot_is_free_again_whichever_way_its_run_left_running(db):
         assert everystep.db.claim(conn, "w3", 5) == []
 
 
-def test_the_successor_claim_takes_the_slot_of_the_run_it_ends(db):
+def test_the_end_of_a_limited_run_admits_the_next_in_line_into_its_slot(db):
     with db.connect() as conn:
         everystep.db.apply_limits(conn, {LIMITED: 1})
     runs = db.schedule_many(limited, [("m", i) for i in range(3)])
@@ -72,17 +69,21 @@ def test_the_successor_claim_takes_the_slot_of_the_run_it_ends(db):
     with db.connect() as conn:
         first = everystep.db.claim(conn, "w1", 1)
     assert [r.id for r in first] == [runs[0].id]
-    # The end of the limited run hands its slot to the next limited run in line.
-    second = end(db, first[0], "w1", claim=True)
-    assert [r.id for r in second] == [runs[1].id]
+    # The end's successor claim takes the head of the ready runs (it runs
+    # before the release); the slot goes to the next limited run in line,
+    # admitted in the end's transaction.
+    assert [r.id for r in end(db, first[0], "w1", claim=True)] == [other[0].id]
+    assert db.query("SELECT run_id, slot FROM everystep_ready") == [(runs[1].id, 1)]
+    with db.connect() as conn:
+        (second,) = everystep.db.claim(conn, "w2", 5)
+        assert second.id == runs[1].id
+        other_claim = everystep.db.reclaim_held(conn, "w1")
     assert running(db, LIMITED) == 1
-    with db.connect() as conn:
-        assert [r.id for r in everystep.db.claim(conn, "w2", 5)] == [other[0].id]  # the slot is taken
-    # The end of an unlimited run frees no slot: its successor is not a limited run.
-    with db.connect() as conn:
-        other_claim = everystep.db.reclaim_held(conn, "w2")
-    assert end(db, other_claim[0], "w2", claim=True) == []
-    assert [r.id for r in end(db, second[0], "w1", claim=True)] == [runs[2].id]
+    # The end of an unlimited run frees no slot: nothing is admitted.
+    assert end(db, other_claim[0], "w1", claim=True) == []
+    assert db.value("SELECT count(*) FROM everystep_ready") == 0
+    end(db, second, "w2")
+    assert db.query("SELECT run_id, slot FROM everystep_ready") == [(runs[2].id, 1)]
 
 
 def test_raising_lowering_and_removing_a_limit(db):
@@ -155,34 +156,36 @@ def test_the_decorator_refuses_a_bad_limit():
             everystep.workflow(concurrency=bad)
 
 
-def lanes(db) -> dict[bool, int]:
-    return dict(db.query("SELECT limited, count(*) FROM everystep_workflow WHERE status IN ('scheduled', 'waiting')"
-                         " GROUP BY limited"))
+def waiting_where(db, name: str) -> dict[str, int]:
+    """How many of the workflow's runs wait in each queue table (0032_ready.sql)."""
+    return {table: db.value(f"SELECT count(*) FROM everystep_{table} WHERE name = %s", (name,))
+            for table in ("ready", "blocked")}
 
 
-def test_setting_and_removing_a_limit_moves_the_claimable_runs_between_lanes(db):
+def test_setting_and_removing_a_limit_admits_the_waiting_runs_again(db):
     runs = db.schedule_many(unlimited, [("m", i) for i in range(4)])
-    assert lanes(db) == {False: 4}
+    assert waiting_where(db, UNLIMITED) == {"ready": 4, "blocked": 0}
     with db.connect() as conn:
         everystep.db.apply_limits(conn, {UNLIMITED: 1})
-        assert lanes(db) == {True: 4}
+        assert waiting_where(db, UNLIMITED) == {"ready": 1, "blocked": 3}  # the first in line holds the slot
         assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [runs[0].id]  # within the new limit
         everystep.db.apply_limits(conn, {UNLIMITED: None})
-        assert lanes(db) == {False: 3}
+        assert waiting_where(db, UNLIMITED) == {"ready": 3, "blocked": 0}
         assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [r.id for r in runs[1:]]
 
 
-def test_a_run_in_the_wrong_lane_is_never_claimed_past_its_limit_and_is_sorted(db):
-    """A run inserted in the moment its workflow's limit was set can land in
-    the unlimited lane: the claims of that lane skip it, and the next sort
-    (the maintenance child's, at every sweep) moves it where it belongs."""
-    with db.connect() as conn:
-        everystep.db.apply_limits(conn, {LIMITED: 1})
+def test_a_run_admitted_as_its_limit_was_set_is_admitted_again_at_the_sort(db):
+    """A run admitted in the moment its workflow's limit was set (a producer's
+    transaction in flight) is ready without a slot: the next sort (the
+    worker's that writes the limits, the maintenance child's at every sweep)
+    gives it a slot or makes it wait for one."""
     runs = db.schedule_many(limited, [("m", i) for i in range(3)])
-    db.query("UPDATE everystep_workflow SET limited = false WHERE id = %s RETURNING 1", (runs[1].id,))
+    db.query("INSERT INTO everystep_limit (name, concurrency) VALUES (%s, 1) RETURNING 1", (LIMITED,))
+    db.query("INSERT INTO everystep_slot (name, slot) VALUES (%s, 1) RETURNING 1", (LIMITED,))
+    assert waiting_where(db, LIMITED) == {"ready": 3, "blocked": 0}
     with db.connect() as conn:
-        assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [runs[0].id]
-        assert everystep.db.claim(conn, "w1", 10, unlimited_only=True) == []  # the stray is skipped
-        assert everystep.db.sort_lanes(conn) == 1
+        assert everystep.db.sort_lanes(conn) == 3
         assert everystep.db.sort_lanes(conn) == 0
-    assert lanes(db) == {True: 2}
+        assert waiting_where(db, LIMITED) == {"ready": 1, "blocked": 2}
+        assert [r.id for r in everystep.db.claim(conn, "w1", 10)] == [runs[0].id]
+        assert everystep.db.claim(conn, "w1", 10) == []

@@ -1,7 +1,9 @@
 """A database of the previous version migrates in place with `everystep
 migrate`, its runs in flight keep running: delayed, sleeping, waiting for a
-message and held mid-step by a live worker, beside 100,000 finished runs in
-the history; each finishes as it would have without the migration."""
+message and held mid-step by a live worker of the previous version (its code
+from git), beside 100,000 finished runs in the history; each finishes as it
+would have without the migration, under that worker and one of this
+version."""
 
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ from tests.apps.cli_workflows import greet
 from tests.apps.flow_workflows import mailbox
 from tests.apps.time_workflows import sleeper
 from tests.apps.workflows import held
-from tests.support.migrations import migrated_before
+from tests.support.migrations import migrated_before, previous_release
 from tests.support.processes import ROOT, WorkerProcess, wait_for
 
 # The first migration the previous version did not have.
-FIRST_NEW = "0030"
+FIRST_NEW = "0032"
 HISTORY = 100_000
 
 
@@ -56,7 +58,9 @@ def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_plac
     schema = f"t_{uuid.uuid4().hex[:12]}"
     migrated_before(server_url, schema, FIRST_NEW)
     db = Database(server_url, schema)
-    worker = None
+    worker = new_worker = None
+    imports = ("tests.apps.workflows", "tests.apps.time_workflows", "tests.apps.flow_workflows",
+               "tests.apps.cli_workflows")
     try:
         fill_history(db, HISTORY)
         marks, release = tmp_path / "marks", tmp_path / "release"
@@ -64,9 +68,8 @@ def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_plac
         sleeping = schedule(db, sleeper, str(marks), 10.0)
         waiting = schedule(db, mailbox, str(marks), 1)
         mid_step = [schedule(db, held, str(marks), str(release)) for _ in range(2)]
-        worker = WorkerProcess(db.url, "before", tmp_path / "logs", threads=4,
-                               imports=("tests.apps.workflows", "tests.apps.time_workflows",
-                                        "tests.apps.flow_workflows", "tests.apps.cli_workflows"))
+        worker = WorkerProcess(db.url, "before", tmp_path / "logs", threads=4, imports=imports,
+                               cwd=previous_release(tmp_path / "previous"))
         wait_for(lambda: db.run(sleeping)["status"] == "waiting" and db.run(waiting)["status"] == "waiting",
                  60, what="the sleeping and the waiting run parked")
         wait_for(lambda: all(db.run(run)["status"] == "running" for run in mid_step)
@@ -80,6 +83,7 @@ def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_plac
         assert done.returncode == 0, done.stderr
         assert db.value("SELECT count(*) FROM everystep_migration WHERE name >= %s", (FIRST_NEW,)) >= 1
 
+        new_worker = WorkerProcess(db.url, "after", tmp_path / "logs", threads=4, imports=imports)
         with db.connect() as conn, everystep.transaction(conn):
             everystep.send(waiting, "in", "hello", conn=conn)
         release.touch()
@@ -96,7 +100,11 @@ def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_plac
         assert db.value("SELECT count(*) FROM everystep_workflow_history") == HISTORY
         assert db.value("SELECT count(*) FROM everystep_workflow_all WHERE status = 'completed'") == HISTORY + 5
         assert db.value("SELECT count(*) FROM everystep_execution") == 0  # no execution was lost or requeued
+        # Nothing is left waiting nor held in the queue's tables.
+        assert db.value("SELECT (SELECT count(*) FROM everystep_ready) + (SELECT count(*) FROM everystep_timer)"
+                        " + (SELECT count(*) FROM everystep_blocked) + (SELECT count(*) FROM everystep_claimed)") == 0
     finally:
-        if worker is not None:
-            worker.close()
+        for process in (worker, new_worker):
+            if process is not None:
+                process.close()
         server.drop(db, server_url)

@@ -46,10 +46,9 @@ def test_the_claim_takes_the_highest_priority_first_then_the_time_order(db):
     higher = schedule(db, plain, "m", 0, priority=100)
     also_high = schedule(db, plain, "m", 0, priority=50)
     with db.connect() as conn:
-        for unlimited_only in (True, False):  # the plain claim and the whole one order alike
-            got = [r.id for r in everystep.db.claim(conn, f"w{unlimited_only}", 1, unlimited_only=unlimited_only)]
-            everystep.db.requeue_claimer(conn, f"w{unlimited_only}")
-            assert got == [higher.id]
+        got = [r.id for r in everystep.db.claim(conn, "w0", 1)]
+        everystep.db.requeue_claimer(conn, "w0")  # back in line, in its place
+        assert got == [higher.id]
         order = []
         for _ in range(9):
             (run,) = everystep.db.claim(conn, "w", 1)
@@ -71,54 +70,6 @@ def test_the_successor_of_an_end_is_the_highest_priority_due_run(db):
         nxt = everystep.db.claim(conn, "w", 3)
         assert low.id not in [r.id for r in nxt]
         assert [r.id for r in everystep.db.claim(conn, "w", 3)] == [low.id]
-
-
-def test_the_plain_statements_give_way_to_the_whole_claim_while_a_prioritized_run_waits(db):
-    """claim_unlimited and end_plain_runs read only the priority-0 runs: with
-    a run of another priority due in the lane they claim nothing (the whole claim
-    is taken instead), so no priority-0 run goes before it."""
-    backlog = db.schedule_many(plain, [("m", i) for i in range(3)])
-
-    def plain_end(conn, run):
-        write = everystep.db.EndWrite(run.id, run.token, "completed", "null", None, None, claim=True, plain=True)
-        return everystep.db.end_runs(conn, "w", [write], None, unlimited_only=True)
-
-    with db.connect() as conn:
-        (run,) = everystep.db.claim(conn, "w", 1, unlimited_only=True)
-        assert run.id == backlog[0].id
-        ended = plain_end(conn, run)
-        assert (ended.finished[0].successor.id, ended.whole_claim_wanted) == (backlog[1].id, False)
-        low = schedule(db, plain, "m", 0, priority=-1)
-        ended = plain_end(conn, ended.finished[0].successor)
-        assert ended.finished[0].status == "completed"
-        assert (ended.finished[0].successor, ended.whole_claim_wanted) == (None, True)
-        assert [r.id for r in everystep.db.claim(conn, "w", 1, unlimited_only=True)] == [backlog[2].id]
-        high = schedule(db, plain, "m", 0, priority=1)
-        assert {r.id for r in everystep.db.claim(conn, "w", 2, unlimited_only=True)} == {high.id, low.id}
-
-
-@pytest.mark.parametrize("prioritized", [0, 3000], ids=["empty priority lane", "3000 prioritized runs waiting"])
-def test_only_the_plain_statements_probe_read_the_due_prioritized_index(db, prioritized):
-    """Their probe (abs(priority) > 0, as the index's predicate) can be served
-    by everystep_workflow_due_prioritized alone, and the whole statements'
-    priority heads (priority > 0, < 0) never take it: generic plans, made
-    once per connection on whatever the tables hold then."""
-    with db.connect() as conn:
-        conn.execute("INSERT INTO everystep_workflow (id, name, args, status)"
-                     " SELECT gen_random_uuid(), 'app.done', '[]', 'completed' FROM generate_series(1, 20000)")
-        conn.execute("INSERT INTO everystep_workflow (id, name, args, status, priority, due_at)"
-                     " SELECT gen_random_uuid(), 'app.p', '[]', 'waiting', 1 + i %% 7, now() + interval '1 hour'"
-                     " FROM generate_series(1, %s) i", (prioritized,))
-        conn.execute("ANALYZE everystep_workflow")
-        everystep.db.prepare_claiming_session(conn)
-        used = {}
-        for name in ("claim", "claim_unlimited", "end_runs", "end_plain_runs"):
-            statement = everystep.db.queries.numbered(name)
-            conn.execute(f"PREPARE {name} AS {statement.text}")
-            nulls = ", ".join(["NULL"] * len(statement.params))
-            plan = [row[0] for row in conn.execute(f"EXPLAIN (COSTS OFF) EXECUTE {name}({nulls})")]
-            used[name] = any("everystep_workflow_due_prioritized" in line for line in plan)
-    assert used == {"claim": False, "claim_unlimited": True, "end_runs": False, "end_plain_runs": True}
 
 
 def test_a_workflows_default_priority_from_the_decorator_and_the_workers_config(db):
@@ -171,21 +122,21 @@ def per_key(db, limits: dict) -> None:
         everystep.db.apply_limits(conn, {}, per_key=limits)
 
 
-@pytest.mark.parametrize("unlimited_only", [False, True], ids=["whole claim", "plain claim first"])
-def test_a_key_is_admitted_up_to_its_limit_and_the_keys_in_turn(db, unlimited_only):
-    # The plain claim (claim_unlimited) sees keys with room and runs, and
-    # gives way to the whole claim; with every key at its limit, it claims alone.
+def test_a_key_is_admitted_up_to_its_limit_and_the_keys_in_turn(db):
     per_key(db, {TENANT: 2})
     big = [schedule(db, tenant_job, "big", 0, concurrency_key="big") for _ in range(6)]
     small = [schedule(db, tenant_job, key, 0, concurrency_key=key) for key in ("a", "b") for _ in range(2)]
     unkeyed = schedule(db, tenant_job, "none", 0)  # no key: no per-key limit
     with db.connect() as conn:
-        got = claim_ids(conn, "w", 20, unlimited_only=unlimited_only)
+        got = claim_ids(conn, "w", 20)
         assert set(got) == {*[r.id for r in big[:2]], *[r.id for r in small], unkeyed.id}
-        assert everystep.db.claim(conn, "w", 20, unlimited_only=unlimited_only) == []  # every key is at its limit
+        assert everystep.db.claim(conn, "w", 20) == []  # every key is at its limit
         running = {r.id: r for r in everystep.db.reclaim_held(conn, "w")}
-        # Ending a big run frees room in its key only: the successor is big's next.
-        assert [r.id for r in end(conn, running[big[0].id], "w", claim=True)] == [big[2].id]
+        # Ending a big run frees room in its key only: big's next is admitted in
+        # the end's transaction (its successor claim ran first: none was ready).
+        assert end(conn, running[big[0].id], "w", claim=True) == []
+        assert db.value("SELECT run_id FROM everystep_ready") == big[2].id
+        assert claim_ids(conn, "w", 20) == [big[2].id]
         assert everystep.db.claim(conn, "w", 20) == []
     assert db.value("SELECT count(*) FROM everystep_workflow WHERE concurrency_key = 'big' AND status = 'running'") == 2
 
@@ -225,23 +176,28 @@ def test_a_workflow_limit_bounds_every_key_together(db):
         keys = {db.value("SELECT concurrency_key FROM everystep_workflow WHERE id = %s", (r.id,)) for r in got}
         assert len(keys) == 3
         assert everystep.db.claim(conn, "w", 10) == []
-        assert len(end(conn, got[0], "w", claim=True)) == 1
+        end(conn, got[0], "w", claim=True)  # its slot goes to a run of a key with room
+        assert len(everystep.db.claim(conn, "w", 10)) == 1
 
 
-def test_setting_a_per_key_limit_moves_the_keyed_runs_into_their_lane(db):
+def waiting_where(db) -> dict[str, int]:
+    """How many runs wait in each queue table (0032_ready.sql)."""
+    return {table: db.value(f"SELECT count(*) FROM everystep_{table}") for table in ("ready", "blocked", "timer")}
+
+
+def test_setting_a_per_key_limit_admits_the_ready_keyed_runs_again(db):
     runs = [schedule(db, tenant_job, "t", 0, concurrency_key="t") for _ in range(3)]
-    assert db.value("SELECT count(*) FROM everystep_workflow WHERE keyed") == 0
-    per_key(db, {TENANT: 1})
-    assert db.value("SELECT count(*) FROM everystep_workflow WHERE keyed AND limited") == 3
+    assert waiting_where(db) == {"ready": 3, "blocked": 0, "timer": 0}
+    per_key(db, {TENANT: 1})  # the first keeps its place with the key's room, the others wait for it
+    assert waiting_where(db) == {"ready": 1, "blocked": 2, "timer": 0}
+    assert db.value("SELECT held FROM everystep_key WHERE key = 't'") == 1
     with db.connect() as conn:
-        assert len(everystep.db.claim(conn, "w", 5)) == 1
+        assert claim_ids(conn, "w", 5) == [runs[0].id]
         assert everystep.db.key_limits(conn) == {TENANT: 1}
     per_key(db, {TENANT: None})
-    assert db.value("SELECT count(*) FROM everystep_workflow"
-                    " WHERE status IN ('scheduled', 'waiting') AND (keyed OR limited)") == 0
+    assert waiting_where(db) == {"ready": 2, "blocked": 0, "timer": 0}
     with db.connect() as conn:
-        assert len(everystep.db.claim(conn, "w", 5)) == 2
-    assert len(runs) == 3
+        assert claim_ids(conn, "w", 5) == [r.id for r in runs[1:]]
 
 
 def test_concurrent_claimers_never_exceed_a_keys_limit(db):
@@ -307,9 +263,9 @@ def test_schedule_many_takes_one_priority_and_one_concurrency_key_for_all(db):
     per_key(db, {TENANT: 1})
     with db.connect() as conn, everystep.transaction(conn):
         runs = everystep.schedule_many(tenant_job, [("t", i) for i in range(3)], priority=4, concurrency_key="k")
-    rows = db.query("SELECT priority, concurrency_key, keyed FROM everystep_workflow WHERE id = ANY(%s)",
+    rows = db.query("SELECT priority, concurrency_key FROM everystep_workflow WHERE id = ANY(%s)",
                     ([r.id for r in runs],))
-    assert rows == [(4, "k", True)] * 3
+    assert rows == [(4, "k")] * 3
     with db.connect() as conn:
         assert len(everystep.db.claim(conn, "w", 3)) == 1
 
@@ -329,26 +285,22 @@ def test_a_worker_writes_the_configs_priorities_and_per_key_limits(db, start_wor
     assert db.value("SELECT priority FROM everystep_workflow WHERE id = %s", (run.id,)) == 3
 
 
-def test_an_idle_key_is_out_of_the_claims_way_until_its_next_run(db):
-    """The sweep marks the keys with nothing claimable nor running idle (the
-    claims read only ready keys); a run scheduled for an idle key makes it
-    ready again, and the sweep makes ready a key whose runs a producer left
-    behind an idle row."""
+def test_an_idle_key_goes_at_the_sweep_and_comes_back_with_its_next_run(db):
+    """The sweep deletes the keys with no run admitted, running or blocked
+    (a tenant gone for good costs the pumps nothing); a run scheduled for
+    the key makes its row again."""
     per_key(db, {TENANT: 1})
     done = schedule(db, tenant_job, "t", 0, concurrency_key="gone")
     waiting = schedule(db, tenant_job, "t", 0, concurrency_key="later")
     with db.connect() as conn:
         run = next(r for r in everystep.db.claim(conn, "w", 5) if r.id == done.id)
         end(conn, run, "w")
-        everystep.db.requeue_claimer(conn, "w")  # the other one back to scheduled
-        assert everystep.db.sweep_keys(conn) == (1, 0)
-    assert dict(db.query("SELECT key, ready FROM everystep_key")) == {"gone": False, "later": True}
+        everystep.db.requeue_claimer(conn, "w")  # the other one back to scheduled: admitted again
+        assert everystep.db.sweep_keys(conn) == 1
+    assert dict(db.query("SELECT key, held FROM everystep_key")) == {"later": 1}
     again = schedule(db, tenant_job, "t", 0, concurrency_key="gone")
-    assert db.value("SELECT ready FROM everystep_key WHERE key = 'gone'") is True
-    # A producer that found its key ready as the sweep made it idle: the next sweep makes it ready.
-    db.query("UPDATE everystep_key SET ready = false WHERE key = 'gone' RETURNING key")
+    assert dict(db.query("SELECT key, held FROM everystep_key")) == {"later": 1, "gone": 1}
     with db.connect() as conn:
-        assert everystep.db.sweep_keys(conn) == (0, 1)
         assert {r.id for r in everystep.db.claim(conn, "w", 5)} == {again.id, waiting.id}
 
 
@@ -382,9 +334,9 @@ def test_aschedule_and_aschedule_many_take_priority_and_key(db):
             return [one.id, many[0].id]
 
     ids = asyncio.run(scheduled())
-    rows = db.query("SELECT priority, concurrency_key, keyed FROM everystep_workflow WHERE id = ANY(%s)"
+    rows = db.query("SELECT priority, concurrency_key FROM everystep_workflow WHERE id = ANY(%s)"
                     " ORDER BY priority", (ids,))
-    assert rows == [(-9, "b", True), (9, "a", True)]
+    assert rows == [(-9, "b"), (9, "a")]
 
 
 def test_the_cli_schedules_with_a_priority_and_a_key(db):
@@ -400,6 +352,8 @@ def test_the_cli_schedules_with_a_priority_and_a_key(db):
 
 
 def test_a_limited_workflows_slots_go_to_its_highest_priority_runs_first(db):
+    """Runs scheduled while a slot is free take it at once; those that wait
+    for one get the slots as they free, the highest priority first."""
     with db.connect() as conn:
         everystep.db.apply_limits(conn, {BOUNDED: 2})
     older = [schedule(db, tenant_job_bounded, "t", 0) for _ in range(3)]
@@ -408,13 +362,10 @@ def test_a_limited_workflows_slots_go_to_its_highest_priority_runs_first(db):
     higher = schedule(db, tenant_job_bounded, "t", 0, priority=9)
     with db.connect() as conn:
         first = everystep.db.claim(conn, "w", 5)
-        assert {r.id for r in first} == {higher.id, high.id}  # two slots, the two highest
-        running = {r.id: r for r in first}
-        assert [r.id for r in end(conn, running[higher.id], "w", claim=True)] == [older[0].id]  # its slot
-        assert everystep.db.claim(conn, "w", 5) == []
+        assert {r.id for r in first} == {older[0].id, older[1].id}  # admitted as they were scheduled
+        for run in first:
+            end(conn, run, "w")
+        assert {r.id for r in everystep.db.claim(conn, "w", 5)} == {higher.id, high.id}
         for run in everystep.db.reclaim_held(conn, "w"):
             end(conn, run, "w")
-        assert {r.id for r in everystep.db.claim(conn, "w", 5)} == {older[1].id, older[2].id}
-        for run in everystep.db.reclaim_held(conn, "w"):
-            end(conn, run, "w")
-        assert [r.id for r in everystep.db.claim(conn, "w", 5)] == [low.id]
+        assert {r.id for r in everystep.db.claim(conn, "w", 5)} == {older[2].id, low.id}

@@ -267,8 +267,8 @@ def test_queue_gauges_match_the_tables(db, supervisors, marks, tmp_path):
     wait_for(lambda: held_by(db.url) == {"queue-0": 2, "queue-1": 2}, what="every slot busy")
     waiting = schedule_runs(db.url, workflows.held, [(marks, str(release))] * 3)  # no slot left for these
     with db.connect() as conn:
-        conn.execute("UPDATE everystep_workflow SET created_at = created_at - interval '90 seconds' WHERE id = %s",
-                     (waiting[1].id,))
+        conn.execute("UPDATE everystep_workflow SET created_at = created_at - interval '90 seconds',"
+                     " due_at = due_at - interval '90 seconds' WHERE id = %s", (waiting[1].id,))  # as if scheduled then
     insert_runs(db, "blocked", 2)
     insert_runs(db, "completed", 5, age_seconds=600)
     insert_runs(db, "failed", 1, age_seconds=900)

@@ -12,12 +12,10 @@ import pytest
 
 import everystep
 from everystep import db, schedules
-from everystep.db import queries
 from everystep.errors import EverystepError
 from everystep.testing import (
     advance,
     assert_ended,
-    assert_scheduled,
     drain,
     freeze,
     now,
@@ -73,47 +71,32 @@ def test_advance_refuses_bad_input_and_an_open_transaction(everystep_db):
         advance(everystep_db, 60)
 
 
-def test_the_claim_keeps_its_index_conditions_with_the_clock_moved(everystep_db):
+def test_the_claims_promotion_keeps_its_index_condition_with_the_clock_moved(everystep_db):
+    """The claim admits the timers whose time came (everystep_promote,
+    0032_ready.sql) by a range scan of everystep_timer_due bounded by the
+    engine's clock, inlined: the plan of now(), and of now() + an hour once
+    the clock moved (the function's cached plan is made again)."""
     conn = everystep_db
-    conn.execute("INSERT INTO everystep_workflow (id, name, args, status) "
-                 "SELECT gen_random_uuid(), 'app.done', '[]', 'completed' FROM generate_series(1, 20000)")
-    conn.execute("ANALYZE everystep_workflow")
+    conn.execute("INSERT INTO everystep_workflow (id, name, args, status, due_at) SELECT gen_random_uuid(),"
+                 " 'app.later', '[]', 'waiting', now() + interval '1 day' FROM generate_series(1, 20000)")
+    conn.execute("ANALYZE everystep_timer")
+    plans: list[str] = []
+    conn.add_notice_handler(lambda diagnostic: plans.append(diagnostic.message_primary or ""))
+    conn.execute("LOAD 'auto_explain'")
+    for setting, value in (("log_min_duration", "0"), ("log_nested_statements", "on"), ("log_level", "notice")):
+        conn.execute(f"SET auto_explain.{setting} = {value}")
 
-    def conditions() -> list[tuple[str, str]]:
-        """(index, condition) of the claim's scans of the two lanes' indexes (0011_lanes.sql)."""
-        plan = [row[0].strip() for row in conn.execute("EXPLAIN (COSTS OFF) " + queries.get("claim"),
-                                                       {"runner": "w", "limit": 8, "routes": None,
-                                                        "skipped": []})]
-        return [(above.split(" using ")[1].split()[0], line) for above, line in zip(plan, plan[1:])
-                if " using everystep_workflow_ready_" in above and line.startswith("Index Cond")]
+    def promotion_condition() -> str:
+        plans.clear()
+        conn.execute("SELECT everystep_promote(10)")
+        (plan,) = [plan for plan in plans if "everystep_timer_due" in plan]
+        return next(line.strip() for line in plan.splitlines() if "Index Cond" in line)
 
-    # The lanes of 0011_lanes.sql and 0014_priorities.sql; the priority lane's
-    # loose scans of its priorities have no time in their conditions.
-    lanes = {"everystep_workflow_ready_unlimited", "everystep_workflow_ready_limited",
-             "everystep_workflow_ready_limited_priority", "everystep_workflow_ready_priority",
-             "everystep_workflow_ready_keyed"}
-    before = conditions()
-    assert ("everystep_workflow_ready_unlimited", "Index Cond: (due_at <= now())") in before
-    assert {index for index, _ in before} == lanes  # everystep_now() inlined: the plan of now()
-    timed = [condition for _, condition in before if "due_at" in condition]
-    assert len(timed) >= 5 and all("now())" in condition and "+" not in condition for condition in timed)
+    assert promotion_condition() == "Index Cond: (due_at <= now())"
     advance(conn, HOUR, drain=False)
-    after = conditions()
-    assert ("everystep_workflow_ready_unlimited", "Index Cond: (due_at <= (now() + '01:00:00'::interval))") in after
-    assert {index for index, _ in after} == lanes
-    assert all("(now() + '01:00:00'::interval)" in condition for _, condition in after if "due_at" in condition)
+    assert promotion_condition() == "Index Cond: (due_at <= (now() + '01:00:00'::interval))"
+    conn.execute("SET auto_explain.log_min_duration = -1")
 
-
-# ---------------------------------------------------------------- what the clock times
-
-def test_a_delayed_start_runs_when_its_time_comes(everystep_db):
-    run = schedule(everystep_db, flows.later, "reminder", after=2 * HOUR)
-    assert not drain()  # not due: nothing runs
-    advance(everystep_db, HOUR)
-    assert_scheduled(flows.later, "reminder", status="waiting")
-    advance(everystep_db, HOUR)
-    assert_ended(run.id)
-    assert flows.calls == {"reminder": 1}
 
 
 def test_a_day_of_hourly_sleeps_runs_every_hour_at_its_time(everystep_db):

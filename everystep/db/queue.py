@@ -65,27 +65,26 @@ def routes_of(patterns: list[str] | tuple[str, ...] | None) -> list[str] | None:
 
 
 def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] | None = None,
-          unlimited_only: bool = False, skipped: Sequence[str] = ()) -> list[ClaimedRun]:
-    """Claim up to `limit` scheduled runs, oldest first, with their recorded
-    steps: of unlimited workflows, and of limited ones as far as they have
-    free slots; only of workflows matching `routes` (LIKE patterns, see
-    `routes_of`; None: all). `unlimited_only` (for a claimer of every
-    workflow): first the head of the unlimited lane's priority-0 runs, a
-    statement without the slots and the priorities (queue.sql:
-    claim_unlimited), which gives way to the whole claim when that would
-    take runs it does not see (a run of another priority, a limited
-    workflow's or a key's with room). `skipped`: workflow names not to
-    claim (the claimer cannot import them)."""
-    if unlimited_only and routes is None and not skipped:
-        rows = conn.execute(queries.get("claim_unlimited"), {"runner": runner, "limit": limit},
-                            prepare=True).fetchall()
-        if rows != [(None,) * len(ClaimedRun._fields)]:  # that row: it claimed nothing, the whole claim would
-            return sorted((ClaimedRun(*row) for row in rows), key=lambda r: r.id)  # UUIDv7: creation order
-    rows = conn.execute(queries.get("claim"), {"runner": runner, "limit": limit, "routes": routes,
-                                               "skipped": list(skipped)}, prepare=True).fetchall()
+          skipped: Sequence[str] = ()) -> list[ClaimedRun]:
+    """Claim up to `limit` ready runs, highest priority first, then in the
+    order they became ready, with their recorded steps; only of workflows
+    matching `routes` (LIKE patterns, see `routes_of`; None: all) and not in
+    `skipped` (workflow names the claimer cannot import). When none is
+    ready, the blocked runs that have room are admitted (`unblock`) and
+    claimed."""
+    params = {"runner": runner, "limit": limit, "routes": routes, "skipped": list(skipped)}
+    rows = conn.execute(queries.get("claim"), params, prepare=True).fetchall()
+    if not rows and limit > 0 and unblock(conn):
+        rows = conn.execute(queries.get("claim"), params, prepare=True).fetchall()
     runs = [ClaimedRun(*row) for row in rows]
     runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
     return runs
+
+
+def unblock(conn: psycopg.Connection) -> int:
+    """Admit the blocked runs that have room (0032_ready.sql: the catch-up
+    of a release and an admission that ran at once); how many."""
+    return conn.execute(queries.get("unblock"), {}, prepare=True).fetchone()[0]
 
 
 def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None],
@@ -121,34 +120,20 @@ def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None],
 
 
 def sort_lanes(conn: psycopg.Connection) -> int:
-    """Put every claimable run in the lane of its workflow as the limits now
-    stand (0011_lanes.sql): after the limits change, and at every sweep of
-    the maintenance child, for a run inserted while they changed. Returns how
-    many runs moved (and wakes the claimers when any did)."""
+    """After the limits change, and at every sweep of the maintenance child:
+    the ready runs of a workflow limited since they were admitted take a
+    slot or wait for one, and the blocked runs that have room are admitted
+    (0032_ready.sql). Returns how many runs moved."""
     with conn.transaction():
-        conn.execute(queries.get("no_jit_in_transaction"), {})
-        moved = conn.execute(queries.get("sort_lanes"), {}).fetchall()
-        if moved:
-            conn.execute(queries.get("notify"), {})
-    return len(moved)
+        return conn.execute(queries.get("resort"), {}).fetchone()[0]
 
 
-def sweep_keys(conn: psycopg.Connection) -> tuple[int, int]:
+def sweep_keys(conn: psycopg.Connection) -> int:
     """The maintenance child's sweep of the fair queues' keys: those with no
-    claimable nor running run are not ready any more (the claims skip them),
-    and every key with claimable runs is ready. Returns how many keys went
-    idle, and how many were made ready (a run whose key a producer found
-    ready just as it went idle), waking the claimers then."""
+    run admitted, running or blocked go (a tenant gone for good costs the
+    pumps nothing). Returns how many went."""
     with conn.transaction():
-        idle = conn.execute(queries.get("idle_keys"), {}).fetchall()
-    try:
-        with conn.transaction():
-            ready = conn.execute(queries.get("ready_keys"), {}).fetchall()
-            if ready:
-                conn.execute(queries.get("notify"), {})
-    except errors.ForeignKeyViolation:  # the per-key limit was removed meanwhile: its runs are sorted out of the lane
-        ready = []
-    return len(idle), len(ready)
+        return len(conn.execute(queries.get("idle_keys"), {}).fetchall())
 
 
 def limits(conn: psycopg.Connection) -> dict[str, int]:
@@ -250,7 +235,6 @@ def count_crashes(
 
 _RECORD_STEPS = libpq.hot("record_steps")
 _END_RUNS = libpq.hot("end_runs")
-_END_PLAIN_RUNS = libpq.hot("end_plain_runs")
 
 
 def _step_columns(rows: list[StepRow | None]) -> dict[str, str]:
@@ -270,16 +254,11 @@ def record_steps(conn: psycopg.Connection, runner: str, steps: list[StepWrite]) 
 
 
 def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes: list[str] | None,
-             unlimited_only: bool = False, skipped: Sequence[str] = ()) -> EndedRuns:
+             skipped: Sequence[str] = ()) -> EndedRuns:
     """End runs of `runner`'s executions in one statement, claiming their
     successors. `routes`, `skipped`: the workflows a successor may be of,
-    and may not be (see `claim`);
-    `unlimited_only`: of workflows without a concurrency limit only. A batch
-    of plain ends (EndWrite.plain: no slot to free, no parent to wake) of a
-    claimer of every workflow then takes queue.sql's end_plain_runs, a
-    statement without the limit, route and parent machinery."""
-    plain = unlimited_only and routes is None and not skipped and all(e.plain for e in ends)
-    result = libpq.run(conn, _END_PLAIN_RUNS if plain else _END_RUNS, {
+    and may not be (see `claim`)."""
+    result = libpq.run(conn, _END_RUNS, {
         "runs": libpq.array_literal([e.run for e in ends]), "tokens": libpq.array_literal([e.token for e in ends]),
         "statuses": libpq.array_literal([e.status for e in ends]),
         "results": libpq.array_literal([e.result for e in ends]),
@@ -288,7 +267,7 @@ def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes
         "routes": libpq.array_literal(routes), "skipped": libpq.array_literal(list(skipped)),
         **_step_columns([e.last_step for e in ends])})
     successors = libpq.claimed_runs(conn, result, first_column=3)
-    receivers, statuses, exists, whole_claim_wanted, released = [], {}, set(), False, 0
+    receivers, statuses, exists, released = [], {}, set(), 0
     for i in range(result.ntuples):
         kind = result.get_value(i, 0)
         if kind == b"h":
@@ -297,14 +276,12 @@ def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes
             statuses[int(result.get_value(i, 1))] = result.get_value(i, 2).decode()
         elif kind == b"s":
             exists.add(int(result.get_value(i, 1)))
-        elif kind == b"l":
-            whole_claim_wanted = True
         elif kind == b"r":
             released = int(result.get_value(i, 1))
     successors.sort(key=lambda r: r.id)  # UUIDv7: the oldest to the first asking
     given = dict(zip(sorted(receivers), successors))
     return EndedRuns([BatchEnd(statuses.get(n), n in exists, given.get(n)) for n in range(1, len(ends) + 1)],
-                     whole_claim_wanted, released)
+                     released)
 
 
 def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:

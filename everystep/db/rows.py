@@ -24,11 +24,6 @@ class ClaimedRun(NamedTuple):
     slot: int | None = None  # the concurrency slot it was claimed into (None: an unlimited workflow)
     parent: uuid.UUID | None = None  # the run that started it as a child
 
-    @property
-    def ends_plainly(self) -> bool:
-        """Its end frees no concurrency slot and wakes no parent."""
-        return self.slot is None and self.parent is None
-
 
 class Claim(NamedTuple):
     """A run held by a claimer, as its row says: which run, which execution."""
@@ -79,7 +74,6 @@ class EndWrite(NamedTuple):
     error: str | None
     last_step: StepRow | None
     claim: bool  # claim a successor for the slot this end frees
-    plain: bool = False  # its run ends plainly (ClaimedRun.ends_plainly): no slot to free, no parent to wake
 
 
 class BatchEnd(NamedTuple):
@@ -90,7 +84,6 @@ class BatchEnd(NamedTuple):
 
 class EndedRuns(NamedTuple):
     finished: list[BatchEnd]  # for each end
-    whole_claim_wanted: bool  # (end_plain_runs) the whole claim would take runs it does not see: use end_runs
     released: int = 0  # runs these ends released (their last dependency completed: everystep.dags)
 
 

@@ -35,7 +35,7 @@ from everystep import retention
 from everystep.db.rows import RunFilter
 from tests.benchmarks import harness, workflows
 from tests.conftest import Database, find_server
-from tests.support.migrations import migrated_before
+from tests.support.migrations import migrated_before, previous_release
 
 QUICK = {"history": 20_000, "runs": 200, "migrate": 5_000, "repeat": 1}
 CHUNK = 1_000_000  # rows per transaction while generating
@@ -191,8 +191,11 @@ def migrate_in_place(finished: int, runs: int) -> dict:
             conn.execute("VACUUM ANALYZE everystep_step")
         fill_s = time.monotonic() - began
         settle(db)
-        with harness.scratch() as folder, harness.supervisor(db, "history-migrate", folder, migrate=False):
-            # Scheduled as the version before does (its insert): the drain runs across the migration.
+        # A supervisor of the previous version (its code from git: this one needs the queue tables of
+        # 0032), its drain running across the migration.
+        with harness.scratch() as folder, harness.supervisor(db, "history-migrate", folder, migrate=False,
+                                                             code=previous_release(folder / "previous")):
+            # Scheduled as the version before does (its insert).
             with db.connect() as conn:
                 conn.execute("INSERT INTO everystep_workflow (id, name, args, status)"
                              " SELECT gen_random_uuid(), %s, jsonb_build_array(n), 'scheduled'"

@@ -30,6 +30,7 @@ from psycopg import conninfo
 import everystep
 import everystep.db
 from tests.conftest import Database, find_server
+from tests.support.processes import ROOT
 from tests.support.supervisor_process import SupervisorProcess, config
 
 # EVERYSTEP_BENCH_TRACING=1: the supervisor's workers trace every run and step.
@@ -166,11 +167,12 @@ class CpuMeter:
 
 
 @contextlib.contextmanager
-def supervisor(db: Database, name: str, folder: Path, ready: bool = True, **sections) -> Iterator[SupervisorProcess]:
+def supervisor(db: Database, name: str, folder: Path, ready: bool = True, code: Path = ROOT,
+               **sections) -> Iterator[SupervisorProcess]:
     """A real supervisor (2 workers x 8 threads) on the schema, its workers
     holding their locks (unless not `ready`: started, for the caller to wait
     for with wait_ready, as a fleet that starts together does); drained and
-    stopped afterwards."""
+    stopped afterwards. `code`: the checkout it runs (another version's, say)."""
     receiver = None
     if TRACING:
         # Spans of every run and step, exported with OTLP/HTTP to a receiver
@@ -183,7 +185,7 @@ def supervisor(db: Database, name: str, folder: Path, ready: bool = True, **sect
     workers = {"processes": PROCESSES, "threads": THREADS, "poll": 1.0, "drain": 10, **sections.pop("workers", {})}
     imports = sections.pop("imports", ["tests.benchmarks.workflows"])
     document = config(db.url, name, imports=imports, workers=workers, **sections)
-    process = SupervisorProcess(document, folder)
+    process = SupervisorProcess(document, folder, cwd=code)
     try:
         if ready:
             wait_ready(process)

@@ -3,7 +3,9 @@ migrations numbered below a given one, applied as that version applied them."""
 
 from __future__ import annotations
 
+import subprocess
 from importlib import resources
+from pathlib import Path
 
 import psycopg
 
@@ -21,3 +23,19 @@ def migrated_before(server_url: str, schema: str, number: str) -> None:
         for f in files:
             conn.execute(f.read_text())
             conn.execute("INSERT INTO everystep_migration (name) VALUES (%s)", (f.name.removesuffix(".sql"),))
+
+
+def previous_release(dest: Path) -> Path:
+    """The code of the version before the newest migration, from git into
+    `dest`: the parent of the commit that added that migration. Its worker
+    runs on a schema migrated before it (`cwd=dest`: it imports that code)."""
+    newest = sorted(f.name for f in resources.files("everystep.migrations").iterdir() if f.name.endswith(".sql"))[-1]
+    root = Path(__file__).resolve().parents[2]
+    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "-1", "--",
+                            f"everystep/migrations/{newest}"], cwd=root, capture_output=True, text=True, check=True)
+    if not added.stdout.strip():
+        raise AssertionError(f"git has no commit that added {newest}: commit it to run this test")
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "archive", f"{added.stdout.strip()}^"], cwd=root, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest

@@ -32,32 +32,22 @@ SET completed = EXCLUDED.completed, failed = EXCLUDED.failed, cancelled = EXCLUD
 -- engine's time.
 SELECT (SELECT max(minute) FROM everystep_minute WHERE workflow = '*'), everystep_now();
 
+-- name: no_jit_in_transaction
+-- For the rest of the transaction, no JIT compilation: the roll-up reads
+-- little, but its estimates can pass jit_above_cost, and compiling a plan
+-- costs hundreds of milliseconds at every roll-up.
+SELECT set_config('jit', 'off', true);
+
 -- name: sample_queue
 -- The backlog now, into the current minute's figures: per workflow the runs
--- due and not claimed (counted up to `cap`), how long the oldest of them has
--- waited since it was due, and the runs blocked (`cap` of them at most, in
--- all); '*' their totals (the longest wait). The workflows with runs scheduled or waiting are found by
--- a loose scan of everystep_workflow_due_by_name (one probe per name), each
--- one's due runs in the same index, walked in its order (an index-only scan
--- that stops at the cap; a bitmap scan would visit every match's heap page
--- first); the blocked ones in the status index.
-WITH RECURSIVE names(name) AS (
-    (SELECT name FROM everystep_workflow WHERE status IN ('scheduled', 'waiting') ORDER BY name LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.name FROM everystep_workflow w WHERE w.status IN ('scheduled', 'waiting') AND w.name > names.name
-            ORDER BY w.name LIMIT 1)
-    FROM names WHERE names.name IS NOT NULL
-), due AS (
-    SELECT n.name,
-           (SELECT count(*) FROM (SELECT w.due_at FROM everystep_workflow w
-                                  WHERE w.status IN ('scheduled', 'waiting') AND w.name = n.name
-                                    AND w.due_at <= everystep_now()
-                                  ORDER BY w.due_at
-                                  LIMIT %(cap)s) c) AS due,
-           (SELECT extract(epoch FROM everystep_now() - min(w.due_at)) FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND w.name = n.name AND w.due_at <= everystep_now()) AS oldest
-    FROM names n
-    WHERE n.name IS NOT NULL
+-- due and not claimed (everystep_pending, counted up to `cap` in all), how
+-- long the oldest of them has waited since it was due, and the runs blocked
+-- on an unsafe step (`cap` of them at most, in all); '*' their totals (the
+-- longest wait).
+WITH due AS (
+    SELECT p.name, count(*) AS due, extract(epoch FROM everystep_now() - min(p.since)) AS oldest
+    FROM (SELECT name, since FROM everystep_pending LIMIT %(cap)s) p
+    GROUP BY p.name
 ), blocked AS (
     SELECT name, count(*) AS blocked
     FROM (SELECT name FROM everystep_workflow WHERE status = 'blocked' LIMIT %(cap)s) b

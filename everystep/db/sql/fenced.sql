@@ -287,9 +287,8 @@ WITH
         RETURNING workflow_id, result
     ),
     child AS (
-        INSERT INTO everystep_workflow (id, name, args, status, parent_id, limited, deadline_at, priority)
+        INSERT INTO everystep_workflow (id, name, args, status, parent_id, deadline_at, priority)
         SELECT %(child)s::uuid, %(child_name)s, %(args)s::jsonb, 'scheduled', workflow_id,
-               EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(child_name)s::varchar),
                least(w.deadline_at, everystep_now() + make_interval(secs => %(timeout)s::float8)),
                coalesce((SELECT p.priority FROM everystep_priority p WHERE p.name = %(child_name)s::varchar), 0)
         FROM ins, w

@@ -12,18 +12,16 @@
 SELECT set_config('statement_timeout', %(milliseconds)s, false);
 
 -- name: queue_stats
--- Counts of the unfinished statuses, and the age of the oldest pending run
--- by the engine's clock: a waiting run is pending from its due time on, a
--- scheduled one since it was created (or requeued).
-SELECT count(*) FILTER (WHERE status IN ('scheduled', 'waiting') AND due_at <= everystep_now()),
-       count(*) FILTER (WHERE status = 'running'),
-       count(*) FILTER (WHERE status = 'blocked'),
-       coalesce(extract(epoch FROM everystep_now() - min(CASE WHEN status = 'waiting' THEN due_at ELSE created_at END)
-                                           FILTER (WHERE status IN ('scheduled', 'waiting') AND due_at <= everystep_now())),
-                0),
-       count(*) FILTER (WHERE status = 'waiting' AND due_at > everystep_now())
-FROM everystep_workflow
-WHERE status IN ('scheduled', 'waiting', 'running', 'blocked');
+-- Counts of the unfinished runs: due (everystep_pending: ready, blocked for
+-- room, or past their timer), running (held), blocked on an unsafe step (the
+-- only count that reads the run table), the age of the oldest pending run by
+-- the engine's clock (pending since it became due: a scheduled run since it
+-- was created or requeued), and the runs due later.
+SELECT (SELECT count(*) FROM everystep_pending),
+       (SELECT count(*) FROM everystep_claimed),
+       (SELECT count(*) FROM everystep_workflow WHERE status = 'blocked'),
+       coalesce((SELECT extract(epoch FROM everystep_now() - min(since)) FROM everystep_pending), 0),
+       (SELECT count(*) FROM everystep_timer WHERE due_at > everystep_now());
 
 -- name: runners_without_lock
 -- The runner names, among `runners`, whose lock nobody holds, in their order.
@@ -81,10 +79,9 @@ WITH live AS MATERIALIZED (
     )
 )
 SELECT w.name, count(*)
-FROM everystep_workflow w
-WHERE status IN ('scheduled', 'waiting') AND due_at <= everystep_now()
-  AND NOT EXISTS (SELECT 1 FROM live WHERE (live.patterns IS NULL OR w.name LIKE ANY(live.patterns))
-                                        AND w.name <> ALL(live.unknown))
+FROM everystep_pending w
+WHERE NOT EXISTS (SELECT 1 FROM live WHERE (live.patterns IS NULL OR w.name LIKE ANY(live.patterns))
+                                     AND w.name <> ALL(live.unknown))
 GROUP BY w.name
 ORDER BY w.name;
 
@@ -102,31 +99,16 @@ FROM pg_control_system() s;
 
 -- name: fleet_load
 -- The load of a fleet, for an autoscaler (KEDA's postgresql trigger runs this
--- text with its two parameters written in): the fleet's runs `running`, and
--- its runs due now, counted up to `bound` in all (maxReplicaCount x the run
--- slots of a pod: a larger count adds no pod). Bounded whatever the size of
--- the table: the due runs are found per workflow name (a loose scan of
--- everystep_workflow_due_by_name, one probe per name that has runs scheduled
--- or waiting, then at most `bound` entries of each), the running ones in the
--- small partial index everystep_workflow_running (no more entries than the
--- run slots of every fleet). The due runs' ORDER BY is their index's: walked
--- in order, the scan stops at its LIMIT (a bitmap scan would read every
--- match first). `patterns`: the fleet's workers.workflows as LIKE patterns
--- (`routes_of`); ARRAY['%'] for all.
-WITH RECURSIVE names(name) AS (
-    (SELECT name FROM everystep_workflow WHERE status IN ('scheduled', 'waiting') ORDER BY name LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.name FROM everystep_workflow w WHERE w.status IN ('scheduled', 'waiting') AND w.name > names.name
-            ORDER BY w.name LIMIT 1)
-    FROM names WHERE names.name IS NOT NULL
-)
+-- text with its two parameters written in): the fleet's runs held
+-- (everystep_claimed) and ready to run now (everystep_ready), counted up to
+-- `bound` in all (maxReplicaCount x the run slots of a pod: a larger count
+-- adds no pod). Bounded whatever the size of the tables: both hold only the
+-- runs in flight, and the scans stop at the bound. `patterns`: the fleet's
+-- workers.workflows as LIKE patterns (`routes_of`); ARRAY['%'] for all.
 SELECT count(*) FROM (
-    (SELECT FROM everystep_workflow w WHERE w.status = 'running' AND w.name LIKE ANY (%(patterns)s::text[])
-     LIMIT %(bound)s)
+    (SELECT FROM everystep_claimed c WHERE c.name LIKE ANY (%(patterns)s::text[]) LIMIT %(bound)s)
   UNION ALL
-    (SELECT FROM names, LATERAL (SELECT w.due_at FROM everystep_workflow w WHERE w.status IN ('scheduled', 'waiting')
-                                  AND w.name = names.name AND w.due_at <= everystep_now() ORDER BY w.due_at LIMIT %(bound)s) due
-     WHERE names.name LIKE ANY (%(patterns)s::text[]))
+    (SELECT FROM everystep_ready r WHERE r.name LIKE ANY (%(patterns)s::text[]) LIMIT %(bound)s)
   LIMIT %(bound)s
 ) fleet_load;
 

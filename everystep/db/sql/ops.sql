@@ -94,24 +94,14 @@ WHERE w.id = %(run)s;
 -- no parent), linked back to the run it re-runs, and the recorded outcomes
 -- of the steps `step_ids` copied from that run, in their recorded order, so
 -- that replay serves them. Notifies the claimers.
--- Its priority, concurrency key and attributes are the original's (its key
--- made ready as insert_run does); it has no deadline.
+-- Its priority, concurrency key and attributes are the original's; it has
+-- no deadline.
 WITH ins AS (
-    INSERT INTO everystep_workflow (id, name, args, status, limited, rerun_of, priority, concurrency_key, keyed,
-                                    attributes)
-    SELECT %(id)s, w.name, w.args, 'scheduled', k.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name),
-           w.id, w.priority, w.concurrency_key, k.keyed, w.attributes
+    INSERT INTO everystep_workflow (id, name, args, status, rerun_of, priority, concurrency_key, attributes)
+    SELECT %(id)s, w.name, w.args, 'scheduled', w.id, w.priority, w.concurrency_key, w.attributes
     FROM everystep_workflow_all w
-    CROSS JOIN LATERAL (SELECT w.concurrency_key IS NOT NULL
-                               AND EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name) AS keyed) AS k
     WHERE w.id = %(run)s
-    RETURNING id, name, concurrency_key, keyed
-), key_row AS (
-    INSERT INTO everystep_key (name, key)
-    SELECT ins.name, ins.concurrency_key FROM ins
-    WHERE ins.keyed AND NOT EXISTS (SELECT FROM everystep_key k
-                                    WHERE k.name = ins.name AND k.key = ins.concurrency_key AND k.ready)
-    ON CONFLICT (name, key) DO UPDATE SET ready = true
+    RETURNING id
 )
 SELECT id, pg_notify('everystep:' || current_schema(), '')
 FROM ins;

@@ -1,53 +1,22 @@
--- The queue: waiting for runs, claiming them (with the slots of limited
--- workflows), the limits themselves, taking back what a runner holds,
--- counting crashes, the group-committed step rows and ends of runs, and
--- requeues. Read by everystep/db/queue.py.
+-- The queue: waiting for runs, claiming them, the concurrency limits and
+-- their slots, taking back what a runner holds, counting crashes, the
+-- group-committed step rows and ends of runs, and requeues. Read by
+-- everystep/db/queue.py.
+--
+-- Where a run waits is not on its row (0032_ready.sql): a scheduled or
+-- waiting run is in everystep_timer (due later), everystep_blocked (due, no
+-- room in its workflow's limit or its key) or everystep_ready (may run now),
+-- a running one in everystep_claimed. The trigger everystep_queue moves it
+-- at every change of its row's status or due time; the claim is the function
+-- everystep_claim. No statement here repeats a policy of those functions.
 --
 -- Terms used throughout:
 --   everystep_now()  the engine's clock (0012_testing_clock.sql), as in
 --              every statement of everystep/db/sql/: the server's now() in a
---              deployment, which the planner inlines (the plans are those of
---              now()); tests move it.
---   claimable  a run with status IN ('scheduled', 'waiting') AND
---              due_at <= everystep_now(), taken in (due_at, id) order, from one of two lanes
---              (0011_lanes.sql): the runs of unlimited workflows
---              (`NOT limited`), whose partial index
---              everystep_workflow_ready_unlimited (due_at, id) makes the claim
---              a range scan that never reads a run not due yet nor a run of a
---              limited workflow, and stops at the first unlocked entry;
---   claimable of one workflow  and the runs of limited workflows
---              (`limited`), by workflow: the due time compared as
---              (w.name, w.due_at) <= (name, everystep_now()), which only
---              everystep_workflow_ready_limited (name, due_at, id) can serve.
---              Given a name, the planner cannot tell how many claimable runs
---              are that workflow's; walking a (due_at) index for them would
---              read every claimable run of every other workflow first.
---   priority   (0014_priorities.sql) the unlimited lane's runs of priority 0
---              only are in everystep_workflow_ready_unlimited; the others in
---              everystep_workflow_ready_priority (priority DESC, due_at, id),
---              read before (> 0) and after (< 0) them, one priority at a
---              time: high_levels and low_levels are loose scans of the
---              priorities there (one probe each), and per priority the range
---              of its due runs is walked in time order. A limited
---              workflow's runs of another priority than 0 are in
---              everystep_workflow_ready_limited_priority (name, priority
---              DESC, due_at, id): limited_high and limited_low, beside
---              limited, per workflow with free slots.
---   keyed      (0014) the runs with a concurrency key of a workflow with a
---              per-key limit: `keyed` (and `limited`), in
---              everystep_workflow_ready_keyed (name, concurrency_key, due_at,
---              id), claimed through their key's everystep_key row: the ready
---              keys with room, least recently claimed first (round robin).
---   routed     (routes IS NULL OR w.name LIKE ANY(routes)): the workflows a
---              claimer runs, as LIKE patterns (NULL: all); and not one of
---              `skipped` (w.name <> ALL(skipped)), the workflows it found it
---              cannot import (empty: none).
+--              deployment, which the planner inlines; tests move it.
 --   "running"  written as (status = 'running') IS TRUE in the fenced lookups
---              of a run by its primary key, so that no index on status can
---              serve them: seeing few running rows, the planner would
---              otherwise walk the running entries of the status index (dead
---              ones included, thousands of them between two vacuums under
---              load) rather than look the run up.
+--              of a run by its primary key (a habit of the days the status
+--              was indexed: a probe of the primary key whatever the plan).
 --   cancelling (cancel_requested_at IS NOT NULL OR deadline_at <= everystep_now()) IS TRUE:
 --              the run is to be cancelled, asked by everystep.cancel() or
 --              because its deadline passed (0013_timeouts.sql); what a claim
@@ -75,424 +44,34 @@ WHERE runner = %(runner)s;
 
 
 -- name: claim
--- Claim up to %(limit)s claimable runs for this runner, oldest due first:
--- of unlimited workflows from the head of their lane, and of limited ones as
--- far as they have free slots (taken in the same statement); only of
--- workflows matching %(routes)s (LIKE patterns; NULL: every workflow).
---
--- A slot is free when its last run is not running in it any more. A claim
--- that committed after this statement's snapshot has written its newer token
--- on the slot row: the row lock then re-checks the condition on that
--- version, against the run as the snapshot shows it, whose token is older
--- (or NULL): busy. The scalar subquery keeps the check a subplan that the
--- recheck evaluates again (an anti-join would not be). The OFFSET 0 keep the
--- (NOT) EXISTS tests subplans run per row: as joins, the planner (which
--- cannot know that everystep_limit is small) would read and sort every
--- claimable run instead of walking the lane's index to its first unlocked
--- entry.
-WITH RECURSIVE high_levels(priority) AS (
-    (SELECT w.priority FROM everystep_workflow w
-     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-     ORDER BY w.priority DESC
-     LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.priority FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-              AND w.priority < lv.priority
-            ORDER BY w.priority DESC
-            LIMIT 1)
-    FROM high_levels lv
-    WHERE lv.priority IS NOT NULL
-), low_levels(priority) AS (
-    (SELECT w.priority FROM everystep_workflow w
-     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-     ORDER BY w.priority DESC
-     LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.priority FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-              AND w.priority < lv.priority
-            ORDER BY w.priority DESC
-            LIMIT 1)
-    FROM low_levels lv
-    WHERE lv.priority IS NOT NULL
-), free AS (
-    SELECT s.name, s.slot
-    FROM everystep_slot s
-    WHERE (SELECT count(*) FROM everystep_workflow h
-           WHERE h.id = s.run_id
-             AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
-      AND (EXISTS (SELECT 1 FROM everystep_workflow w
-                   WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
-                     AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                     AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-                   OFFSET 0)
-           OR EXISTS (SELECT 1 FROM everystep_workflow w
-                      WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
-                        AND w.name = s.name AND w.due_at <= everystep_now()
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-                      OFFSET 0)
-           OR EXISTS (SELECT 1 FROM everystep_workflow w
-                      WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-                        AND w.name = s.name AND w.due_at <= everystep_now()
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-                      OFFSET 0))
-    LIMIT %(limit)s
-    FOR UPDATE OF s SKIP LOCKED
-), room AS (
-    SELECT name, count(*) AS n FROM free GROUP BY name
-), keys AS (
-    SELECT k.name, k.key,
-           (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)
-             - (SELECT count(*) FROM everystep_workflow r
-                WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
-                  AND r.name = k.name AND r.concurrency_key = k.key) AS n
-    FROM everystep_key k
-    WHERE k.ready AND (SELECT count(*) FROM everystep_workflow h
-           WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
-      AND EXISTS (SELECT 1 FROM everystep_workflow w
-                  WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-                    AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
-                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-                  OFFSET 0)
-      AND (SELECT count(*) FROM everystep_workflow r
-           WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
-             AND r.name = k.name AND r.concurrency_key = k.key)
-          < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)
-    ORDER BY k.claimed_at NULLS FIRST, k.name, k.key
-    LIMIT %(limit)s
-    FOR UPDATE OF k SKIP LOCKED
-), high AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM high_levels lv CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-          AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          AND NOT (w.concurrency_key IS NOT NULL
-                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-        ORDER BY w.due_at, w.id
-        LIMIT %(limit)s
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-    WHERE lv.priority IS NOT NULL
-    LIMIT %(limit)s
-), unlimited AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0
-      AND w.due_at <= everystep_now()
-      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.due_at, w.id
-    LIMIT %(limit)s - (SELECT count(*) FROM high)
-    FOR UPDATE OF w SKIP LOCKED
-), low AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM low_levels lv CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-          AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          AND NOT (w.concurrency_key IS NOT NULL
-                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-        ORDER BY w.due_at, w.id
-        LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-    WHERE lv.priority IS NOT NULL
-    LIMIT %(limit)s - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
-), limited_high AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM room CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority > 0
-          AND w.name = room.name AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-        ORDER BY w.priority DESC, w.due_at, w.id
-        LIMIT least(room.n, %(limit)s)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-), limited AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM room CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
-          AND w.name = room.name AND (w.name, w.due_at) <= (room.name, everystep_now())
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-        ORDER BY w.due_at, w.id
-        LIMIT least(room.n, %(limit)s)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-), limited_low AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM room CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority < 0
-          AND w.name = room.name AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-        ORDER BY w.priority DESC, w.due_at, w.id
-        LIMIT least(room.n, %(limit)s)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-), keyed AS (
-    SELECT w.id, w.name, w.due_at, w.priority, w.concurrency_key
-    FROM keys CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority, w.concurrency_key
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-          AND w.name = keys.name AND w.concurrency_key = keys.key AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-        ORDER BY w.due_at, w.id
-        LIMIT least(keys.n, %(limit)s)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-), candidate AS (
-    SELECT id, name, due_at, priority, NULL::varchar AS ckey, false AS slotted, 1::bigint AS round FROM high
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, false, 1 FROM unlimited
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, false, 1 FROM low
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_high
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_low
-    UNION ALL
-    SELECT id, name, due_at, priority, concurrency_key, EXISTS (SELECT FROM everystep_limit l WHERE l.name = keyed.name),
-           row_number() OVER (PARTITION BY name, concurrency_key ORDER BY due_at, id)
-    FROM keyed
-), ranked AS (
-    SELECT id, name, due_at, priority, ckey, slotted, round,
-           row_number() OVER (PARTITION BY name ORDER BY priority DESC, round, due_at, id) AS k
-    FROM candidate
-), numbered AS (
-    SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k FROM free
-), first AS (
-    SELECT r.id, f.name AS slot_name, f.slot, r.name, r.ckey
-    FROM ranked r LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
-    WHERE NOT r.slotted OR f.slot IS NOT NULL
-    ORDER BY r.priority DESC, r.round, r.due_at, r.id
-    LIMIT %(limit)s
-), picked AS MATERIALIZED (
-    SELECT id, slot_name, slot, name, ckey, nextval('everystep_claim_token') AS token FROM first
-), took AS (
-    UPDATE everystep_slot s SET run_id = p.id, token = p.token
-    FROM picked p
-    WHERE s.name = p.slot_name AND s.slot = p.slot
-), took_keys AS (
-    UPDATE everystep_key k SET run_id = p.id, token = p.token, claimed_at = everystep_now()
-    FROM (SELECT DISTINCT ON (name, ckey) name, ckey, id, token
-          FROM picked WHERE ckey IS NOT NULL
-          ORDER BY name, ckey, token DESC) p
-    WHERE k.name = p.name AND k.key = p.ckey
-)
-UPDATE everystep_workflow w
-SET status = 'running', claimed_by = %(runner)s, claim_token = p.token,
-    slot = CASE WHEN p.ckey IS NULL THEN p.slot ELSE coalesce(p.slot, 0) END
-FROM picked p
-WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
-RETURNING w.id, w.name, w.args,
-    to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
-                  FROM everystep_step s WHERE s.workflow_id = w.id)),
-    w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id;
+-- Claim up to %(limit)s ready runs for this runner, of the workflows matching
+-- %(routes)s (LIKE patterns; NULL: every workflow) and not in %(skipped)s:
+-- everystep_claim (0032_ready.sql), which admits the runs whose time came
+-- and takes the ready ones by priority, then in the order they became ready.
+SELECT * FROM everystep_claim(%(runner)s, %(limit)s, %(routes)s, %(skipped)s);
 
+-- name: resort
+-- After the limits changed, and at every sweep of the maintenance child:
+-- the timers whose time came are admitted (a claim does it too, but none may
+-- run), the ready runs of a workflow limited since they were admitted take a
+-- slot or wait for one, and every workflow with blocked runs admits what its
+-- room allows (0032_ready.sql). How many runs moved.
+SELECT everystep_promote(10000) + everystep_readmit() + everystep_unblock();
 
--- name: claim_unlimited
--- `claim` for a runner of every workflow while the whole claim would take
--- nothing this one does not see: the head of the unlimited lane's index of
--- priority-0 runs, nothing else. Otherwise (`elsewhere`: a due run in the
--- priority lane, one probe of the first entry of
--- everystep_workflow_due_prioritized; a limited workflow with a free slot
--- and runs to claim; a ready key with room and runs to claim: the tests of
--- `end_plain_runs`'s ('l') row) it claims nothing and returns one row of
--- NULLs: the caller takes the whole `claim` then, which orders the
--- priorities and fills the slots. The NOT EXISTS skips a run inserted
--- while its workflow's limit was being set (see 0011_lanes.sql): it is late
--- at worst, never over its limit.
-WITH elsewhere AS MATERIALIZED (
-    -- abs(priority) > 0, as the index's predicate: see 0018_due_prioritized.sql.
-    SELECT EXISTS (SELECT 1 FROM everystep_workflow w
-                   WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND abs(w.priority) > 0
-                     AND w.due_at <= everystep_now())
-        OR EXISTS (SELECT 1 FROM everystep_slot s
-                  WHERE (SELECT count(*) FROM everystep_workflow h
-                         WHERE h.id = s.run_id
-                           AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
-                    AND (EXISTS (SELECT 1 FROM everystep_workflow w
-                                 WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
-                                   AND w.priority = 0
-                                   AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                                 OFFSET 0)
-                         OR EXISTS (SELECT 1 FROM everystep_workflow w
-                                    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
-                                      AND w.priority <> 0 AND w.name = s.name AND w.due_at <= everystep_now()
-                                    OFFSET 0)))
-        OR EXISTS (SELECT 1 FROM everystep_key k
-                  WHERE k.ready AND (SELECT count(*) FROM everystep_workflow h
-                         WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
-                    AND EXISTS (SELECT 1 FROM everystep_workflow w
-                                WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-                                  AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
-                                OFFSET 0)
-                    AND (SELECT count(*) FROM everystep_workflow r
-                         WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
-                           AND r.name = k.name AND r.concurrency_key = k.key)
-                        < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)) AS waiting
-), picked AS MATERIALIZED (
-    SELECT w.id, nextval('everystep_claim_token') AS token
-    FROM (SELECT w.id
-          FROM everystep_workflow w
-          WHERE NOT (SELECT waiting FROM elsewhere)
-            AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0
-            AND w.due_at <= everystep_now()
-            AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-            AND NOT (w.concurrency_key IS NOT NULL
-                     AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-          ORDER BY w.due_at, w.id
-          LIMIT %(limit)s
-          FOR UPDATE OF w SKIP LOCKED) w
-), claimed AS (
-    UPDATE everystep_workflow w
-    SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = NULL
-    FROM picked p
-    WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
-    RETURNING w.id, w.name, w.args,
-        to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
-                      FROM everystep_step s WHERE s.workflow_id = w.id)),
-        w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE,
-        extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
-)
-SELECT * FROM claimed
-UNION ALL
-SELECT NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8, NULL::integer,
-       NULL::uuid
-WHERE (SELECT waiting FROM elsewhere);
-
-
--- name: sort_lanes
--- Every claimable run into the lane of its workflow as the limits stand (see
--- 0011_lanes.sql and 0014_priorities.sql: a run is `keyed` when it has a
--- concurrency key and its workflow a per-key limit, and `limited` when its
--- workflow has a limit or it is keyed), reading only what may be in the
--- wrong lane: the limited and keyed lanes' runs whose workflow has no such
--- limit any more (their own indexes), and the claimable runs of the
--- workflows that have one (by name: the OFFSET 0 keeps that a probe of
--- everystep_workflow_due_by_name per workflow, which a join would turn into
--- a scan of the table), never the whole backlog. A run a claim has locked is
--- waited for (a claim is one short statement): claimed meanwhile, it is not
--- claimable any more and stays as it is. Locked in id order, so that two
--- sorts at once wait for each other rather than deadlock. A run that becomes
--- keyed gets its key's row, ready.
-WITH wrong AS (
-    SELECT w.id
-    FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
-      AND NOT EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
-  UNION ALL
-    SELECT w.id
-    FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
-      AND NOT EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name)
-  UNION ALL
-    SELECT w.id
-    FROM everystep_workflow w
-    WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-      AND NOT EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name)
-  UNION ALL
-    SELECT w.id
-    FROM everystep_limit l
-    CROSS JOIN LATERAL (SELECT w.id
-                        FROM everystep_workflow w
-                        WHERE w.name = l.name AND w.status IN ('scheduled', 'waiting') AND NOT w.limited
-                        OFFSET 0) w
-  UNION ALL
-    SELECT w.id
-    FROM everystep_key_limit kl
-    CROSS JOIN LATERAL (SELECT w.id
-                        FROM everystep_workflow w
-                        WHERE w.name = kl.name AND w.status IN ('scheduled', 'waiting') AND NOT w.keyed
-                          AND w.concurrency_key IS NOT NULL
-                        OFFSET 0) w
-), locked AS (
-    SELECT w.id
-    FROM everystep_workflow w
-    WHERE w.id = ANY(ARRAY(SELECT id FROM wrong))
-    ORDER BY w.id
-    FOR UPDATE OF w
-), lane AS (
-    SELECT w.id,
-           w.concurrency_key IS NOT NULL AND EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name) AS keyed,
-           EXISTS (SELECT FROM everystep_limit l WHERE l.name = w.name) AS limited
-    FROM everystep_workflow w JOIN locked USING (id)
-), moved AS (
-    UPDATE everystep_workflow w
-    SET limited = lane.limited OR lane.keyed, keyed = lane.keyed
-    FROM lane
-    WHERE w.id = lane.id AND w.status IN ('scheduled', 'waiting')
-      AND (w.limited, w.keyed) IS DISTINCT FROM (lane.limited OR lane.keyed, lane.keyed)
-    RETURNING w.id, w.name, w.concurrency_key, w.keyed
-), key_rows AS (
-    INSERT INTO everystep_key (name, key)
-    SELECT DISTINCT name, concurrency_key FROM moved WHERE keyed
-    ON CONFLICT (name, key) DO UPDATE SET ready = true
-)
-SELECT id FROM moved;
-
+-- name: unblock
+-- Blocked runs admitted where there is room (everystep_unblock): a claim
+-- that found nothing ready runs it, for a release and an admission that ran
+-- at once and missed each other.
+SELECT everystep_unblock();
 
 -- name: idle_keys
--- The keys with no claimable and no running run are not ready any more: the
--- claims do not read them (a tenant gone for good costs nothing). Keys a
--- claim or a producer holds are skipped. A producer whose run this sweep's
--- snapshot missed, of a key it found ready, leaves its run to ready_keys.
-WITH idle AS (
-    SELECT k.name, k.key
-    FROM everystep_key k
-    WHERE k.ready
-      AND NOT EXISTS (SELECT FROM everystep_workflow w
-                      WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-                        AND w.name = k.name AND w.concurrency_key = k.key)
-      AND NOT EXISTS (SELECT FROM everystep_workflow r
-                      WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
-                        AND r.name = k.name AND r.concurrency_key = k.key)
-    FOR UPDATE OF k SKIP LOCKED
-)
-UPDATE everystep_key k
-SET ready = false
-FROM idle
-WHERE k.name = idle.name AND k.key = idle.key
+-- The keys with no run admitted or running and none blocked go: a tenant
+-- gone for good costs the pumps nothing. A producer that admits a run of the
+-- key again makes its row again (everystep_take_room).
+DELETE FROM everystep_key k
+WHERE k.held = 0
+  AND NOT EXISTS (SELECT FROM everystep_blocked b WHERE b.name = k.name AND b.ckey = k.key)
 RETURNING k.key;
-
--- name: ready_keys
--- Every key with claimable keyed runs ready, its row made if it has none
--- (the maintenance child's sweep, after idle_keys): reads the keyed lane.
-INSERT INTO everystep_key (name, key)
-SELECT DISTINCT w.name, w.concurrency_key
-FROM everystep_workflow w
-WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-  AND EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = w.name)
-  AND NOT EXISTS (SELECT FROM everystep_key k WHERE k.name = w.name AND k.key = w.concurrency_key AND k.ready)
-ON CONFLICT (name, key) DO UPDATE SET ready = true
-RETURNING key;
-
-
--- name: no_jit_in_transaction
--- For the rest of the transaction, no JIT compilation: sort_lanes reads a few
--- index entries in well under a millisecond, but its estimate (the lanes'
--- anti-join against everystep_limit) is above jit_above_cost, and compiling
--- it took 250 ms at every sweep.
-SELECT set_config('jit', 'off', true);
-
 
 -- name: drop_limits
 -- The workflows whose limit was removed: their slots go with them (FK cascade).
@@ -640,7 +219,8 @@ FROM promised;
 WITH old AS (
     SELECT w.id, w.claim_token
     FROM everystep_workflow w
-    WHERE w.status = 'running' AND w.claimed_by = %(runner)s
+    WHERE w.id = ANY(ARRAY(SELECT c.run_id FROM everystep_claimed c WHERE c.claimed_by = %(runner)s))
+      AND w.status = 'running' AND w.claimed_by = %(runner)s
       AND (w.claim_token IS NULL OR w.claim_token <> ALL(%(executing)s::bigint[]))
     FOR UPDATE
 ), reclaimed AS (
@@ -666,7 +246,8 @@ SELECT * FROM reclaimed;
 -- name: held_claims
 SELECT id, claim_token
 FROM everystep_workflow
-WHERE status = 'running' AND claimed_by = %(runner)s;
+WHERE id = ANY(ARRAY(SELECT c.run_id FROM everystep_claimed c WHERE c.claimed_by = %(runner)s))
+  AND status = 'running' AND claimed_by = %(runner)s;
 
 -- name: cancel_requests
 -- Which of these executions of the runner (their tokens) have a cancel
@@ -674,13 +255,14 @@ WHERE status = 'running' AND claimed_by = %(runner)s;
 -- their async steps.
 SELECT claim_token
 FROM everystep_workflow
-WHERE status = 'running' AND claimed_by = %(runner)s AND claim_token = ANY(%(tokens)s::bigint[])
+WHERE id = ANY(ARRAY(SELECT c.run_id FROM everystep_claimed c WHERE c.claimed_by = %(runner)s))
+  AND status = 'running' AND claimed_by = %(runner)s AND claim_token = ANY(%(tokens)s::bigint[])
   AND (cancel_requested_at IS NOT NULL OR deadline_at <= everystep_now());
 
 -- name: running_claimers
 SELECT DISTINCT claimed_by
-FROM everystep_workflow
-WHERE status = 'running' AND claimed_by IS NOT NULL;
+FROM everystep_claimed
+WHERE claimed_by IS NOT NULL;
 
 
 -- name: count_crashes
@@ -745,46 +327,17 @@ JOIN w ON w.id = i.run;
 -- name: end_runs
 -- End runs of this runner's executions, each fenced by its own token, each
 -- with the row of its last step when it has one (not ended if that row is
--- there already), and claim one successor per ended run that asks for one,
--- as `claim` does (gated and counted by `held`: the runs this statement's
--- snapshot shows held by their executions; the slot of a run this statement
--- ends is free for its successor, though the snapshot shows it running).
--- Children that end wake their parents. The claim runs first, before the
--- ending UPDATE can wait on a row lock: a snapshot grown stale in such a
--- wait would make the claim lock runs other claimers took meanwhile, and
--- hold those locks to the commit, stalling their ends in turn.
+-- there already), and claim one successor per ended run that asks for one
+-- (everystep_claim, as `claim`). The claim runs first, before the ending
+-- UPDATE can wait on a row lock: its own statements take their snapshots
+-- as they run. The room an ended run held goes to the next blocked run in
+-- this transaction (the trigger of 0032_ready.sql); children that end wake
+-- their parents; runs others depend on settle their dependents.
 -- Rows: ('c', NULL, NULL, claimed run...) for the successors; ('h', n) for
 -- the ends that asked for one, in order (the successors are theirs in that
 -- order); ('e', n, status) for the ends written; ('s', n) for the ends whose
--- last step's row exists; ('n', ...) when it woke the claimers (a freed slot
--- no successor took, or a parent made due).
-WITH RECURSIVE high_levels(priority) AS (
-    (SELECT w.priority FROM everystep_workflow w
-     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-     ORDER BY w.priority DESC
-     LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.priority FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-              AND w.priority < lv.priority
-            ORDER BY w.priority DESC
-            LIMIT 1)
-    FROM high_levels lv
-    WHERE lv.priority IS NOT NULL
-), low_levels(priority) AS (
-    (SELECT w.priority FROM everystep_workflow w
-     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-     ORDER BY w.priority DESC
-     LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.priority FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-              AND w.priority < lv.priority
-            ORDER BY w.priority DESC
-            LIMIT 1)
-    FROM low_levels lv
-    WHERE lv.priority IS NOT NULL
-), i AS (
+-- last step's row exists; ('r', n) the dependents released.
+WITH i AS (
     SELECT *
     FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
                 %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
@@ -793,7 +346,7 @@ WITH RECURSIVE high_levels(priority) AS (
         WITH ORDINALITY AS i(run, token, status, result, error, claim, step_id, step_name, args, kwargs,
                              step_status, step_result, step_error, started_at, finished_at, n)
 ), fenced AS MATERIALIZED (
-    SELECT i.*, w.name AS workflow, w.slot,
+    SELECT i.*,
            i.step_id IS NOT NULL AND EXISTS (SELECT 1 FROM everystep_step s
                                              WHERE s.workflow_id = i.run AND s.step_id = i.step_id) AS step_exists
     FROM i JOIN everystep_workflow w ON w.id = i.run
@@ -801,202 +354,9 @@ WITH RECURSIVE high_levels(priority) AS (
       AND w.claim_token = i.token
 ), held AS (
     SELECT * FROM fenced WHERE NOT step_exists
-), free AS (
-    SELECT s.name, s.slot
-    FROM everystep_slot s
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-      AND ((SELECT count(*) FROM everystep_workflow h
-            WHERE h.id = s.run_id
-              AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
-           OR EXISTS (SELECT 1 FROM held WHERE held.workflow = s.name AND held.slot = s.slot))
-      AND (EXISTS (SELECT 1 FROM everystep_workflow w
-                   WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
-                     AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                     AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-                   OFFSET 0)
-           OR EXISTS (SELECT 1 FROM everystep_workflow w
-                      WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority <> 0
-                        AND w.name = s.name AND w.due_at <= everystep_now()
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-                      OFFSET 0)
-           OR EXISTS (SELECT 1 FROM everystep_workflow w
-                      WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-                        AND w.name = s.name AND w.due_at <= everystep_now()
-                        AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-                      OFFSET 0))
-    LIMIT (SELECT count(*) FROM held WHERE held.claim)
-    FOR UPDATE OF s SKIP LOCKED
-), room AS (
-    SELECT name, count(*) AS n FROM free GROUP BY name
-), keys AS (
-    SELECT k.name, k.key,
-           (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)
-             - (SELECT count(*) FROM everystep_workflow r
-                WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
-                  AND r.name = k.name AND r.concurrency_key = k.key
-                  AND NOT EXISTS (SELECT 1 FROM held WHERE held.run = r.id)) AS n
-    FROM everystep_key k
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-      AND k.ready AND (SELECT count(*) FROM everystep_workflow h
-           WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
-      AND EXISTS (SELECT 1 FROM everystep_workflow w
-                  WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-                    AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
-                    AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-                  OFFSET 0)
-      AND (SELECT count(*) FROM everystep_workflow r
-           WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
-             AND r.name = k.name AND r.concurrency_key = k.key
-             AND NOT EXISTS (SELECT 1 FROM held WHERE held.run = r.id))
-          < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name)
-    ORDER BY k.claimed_at NULLS FIRST, k.name, k.key
-    LIMIT (SELECT count(*) FROM held WHERE held.claim)
-    FOR UPDATE OF k SKIP LOCKED
-), high AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM high_levels lv CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority > 0
-          AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          AND NOT (w.concurrency_key IS NOT NULL
-                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-        ORDER BY w.due_at, w.id
-        LIMIT (SELECT count(*) FROM held WHERE held.claim)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
-    LIMIT (SELECT count(*) FROM held WHERE held.claim)
-), unlimited AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM everystep_workflow w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim)
-      AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0
-      AND w.due_at <= everystep_now()
-      AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.due_at, w.id
-    LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high)
-    FOR UPDATE OF w SKIP LOCKED
-), low AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM low_levels lv CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority < 0
-          AND w.priority = lv.priority AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-          AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-          AND NOT (w.concurrency_key IS NOT NULL
-                   AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-        ORDER BY w.due_at, w.id
-        LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND lv.priority IS NOT NULL
-    LIMIT (SELECT count(*) FROM held WHERE held.claim) - (SELECT count(*) FROM high) - (SELECT count(*) FROM unlimited)
-), limited_high AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM room CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority > 0
-          AND w.name = room.name AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-        ORDER BY w.priority DESC, w.due_at, w.id
-        LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-), limited AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM room CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority = 0
-          AND w.name = room.name AND (w.name, w.due_at) <= (room.name, everystep_now())
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-        ORDER BY w.due_at, w.id
-        LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-), limited_low AS (
-    SELECT w.id, w.name, w.due_at, w.priority
-    FROM room CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed AND w.priority < 0
-          AND w.name = room.name AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-        ORDER BY w.priority DESC, w.due_at, w.id
-        LIMIT least(room.n, (SELECT count(*) FROM held WHERE held.claim))
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-), keyed AS (
-    SELECT w.id, w.name, w.due_at, w.priority, w.concurrency_key
-    FROM keys CROSS JOIN LATERAL (
-        SELECT w.id, w.name, w.due_at, w.priority, w.concurrency_key
-        FROM everystep_workflow w
-        WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-          AND w.name = keys.name AND w.concurrency_key = keys.key AND w.due_at <= everystep_now()
-          AND (%(routes)s::text[] IS NULL OR w.name LIKE ANY(%(routes)s::text[])) AND w.name <> ALL(%(skipped)s::text[])
-        ORDER BY w.due_at, w.id
-        LIMIT least(keys.n, (SELECT count(*) FROM held WHERE held.claim))
-        FOR UPDATE OF w SKIP LOCKED
-    ) w
-), candidate AS (
-    SELECT id, name, due_at, priority, NULL::varchar AS ckey, false AS slotted, 1::bigint AS round FROM high
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, false, 1 FROM unlimited
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, false, 1 FROM low
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_high
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited
-    UNION ALL
-    SELECT id, name, due_at, priority, NULL, true, 1 FROM limited_low
-    UNION ALL
-    SELECT id, name, due_at, priority, concurrency_key, EXISTS (SELECT FROM everystep_limit l WHERE l.name = keyed.name),
-           row_number() OVER (PARTITION BY name, concurrency_key ORDER BY due_at, id)
-    FROM keyed
-), ranked AS (
-    SELECT id, name, due_at, priority, ckey, slotted, round,
-           row_number() OVER (PARTITION BY name ORDER BY priority DESC, round, due_at, id) AS k
-    FROM candidate
-), numbered AS (
-    SELECT name, slot, row_number() OVER (PARTITION BY name ORDER BY slot) AS k FROM free
-), first AS (
-    SELECT r.id, f.name AS slot_name, f.slot, r.name, r.ckey
-    FROM ranked r LEFT JOIN numbered f ON f.name = r.name AND f.k = r.k
-    WHERE NOT r.slotted OR f.slot IS NOT NULL
-    ORDER BY r.priority DESC, r.round, r.due_at, r.id
-    LIMIT (SELECT count(*) FROM held WHERE held.claim)
-), picked AS MATERIALIZED (
-    SELECT id, slot_name, slot, name, ckey, nextval('everystep_claim_token') AS token FROM first
-), took AS (
-    UPDATE everystep_slot s SET run_id = p.id, token = p.token
-    FROM picked p
-    WHERE s.name = p.slot_name AND s.slot = p.slot
-), took_keys AS (
-    UPDATE everystep_key k SET run_id = p.id, token = p.token, claimed_at = everystep_now()
-    FROM (SELECT DISTINCT ON (name, ckey) name, ckey, id, token
-          FROM picked WHERE ckey IS NOT NULL
-          ORDER BY name, ckey, token DESC) p
-    WHERE k.name = p.name AND k.key = p.ckey
-), claimed AS (
-    UPDATE everystep_workflow w
-    SET status = 'running', claimed_by = %(runner)s, claim_token = p.token,
-        slot = CASE WHEN p.ckey IS NULL THEN p.slot ELSE coalesce(p.slot, 0) END
-    FROM picked p
-    WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
-    RETURNING w.id, w.name, w.args,
-        to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
-                      FROM everystep_step s WHERE s.workflow_id = w.id)),
-        w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
+), claimed AS MATERIALIZED (
+    SELECT * FROM everystep_claim(%(runner)s, (SELECT count(*) FROM held WHERE held.claim)::integer,
+                                  %(routes)s::text[], %(skipped)s::text[])
 ), ended AS (
     -- A cancel request that reached the row before the end wins over every
     -- other end but `blocked`: the run is `cancelled` (what the body returned
@@ -1014,7 +374,7 @@ WITH RECURSIVE high_levels(priority) AS (
     FROM held h
     WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
       AND w.claimed_by = %(runner)s AND w.claim_token = h.token
-    RETURNING h.n, w.id, w.status, w.name, w.slot, w.parent_id, w.dependents
+    RETURNING h.n, w.id, w.status, w.parent_id, w.dependents
 ), step AS (
     INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
                                 started_at, finished_at)
@@ -1031,7 +391,6 @@ WITH RECURSIVE high_levels(priority) AS (
     FROM (SELECT parent_id, array_agg('child:' || id) AS waits
           FROM ended WHERE parent_id IS NOT NULL GROUP BY parent_id) e
     WHERE p.id = e.parent_id
-    RETURNING p.status = 'waiting' AND p.waiting_on = ANY(e.waits) AS due
 ), settled AS (
     -- Runs others depend on release or cancel their dependents in this
     -- transaction (everystep_settle, 0031_dags.sql), plain runs skip it.
@@ -1052,142 +411,6 @@ UNION ALL
 SELECT 's', n, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
        NULL::integer, NULL::uuid
 FROM fenced WHERE step_exists
-UNION ALL
-SELECT 'n', NULL, pg_notify('everystep:' || current_schema(), '')::text, NULL::uuid, NULL::varchar, NULL::jsonb,
-       NULL::json, NULL::bigint, NULL::boolean, NULL::float8, NULL::integer, NULL::uuid
-WHERE EXISTS (SELECT FROM ended
-              WHERE ended.slot IS NOT NULL
-                AND NOT EXISTS (SELECT FROM picked WHERE picked.slot_name = ended.name AND picked.slot = ended.slot))
-   OR EXISTS (SELECT FROM woke WHERE due)
-UNION ALL
-SELECT 'r', released, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean,
-       NULL::float8, NULL::integer, NULL::uuid
-FROM settled;
-
-
--- name: end_plain_runs
--- `end_runs` for ends that free no slot and wake no parent (their runs are
--- of unlimited workflows, and have no parent), of a runner of every
--- workflow, while no limited workflow has a free slot and no run of another
--- priority than 0 is due in the unlimited lane: successors come from the head
--- of that lane's priority-0 runs (as in `claim_unlimited`). Rows as for
--- `end_runs`, and ('l') when the whole claim would take runs this one does
--- not see: a limited workflow has a free slot and runs to claim, or a run of
--- another priority is due (then this one claims none); the caller goes back
--- to `end_runs` then.
-WITH prioritized AS MATERIALIZED (
-    -- abs(priority) > 0, as the index's predicate: see 0018_due_prioritized.sql.
-    SELECT EXISTS (SELECT 1 FROM everystep_workflow w
-                   WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND abs(w.priority) > 0
-                     AND w.due_at <= everystep_now()) AS waiting
-), i AS (
-    SELECT *
-    FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
-                %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
-                %(args)s::text[], %(kwargs)s::text[], %(status)s::text[], %(result)s::text[],
-                %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[])
-        WITH ORDINALITY AS i(run, token, status, result, error, claim, step_id, step_name, args, kwargs,
-                             step_status, step_result, step_error, started_at, finished_at, n)
-), fenced AS MATERIALIZED (
-    SELECT i.*,
-           i.step_id IS NOT NULL AND EXISTS (SELECT 1 FROM everystep_step s
-                                             WHERE s.workflow_id = i.run AND s.step_id = i.step_id) AS step_exists
-    FROM i JOIN everystep_workflow w ON w.id = i.run
-    WHERE w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE AND w.claimed_by = %(runner)s
-      AND w.claim_token = i.token
-), held AS (
-    SELECT * FROM fenced WHERE NOT step_exists
-), plain AS (
-    SELECT w.id
-    FROM everystep_workflow w
-    WHERE EXISTS (SELECT 1 FROM held WHERE held.claim) AND NOT (SELECT waiting FROM prioritized)
-      AND w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority = 0 AND w.due_at <= everystep_now()
-      AND NOT EXISTS (SELECT 1 FROM everystep_limit l WHERE l.name = w.name OFFSET 0)
-      AND NOT (w.concurrency_key IS NOT NULL
-               AND EXISTS (SELECT 1 FROM everystep_key_limit kl WHERE kl.name = w.name OFFSET 0))
-    ORDER BY w.due_at, w.id
-    LIMIT (SELECT count(*) FROM held WHERE held.claim)
-    FOR UPDATE OF w SKIP LOCKED
-), picked AS MATERIALIZED (
-    SELECT id, nextval('everystep_claim_token') AS token
-    FROM plain
-), claimed AS (
-    UPDATE everystep_workflow w
-    SET status = 'running', claimed_by = %(runner)s, claim_token = p.token, slot = NULL
-    FROM picked p
-    WHERE w.id = p.id AND w.id = ANY(ARRAY(SELECT id FROM picked))
-    RETURNING w.id, w.name, w.args,
-        to_json(ARRAY(SELECT json_build_array(s.step_id, s.name, s.status, s.result, s.error, s.attempts)
-                      FROM everystep_step s WHERE s.workflow_id = w.id)),
-        w.claim_token, (w.cancel_requested_at IS NOT NULL OR w.deadline_at <= everystep_now()) IS TRUE, extract(epoch FROM everystep_now())::float8, w.slot, w.parent_id
-), ended AS (
-    UPDATE everystep_workflow w
-    SET status = CASE WHEN (w.cancel_requested_at IS NULL AND (w.deadline_at <= everystep_now()) IS NOT TRUE)
-                           OR h.status = 'blocked' THEN h.status ELSE 'cancelled' END,
-        result = h.result::jsonb, error = h.error::jsonb,
-        completed_at = CASE WHEN h.status = 'blocked' THEN NULL ELSE everystep_now() END,
-        cancel_reason = CASE WHEN w.cancel_requested_at IS NULL AND w.deadline_at <= everystep_now()
-                                  AND h.status <> 'blocked' THEN 'deadline' ELSE w.cancel_reason END
-    FROM held h
-    WHERE w.id = h.run AND w.id = ANY(%(runs)s::uuid[]) AND (w.status = 'running') IS TRUE
-      AND w.claimed_by = %(runner)s AND w.claim_token = h.token
-    RETURNING h.n, w.id, w.status, w.dependents
-), step AS (
-    INSERT INTO everystep_step (workflow_id, step_id, name, args, kwargs, status, result, error, claim_token,
-                                started_at, finished_at)
-    SELECT i.run, i.step_id, i.step_name, i.args::jsonb, i.kwargs::jsonb, i.step_status, i.step_result::jsonb,
-           i.step_error::jsonb, i.token, to_timestamp(i.started_at), to_timestamp(i.finished_at)
-    FROM ended JOIN i USING (n)
-    WHERE i.step_id IS NOT NULL
-    ON CONFLICT (workflow_id, step_id) DO NOTHING
-), settled AS (
-    -- Runs others depend on release or cancel their dependents in this
-    -- transaction (everystep_settle, 0031_dags.sql), plain runs skip it.
-    SELECT everystep_settle(array_agg(id), array_agg(status)) AS released
-    FROM ended WHERE dependents
-    HAVING count(*) > 0
-)
-SELECT 'c', NULL::bigint, NULL::text, claimed.* FROM claimed
-UNION ALL
-SELECT 'h', n, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
-       NULL::integer, NULL::uuid
-FROM held WHERE claim
-UNION ALL
-SELECT 'e', n, status, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
-       NULL::integer, NULL::uuid
-FROM ended
-UNION ALL
-SELECT 's', n, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
-       NULL::integer, NULL::uuid
-FROM fenced WHERE step_exists
-UNION ALL
-SELECT 'l', NULL, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
-       NULL::integer, NULL::uuid
-WHERE (SELECT waiting FROM prioritized)
-   OR EXISTS (SELECT 1 FROM everystep_slot s
-              WHERE (SELECT count(*) FROM everystep_workflow h
-                     WHERE h.id = s.run_id
-                       AND ((h.status = 'running' AND h.slot = s.slot) OR coalesce(h.claim_token, 0) < s.token)) = 0
-                AND (EXISTS (SELECT 1 FROM everystep_workflow w
-                             WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
-                               AND w.priority = 0
-                               AND w.name = s.name AND (w.name, w.due_at) <= (s.name, everystep_now())
-                             OFFSET 0)
-                     OR EXISTS (SELECT 1 FROM everystep_workflow w
-                                WHERE w.status IN ('scheduled', 'waiting') AND w.limited AND NOT w.keyed
-                                  AND w.priority <> 0 AND w.name = s.name AND w.due_at <= everystep_now()
-                                OFFSET 0)))
-   OR EXISTS (SELECT 1 FROM everystep_key k
-              WHERE k.ready AND (SELECT count(*) FROM everystep_workflow h
-                     WHERE h.id = k.run_id AND coalesce(h.claim_token, 0) < k.token) = 0
-                AND EXISTS (SELECT 1 FROM everystep_workflow w
-                            WHERE w.status IN ('scheduled', 'waiting') AND w.keyed
-                              AND w.name = k.name AND w.concurrency_key = k.key AND w.due_at <= everystep_now()
-                            OFFSET 0)
-                AND (SELECT count(*) FROM everystep_workflow r
-                     WHERE r.status = 'running' AND r.concurrency_key IS NOT NULL
-                       AND r.name = k.name AND r.concurrency_key = k.key)
-                    < (SELECT kl.per_key FROM everystep_key_limit kl WHERE kl.name = k.name))
 UNION ALL
 SELECT 'r', released, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean,
        NULL::float8, NULL::integer, NULL::uuid
@@ -1219,7 +442,8 @@ FROM q;
 WITH q AS (
     UPDATE everystep_workflow
     SET status = 'scheduled', claimed_by = NULL
-    WHERE status = 'running' AND claimed_by = %(claimer)s
+    WHERE id = ANY(ARRAY(SELECT c.run_id FROM everystep_claimed c WHERE c.claimed_by = %(claimer)s))
+      AND status = 'running' AND claimed_by = %(claimer)s
     RETURNING id, claim_token
 ), ended AS (
     INSERT INTO everystep_execution (run_id, token, claimer, outcome)
@@ -1249,36 +473,8 @@ FROM q;
 
 
 -- name: next_due_in
--- Seconds until the earliest waiting run is due (database time): a min()
--- on each lane's index; the priority lane's is ordered by priority first, so
--- its min() is one probe per priority it holds (levels: a loose scan of its
--- distinct priorities, one index probe each).
-WITH RECURSIVE levels(priority) AS (
-    (SELECT w.priority FROM everystep_workflow w
-     WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority <> 0
-     ORDER BY w.priority DESC
-     LIMIT 1)
-  UNION ALL
-    SELECT (SELECT w.priority FROM everystep_workflow w
-            WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority <> 0
-              AND w.priority < lv.priority
-            ORDER BY w.priority DESC
-            LIMIT 1)
-    FROM levels lv
-    WHERE lv.priority IS NOT NULL
-)
-SELECT extract(epoch FROM least(
-    (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND priority = 0 AND due_at > everystep_now()),
-    (SELECT min((SELECT min(w.due_at) FROM everystep_workflow w
-                 WHERE w.status IN ('scheduled', 'waiting') AND NOT w.limited AND w.priority <> 0
-                   AND w.priority = lv.priority AND w.due_at > everystep_now()))
-     FROM levels lv WHERE lv.priority IS NOT NULL),
-    (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority = 0
-       AND due_at > everystep_now()),
-    (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND limited AND NOT keyed AND priority <> 0
-       AND due_at > everystep_now()),
-    (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND keyed AND due_at > everystep_now())) - everystep_now());
+-- Seconds until the earliest timer is due (database time; <= 0: one is due
+-- and the next claim admits it), one probe of its index; NULL when none.
+-- Ready runs are not counted: a worker with a free slot claims them, and
+-- is notified of new ones.
+SELECT extract(epoch FROM (SELECT min(due_at) FROM everystep_timer) - everystep_now());

@@ -14,32 +14,19 @@
 -- against the history's by everystep_key_archived (0017_history.sql). Its
 -- priority: %(priority)s, else its workflow's default as the workers wrote it (everystep_priority), else %(default_priority)s (the
 -- decorator's). Its attributes (0022_attributes.sql): a JSON object, or
--- NULL. With a concurrency key of a workflow with a per-key limit,
--- the run is keyed (0014_priorities.sql) and its key has a row, ready (a
--- key already ready is only read, not written: producers of one key do not
--- queue on its row).
-WITH opt AS (
-    SELECT coalesce(%(priority)s::smallint,
-                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
-                    %(default_priority)s::smallint) AS priority,
-           %(ckey)s::varchar IS NOT NULL
-               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
-), ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, limited, priority,
-                                    concurrency_key, keyed, attributes)
+-- NULL. Where it waits (ready, or blocked for its workflow's slot or its
+-- key's room) is the trigger's (0032_ready.sql).
+WITH ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, priority,
+                                    concurrency_key, attributes)
     SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s, 'scheduled', %(trace)s::jsonb,
-           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), opt.priority,
-           %(ckey)s, opt.keyed, %(attributes)s::jsonb
-    FROM opt
+           coalesce(%(priority)s::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
+                    %(default_priority)s::smallint),
+           %(ckey)s, %(attributes)s::jsonb
     WHERE CASE WHEN %(key)s::varchar IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s, %(key)s) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, keyed
-), key_row AS (
-    INSERT INTO everystep_key (name, key)
-    SELECT %(name)s, %(ckey)s FROM ins
-    WHERE ins.keyed AND NOT EXISTS (SELECT FROM everystep_key k
-                                    WHERE k.name = %(name)s::varchar AND k.key = %(ckey)s::varchar AND k.ready)
-    ON CONFLICT (name, key) DO UPDATE SET ready = true
+    RETURNING id
 )
 SELECT id, everystep_wake()
 FROM ins;
@@ -50,35 +37,24 @@ FROM ins;
 -- come already). Its deadline (0013_timeouts.sql) is the earliest of
 -- `deadline`, `deadline_in` seconds from now and `timeout` seconds from its
 -- due time (all NULL: none); it is due at its deadline at the latest. Its
--- priority and key as for insert_run.
-WITH opt AS (
-    SELECT coalesce(%(priority)s::smallint,
-                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
-                    %(default_priority)s::smallint) AS priority,
-           %(ckey)s::varchar IS NOT NULL
-               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
-), ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at, limited,
-                                    deadline_at, priority, concurrency_key, keyed, attributes)
+-- priority as for insert_run.
+WITH ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, trace_context, due_at,
+                                    deadline_at, priority, concurrency_key, attributes)
     SELECT %(id)s, %(name)s, %(args)s::jsonb, %(key)s,
            CASE WHEN least(due.at, due.deadline) > everystep_now() THEN 'waiting' ELSE 'scheduled' END,
-           %(trace)s::jsonb, greatest(least(due.at, due.deadline), everystep_now()),
-           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar), due.deadline,
-           opt.priority, %(ckey)s, opt.keyed, %(attributes)s::jsonb
+           %(trace)s::jsonb, greatest(least(due.at, due.deadline), everystep_now()), due.deadline,
+           coalesce(%(priority)s::smallint,
+                    (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
+                    %(default_priority)s::smallint),
+           %(ckey)s, %(attributes)s::jsonb
     FROM (SELECT a.at, least(%(deadline)s::timestamptz, everystep_now() + make_interval(secs => %(deadline_in)s::float8),
                              greatest(a.at, everystep_now()) + make_interval(secs => %(timeout)s::float8)) AS deadline
           FROM (SELECT coalesce(%(at)s::timestamptz, everystep_now() + make_interval(secs => %(after)s::float8),
-                                everystep_now()) AS at) AS a) AS due,
-         opt
+                                everystep_now()) AS at) AS a) AS due
     WHERE CASE WHEN %(key)s::varchar IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s, %(key)s) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, keyed
-), key_row AS (
-    INSERT INTO everystep_key (name, key)
-    SELECT %(name)s, %(ckey)s FROM ins
-    WHERE ins.keyed AND NOT EXISTS (SELECT FROM everystep_key k
-                                    WHERE k.name = %(name)s::varchar AND k.key = %(ckey)s::varchar AND k.ready)
-    ON CONFLICT (name, key) DO UPDATE SET ready = true
+    RETURNING id
 )
 SELECT id, everystep_wake()
 FROM ins;
@@ -91,67 +67,45 @@ WHERE name = %(name)s AND idempotency_key = %(key)s;
 
 -- name: insert_runs
 -- Many scheduled runs of one workflow in one statement (one notification at
--- most). The arrays go in binary (no array literal for the server to
+-- most; where each waits is the trigger's, 0032_ready.sql). The arrays go in binary (no array literal for the server to
 -- parse); only the ids of created runs with a key come back. `timeout`:
 -- their workflow's (@workflow(timeout=)), their deadline that many seconds
--- from now (NULL: none). Their priority, and their concurrency key (one
--- for all), as for insert_run; `attributes`: each run's JSON object, or NULL.
-WITH opt AS (
-    SELECT %(ckey)b::varchar IS NOT NULL
-               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)b::varchar) AS keyed
-), ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority, concurrency_key,
-                                    keyed, deadline_at, attributes)
+-- from now (NULL: none). Their priority as for insert_run, their
+-- concurrency key one for all; `attributes`: each run's JSON object, or NULL.
+WITH ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, priority, concurrency_key,
+                                    deadline_at, attributes)
     SELECT id, %(name)b::varchar, args::jsonb, key, 'scheduled',
-           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)b::varchar),
            coalesce(%(priority)b::smallint,
                     (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)b::varchar),
                     %(default_priority)b::smallint),
-           %(ckey)b::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)b::float8),
+           %(ckey)b::varchar, everystep_now() + make_interval(secs => %(timeout)b::float8),
            attributes::jsonb
     FROM unnest(%(ids)b::uuid[], %(args)b::text[], %(keys)b::text[], %(attributes)b::text[])
-             AS t(id, args, key, attributes), opt
+             AS t(id, args, key, attributes)
     WHERE CASE WHEN key IS NULL THEN true ELSE NOT everystep_key_archived(%(name)b::varchar, key) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
-), key_row AS (
-    INSERT INTO everystep_key (name, key)
-    SELECT %(name)b::varchar, %(ckey)b::varchar
-    WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
-      AND NOT EXISTS (SELECT FROM everystep_key k
-                      WHERE k.name = %(name)b::varchar AND k.key = %(ckey)b::varchar AND k.ready)
-    ON CONFLICT (name, key) DO UPDATE SET ready = true
+    RETURNING id, idempotency_key IS NOT NULL AS with_key
 )
 SELECT ARRAY(SELECT id FROM ins WHERE with_key), everystep_wake();
 
 -- name: insert_runs_text
 -- insert_runs with its parameters in text, for the connections that bind
 -- parameters on the client (Django's cursor), which cannot send binary ones.
-WITH opt AS (
-    SELECT %(ckey)s::varchar IS NOT NULL
-               AND EXISTS (SELECT FROM everystep_key_limit k WHERE k.name = %(name)s::varchar) AS keyed
-), ins AS (
-    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, limited, priority, concurrency_key,
-                                    keyed, deadline_at, attributes)
+WITH ins AS (
+    INSERT INTO everystep_workflow (id, name, args, idempotency_key, status, priority, concurrency_key,
+                                    deadline_at, attributes)
     SELECT id, %(name)s::varchar, args::jsonb, key, 'scheduled',
-           opt.keyed OR EXISTS (SELECT FROM everystep_limit l WHERE l.name = %(name)s::varchar),
            coalesce(%(priority)s::smallint,
                     (SELECT p.priority FROM everystep_priority p WHERE p.name = %(name)s::varchar),
                     %(default_priority)s::smallint),
-           %(ckey)s::varchar, opt.keyed, everystep_now() + make_interval(secs => %(timeout)s::float8),
+           %(ckey)s::varchar, everystep_now() + make_interval(secs => %(timeout)s::float8),
            attributes::jsonb
     FROM unnest(%(ids)s::uuid[], %(args)s::text[], %(keys)s::text[], %(attributes)s::text[])
-             AS t(id, args, key, attributes), opt
+             AS t(id, args, key, attributes)
     WHERE CASE WHEN key IS NULL THEN true ELSE NOT everystep_key_archived(%(name)s::varchar, key) END
     ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, idempotency_key IS NOT NULL AS with_key, keyed
-), key_row AS (
-    INSERT INTO everystep_key (name, key)
-    SELECT %(name)s::varchar, %(ckey)s::varchar
-    WHERE EXISTS (SELECT FROM ins WHERE ins.keyed)
-      AND NOT EXISTS (SELECT FROM everystep_key k
-                      WHERE k.name = %(name)s::varchar AND k.key = %(ckey)s::varchar AND k.ready)
-    ON CONFLICT (name, key) DO UPDATE SET ready = true
+    RETURNING id, idempotency_key IS NOT NULL AS with_key
 )
 SELECT ARRAY(SELECT id FROM ins WHERE with_key), everystep_wake();
 

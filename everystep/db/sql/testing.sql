@@ -27,16 +27,12 @@ SELECT everystep_set_clock(pg_catalog.now(), false);
 
 -- name: next_due_moment
 -- The earliest moment after now (the engine's) and up to `until` when
--- something is due: a waiting run's due time (in either lane of
--- 0011_lanes.sql), a live recurring schedule's next fire time. NULL when
--- nothing is due by then (least() ignores the NULLs of what has none).
+-- something is due: a waiting run's timer (0032_ready.sql), a live
+-- recurring schedule's next fire time. NULL when nothing is due by then
+-- (least() ignores the NULLs of what has none).
 SELECT least(
-    (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND NOT limited AND due_at > everystep_now()
-       AND due_at <= %(until)s::timestamptz),
-    (SELECT min(due_at) FROM everystep_workflow
-     WHERE status IN ('scheduled', 'waiting') AND limited AND due_at > everystep_now()
-       AND due_at <= %(until)s::timestamptz),
+    (SELECT min(due_at) FROM everystep_timer
+     WHERE due_at > everystep_now() AND due_at <= %(until)s::timestamptz),
     (SELECT min(next_fire_at) FROM everystep_schedule
      WHERE retired_at IS NULL AND NOT paused AND next_fire_at > everystep_now()
        AND next_fire_at <= %(until)s::timestamptz));

@@ -96,8 +96,8 @@ SELECT
      FROM per_status),
     (SELECT coalesce(json_object_agg(claimed_by, n), '{}')
      FROM (SELECT claimed_by, count(*) AS n
-           FROM everystep_workflow
-           WHERE status = 'running' AND claimed_by IS NOT NULL
+           FROM everystep_claimed
+           WHERE claimed_by IS NOT NULL
            GROUP BY claimed_by) r),
     (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint
      FROM pg_stat_user_tables
@@ -165,8 +165,8 @@ SELECT c.name, c.pid, host(c.client_addr) AS client, c.backend_start AS since,
         FROM pg_stat_activity p
         WHERE p.datname = current_database() AND p.application_name = 'everystep ' || c.name) AS pool_connections,
        (SELECT count(*)
-        FROM everystep_workflow w
-        WHERE w.status = 'running' AND w.claimed_by = c.name) AS in_flight
+        FROM everystep_claimed h
+        WHERE h.claimed_by = c.name) AS in_flight
 FROM control c
 WHERE EXISTS (
     SELECT 1

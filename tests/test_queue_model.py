@@ -1,0 +1,134 @@
+"""The data model of 0032_ready.sql: the run row is the record, where a run
+waits is a narrow row (a timer, blocked for room, ready, held), admission
+happens at the event that makes a run runnable, and the claim reads only
+the ready runs."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import everystep
+import everystep.db
+from everystep.testing import advance
+from tests.apps import workflows
+from tests.apps.priority_workflows import tenant_job_bounded
+
+BOUNDED = tenant_job_bounded.__everystep_workflow__
+SQL = Path(everystep.db.__file__).resolve().parent / "sql"
+# What changes on the run row while it is claimed, run and ended: no index may
+# name it, or the claim's and the end's updates could not be HOT.
+CHANGING = ("status", "due_at", "claimed_by", "claim_token", "slot", "completed_at", "result", "error", "wakes",
+            "waiting_on", "cancel_requested_at")
+
+
+def where(db, run) -> list[str]:
+    return [table for table in ("timer", "blocked", "ready", "claimed")
+            if db.value(f"SELECT count(*) FROM everystep_{table} WHERE run_id = %s", (run.id,))]
+
+
+def test_a_claim_and_an_end_update_the_run_row_hot(db):
+    with db.connect() as conn, everystep.transaction(conn):
+        everystep.schedule(workflows.quick, "unused")
+    with db.connect() as conn, conn.transaction():
+        (run,) = everystep.db.claim(conn, "w1", 1)
+        everystep.db.finish_run(conn, run.id, "w1", run.token, "completed", "null", None)
+        updates, hot = conn.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
+                                    " WHERE relid = 'everystep_workflow'::regclass").fetchone()
+    assert (updates, hot) == (2, 2)
+
+
+def test_no_index_of_the_run_row_names_what_changes_while_it_runs(db):
+    definitions = [row[0] for row in db.query(
+        "SELECT pg_get_indexdef(indexrelid) FROM pg_index WHERE indrelid = 'everystep_workflow'::regclass")]
+    assert definitions
+    for definition in definitions:
+        named = set(re.findall(r"\b(\w+)\b", definition.split(" USING ", 1)[1]))
+        assert not named & set(CHANGING), definition
+
+
+def test_the_claim_is_short_and_no_statement_is_large():
+    claim = everystep.db.queries.get("claim")
+    migration = (Path(everystep.__file__).resolve().parent / "migrations" / "0032_ready.sql").read_text()
+    function = re.search(r"CREATE FUNCTION everystep_claim\(.*?END \$\$;", migration, re.S).group(0)
+    assert len(claim) + len(function) <= 3000
+    for path in SQL.glob("*.sql"):
+        for statement in re.split(r"(?m)^(?=-- name: )", path.read_text())[1:]:
+            assert len(statement) <= 6000, (path.name, statement.split("\n", 1)[0])
+
+
+def test_a_run_waits_in_one_place_at_a_time_from_its_schedule_to_its_end(db):
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {BOUNDED: 1})
+    with db.connect() as conn, everystep.transaction(conn):
+        first = everystep.schedule(tenant_job_bounded, "t", 0)
+        second = everystep.schedule(tenant_job_bounded, "t", 0)
+        later = everystep.schedule(workflows.quick, "unused", after=3600)
+    assert (where(db, first), where(db, second), where(db, later)) == (["ready"], ["blocked"], ["timer"])
+    with db.connect() as conn:
+        (run,) = everystep.db.claim(conn, "w1", 5)
+        assert run.id == first.id and where(db, first) == ["claimed"]
+        everystep.db.finish_run(conn, run.id, "w1", run.token, "completed", "null", None)
+    assert (where(db, first), where(db, second)) == ([], ["ready"])  # the end gave its slot to the next
+    with db.connect() as conn:
+        advance(conn, 3601, drain=False)
+        assert {r.id for r in everystep.db.claim(conn, "w1", 5)} == {second.id, later.id}  # the timer is due
+    assert (where(db, second), where(db, later)) == (["claimed"], ["claimed"])
+    with db.connect() as conn:
+        assert everystep.db.requeue_claimer(conn, "w1")
+    assert (where(db, second), where(db, later)) == (["ready"], ["ready"])
+    with db.connect() as conn, everystep.transaction(conn):
+        everystep.cancel(later.id)
+    assert where(db, later) == []
+
+
+def test_producers_and_ends_at_once_never_strand_a_run_nor_pass_the_limit(db):
+    """Producers schedule runs of a limited workflow while claimers claim
+    and end them: an admission and a release that ran at once (each blind
+    to the other's uncommitted row) are caught up by the next empty claim,
+    and never more than the limit run at once."""
+    limit = 2
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {BOUNDED: limit})
+    produced = threading.Event()
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for _ in range(100):
+                with db.connect() as conn, everystep.transaction(conn):
+                    everystep.schedule(tenant_job_bounded, "t", 0)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    def claimer(i: int) -> None:
+        try:
+            with db.connect() as conn:
+                while True:
+                    runs = everystep.db.claim(conn, f"w{i}", 1)
+                    if not runs:
+                        if produced.is_set() and not db.value(
+                                "SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'"):
+                            return
+                        continue
+                    seen.append(db.value("SELECT count(*) FROM everystep_claimed WHERE name = %s", (BOUNDED,)))
+                    (run,) = runs
+                    everystep.db.finish_run(conn, run.id, f"w{i}", run.token, "completed", "null", None)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    producers = [threading.Thread(target=produce) for _ in range(3)]
+    claimers = [threading.Thread(target=claimer, args=(i,)) for i in range(4)]
+    for thread in producers + claimers:
+        thread.start()
+    for thread in producers:
+        thread.join()
+    produced.set()
+    for thread in claimers:
+        thread.join(timeout=120)
+    assert not errors
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 300
+    assert 0 < max(seen) <= limit
+    assert db.value("SELECT count(*) FROM everystep_slot WHERE run_id IS NOT NULL") == 0
