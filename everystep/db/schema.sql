@@ -341,7 +341,7 @@ SELECT b.name, b.due_at FROM everystep_blocked b
 UNION ALL
 SELECT w.name, t.due_at FROM everystep_timer t JOIN everystep_workflow w ON w.id = t.run_id
 WHERE t.due_at <= everystep_now();
--- (0032 ends)
+-- (The queue tables of 0032 end here.)
 
 -- The keys in turn: the ready ones, least recently claimed first.
 CREATE INDEX everystep_key_round ON everystep_key (claimed_at NULLS FIRST, name, key) WHERE ready;

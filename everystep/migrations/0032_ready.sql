@@ -33,7 +33,9 @@
 -- Nothing about the queue is indexed on the run row any more, so that the
 -- claim's and the end's updates of status, claimed_by, claim_token and slot
 -- are HOT: the lanes' partial indexes go, and so do the status and running
--- indexes (the sweep and the history move read the table's few live rows).
+-- indexes (the sweep reads everystep_claimed; the history move and the
+-- count of runs blocked on an unsafe step read the hot table's rows, its
+-- runs in flight and those of the last minute).
 
 CREATE TABLE everystep_ready (
     run_id   uuid PRIMARY KEY,
