@@ -101,6 +101,11 @@ class WorkerFence(Fence):
         time.sleep(min(0.05 * 2 ** (attempt - 1), 2.0))
 
 
+# Seconds a run given back (its workflow cannot be imported here) waits at
+# most for the control loop to stop claiming that workflow.
+GIVE_BACK_WAIT = 2.0
+
+
 class Worker(Successors):
     """Claims and executes runs under one name, with `threads` run slots for
     sync workflows and `async_slots` for async ones."""
@@ -555,7 +560,13 @@ class Worker(Successors):
         with self._lock:
             if workflow not in self.skipped:
                 self.skipped = [*self.skipped, workflow]
+            skipped = self.skipped
         self._wake()  # the control loop says so in the database
+        # The run goes back once the control loop claims with the new list: a
+        # claim of its in flight with the old one could take the run again.
+        deadline = time.monotonic() + GIVE_BACK_WAIT
+        while self._skipped_published is not skipped and not self._stopping and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def reserve(self, run: db.ClaimedRun) -> bool:
         """(Successors.) Whether the statement that ends a run may claim a
