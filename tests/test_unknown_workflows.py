@@ -32,7 +32,9 @@ def test_a_worker_gives_back_a_run_it_cannot_import_and_one_that_can_runs_it(db,
     blind.wait_logged("cannot import workflow elsewhere_flows.job")
     wait_for(lambda: db.value("SELECT unknown FROM everystep_route WHERE runner = 'blind'") == ["elsewhere_flows.job"],
              what="the worker saying it cannot import the workflow")
-    assert db.run(foreign)["status"] == "scheduled"
+    # The run goes back once the worker claims without that workflow (so the
+    # route is published first): wait for the give-back, then check it was the only claim.
+    wait_for(lambda: db.run(foreign)["status"] == "scheduled", what="the run given back")
     assert db.query("SELECT claimer, outcome FROM everystep_execution WHERE run_id = %s", (foreign,)) == [
         ("blind", "unknown")]
 
@@ -76,4 +78,5 @@ def test_a_supervisor_whose_imports_miss_a_module_is_not_ready_and_shows_the_run
     assert value(exposition, "everystep_workflows_unserved", workflow="elsewhere_flows.job") == 1
     assert value(exposition, "everystep_unknown_workflow_runs_total", runner="missing-imports-0",
                  workflow="elsewhere_flows.job") == 1
-    assert db.run(foreign)["status"] == "scheduled"
+    wait_for(lambda: db.run(foreign)["status"] == "scheduled", what="the run given back")
+    assert db.value("SELECT count(*) FROM everystep_execution WHERE run_id = %s", (foreign,)) == 1
