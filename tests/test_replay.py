@@ -293,9 +293,28 @@ def one_failure():
         return str(exc)
 
 
+# The branches of terminal_in_branch meet inside their steps, so that every
+# step has started before the Terminal halts the run (a step called after the
+# halt is not run at all, which thread timing would otherwise decide).
+branches_met = threading.Barrier(3, timeout=20)
+
+
+@step
+def boom_with_the_others(tag):
+    branches_met.wait()
+    raise ValueError(tag)
+
+
+@step
+def hand_off_with_the_others(order):
+    branches_met.wait()
+    raise Terminal("handed to a human", {"order": order})
+
+
 @workflow
 def terminal_in_branch():
-    parallel(lambda: boom("x"), lambda: hand_off(1), lambda: boom("y"))
+    parallel(lambda: boom_with_the_others("x"), lambda: hand_off_with_the_others(1),
+             lambda: boom_with_the_others("y"))
 
 
 def test_parallel_errors(db):
