@@ -12,14 +12,15 @@ dependencies complete (docs/dags.md).
 A member is an ordinary run of a @workflow, created `waiting` on its
 dependencies (waiting_on 'dependencies', due 9999-12-31: the end of time
 that drivers can read, as 'infinity' is not): no claim sees it.
-From asyncio: `await dags.acreate(...)`, `await wave.aadd(...)`, `await
-wave.aseal()`, aget, acancel, arerun; each writes the same statements (the
-plans of everystep.db.dags) in an AsyncConnection's transaction.
 It is released (due at once) in the transaction that ends its last
 dependency, or by the seal when it depends on nothing; a dependency that
 ends failed, stopped or cancelled cancels it (everystep_settle,
 0031_dags.sql). Follow-ups outside any graph: schedule(fn, *args,
 depends_on=[run, ...]).
+
+From asyncio: `await dags.acreate(...)`, `await wave.aadd(...)`, `await
+wave.aseal()`, aget, acancel, arerun: the same checks and statements (the
+plans of everystep.db.dags), in an AsyncConnection's transaction.
 """
 
 from __future__ import annotations
