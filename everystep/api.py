@@ -28,6 +28,7 @@ from everystep.connections import (  # noqa: F401  (atransaction, transaction, u
 )
 from everystep.context import SEGMENT, current_scope, run_branches
 from everystep.db import dags as dag_store
+from everystep.db import queries
 from everystep.errors import EverystepError, RunFailed, StepFailure, WorkflowArgumentsError
 from everystep.ids import uuid7, uuid7_many
 from everystep.retries import Backoff, RetryPolicy
@@ -424,33 +425,37 @@ def schedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | Non
                                                   deadline)
     flow = _flow_args("schedule()", workflow_fn, priority, concurrency_key)
     attributes_json = run_attributes.check("schedule(attributes=...)", attributes)
+    dependencies = _dependency_ids("schedule()", depends_on)
     conn = transaction_connection(conn, "schedule()")
-    dependencies = _dependencies(conn, depends_on)
+    queries.run(conn, _existing("schedule()", dependencies))
     with tracing.scheduling(name) as span:
         scheduled = db.insert_run(conn, uuid7(), name, args_json, idempotency_key, span.context, at, after, limit,
                                   *flow, attributes=attributes_json)
         span.scheduled(*scheduled)
     if dependencies and scheduled.created:
-        dag_store.hold_for_dependencies(conn, scheduled.id, dependencies)
+        queries.run(conn, dag_store.hold_for_dependencies(scheduled.id, dependencies))
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
 
-def _dependencies(conn: Any, depends_on: Iterable[Any]) -> list[uuid.UUID]:
-    """A follow-up's dependencies as run ids, each an existing run (else
-    EverystepError, before anything is written)."""
+def _dependency_ids(caller: str, depends_on: Iterable[Any]) -> list[uuid.UUID]:
+    """A follow-up's dependencies (ids or handles) as run ids, once each."""
     if isinstance(depends_on, (str, uuid.UUID)) or hasattr(depends_on, "run_id") or hasattr(depends_on, "id"):
         depends_on = [depends_on]
     runs: list[uuid.UUID] = []
     for dep in depends_on:
         run = getattr(dep, "run_id", None) or getattr(dep, "id", None) or dep
-        run = _run_id("schedule(depends_on=...)", run)
+        run = _run_id(f"{caller.removesuffix('()')}(depends_on=...)", run)
         if run not in runs:
             runs.append(run)
-    if runs:
-        missing = set(runs) - dag_store.runs_exist(conn, runs)
-        if missing:
-            raise EverystepError(f"schedule(depends_on=...): no run {sorted(missing)[0]}")
     return runs
+
+
+def _existing(caller: str, runs: list[uuid.UUID]) -> queries.Plan:
+    """Refuse (EverystepError, before anything is written) a dependency that is not a run."""
+    if runs:
+        missing = set(runs) - (yield from dag_store.runs_exist(runs))
+        if missing:
+            raise EverystepError(f"{caller.removesuffix('()')}(depends_on=...): no run {sorted(missing)[0]}")
 
 
 async def aschedule(workflow_fn: Callable | str, *args: Any, idempotency_key: str | None = None,
@@ -458,7 +463,7 @@ async def aschedule(workflow_fn: Callable | str, *args: Any, idempotency_key: st
                     after: float | datetime.timedelta | None = None,
                     deadline: float | datetime.timedelta | datetime.datetime | None = None,
                     priority: int | None = None, concurrency_key: str | None = None,
-                    attributes: dict[str, Any] | None = None) -> ScheduledRun:
+                    attributes: dict[str, Any] | None = None, depends_on: Iterable[Any] = ()) -> ScheduledRun:
     """`schedule()` for asyncio: the run is inserted in the transaction of
     `conn`, a psycopg AsyncConnection or a SQLAlchemy AsyncSession or
     AsyncConnection (else the one bound by `everystep.atransaction`)."""
@@ -466,11 +471,15 @@ async def aschedule(workflow_fn: Callable | str, *args: Any, idempotency_key: st
                                                   deadline)
     flow = _flow_args("aschedule()", workflow_fn, priority, concurrency_key)
     attributes_json = run_attributes.check("aschedule(attributes=...)", attributes)
+    dependencies = _dependency_ids("aschedule()", depends_on)
     aconn = await async_connection(conn, "aschedule()")
+    await queries.arun(aconn, _existing("aschedule()", dependencies))
     with tracing.scheduling(name) as span:
         scheduled = await db.ainsert_run(aconn, uuid7(), name, args_json, idempotency_key, span.context, at, after,
                                          limit, *flow, attributes=attributes_json)
         span.scheduled(*scheduled)
+    if dependencies and scheduled.created:
+        await queries.arun(aconn, dag_store.hold_for_dependencies(scheduled.id, dependencies))
     return ScheduledRun(scheduled.id, name, scheduled.created)
 
 

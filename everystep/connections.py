@@ -99,10 +99,16 @@ async def async_connection(conn: Any, caller: str, write: bool = True) -> psycop
         conn = await _under_sqlalchemy_async(conn, caller)
     if not isinstance(conn, psycopg.AsyncConnection):
         raise EverystepError(f"{caller} takes a psycopg AsyncConnection or a SQLAlchemy AsyncSession, not "
-                             f"{type(conn).__name__}; a sync connection is for {caller.removeprefix('a')}")
+                             f"{type(conn).__name__}; a sync connection is for {_sync_form(caller)}")
     if write:
         _check_open(conn, caller)
     return conn
+
+
+def _sync_form(caller: str) -> str:
+    """The sync call of an asyncio one: aschedule() -> schedule(), Dag.aseal() -> Dag.seal()."""
+    owner, dot, name = caller.rpartition(".")
+    return owner + dot + name.removeprefix("a")
 
 
 def _check_open(conn: psycopg.Connection | psycopg.AsyncConnection, caller: str) -> None:

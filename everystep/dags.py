@@ -17,6 +17,10 @@ dependency, or by the seal when it depends on nothing; a dependency that
 ends failed, stopped or cancelled cancels it (everystep_settle,
 0031_dags.sql). Follow-ups outside any graph: schedule(fn, *args,
 depends_on=[run, ...]).
+
+From asyncio: `await dags.acreate(...)`, `await wave.aadd(...)`, `await
+wave.aseal()`, aget, acancel, arerun: the same checks and statements (the
+plans of everystep.db.dags), in an AsyncConnection's transaction.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from typing import Any
 import psycopg
 
 from everystep import api, db, registry, reruns, serde
-from everystep.connections import transaction_connection
+from everystep.connections import async_connection, transaction_connection
 from everystep.context import current
 from everystep.db import dags as store
+from everystep.db import queries
+from everystep.db.queries import Plan
 from everystep.errors import EverystepError
 from everystep.ids import uuid7
 from everystep.schema import MAX_KEY, TERMINAL, RunStatus, StepStatus
@@ -122,31 +128,60 @@ class Dag:
         for the seal. Refused (DagError, nothing written): a sealed or
         cancelled graph, a key taken or too long, a workflow outside the
         graph's `workflows`, a dependency that is not an earlier member."""
-        key = _check_key("a member's key", key)
+        keys = self._member_args("Dag.add()", workflow_fn, key, depends_on)
         conn = transaction_connection(conn or self._conn, "Dag.add()")
+        found = queries.run(conn, self._admitting(key, keys))
+        run = api.schedule(workflow_fn, *args, conn=conn, deadline=deadline, priority=priority,
+                           concurrency_key=concurrency_key)
+        queries.run(conn, self._enrolling(key, keys, found, run.id))
+        return Member(self.key, key, run.id)
+
+    async def aadd(self, workflow_fn: Callable, *args: Any, key: str, depends_on: Iterable[Member | str] = (),
+                   priority: int | None = None, deadline: Any = None, concurrency_key: str | None = None,
+                   conn: Any = None) -> Member:
+        """`add` for asyncio (`conn`: as for `aschedule()`)."""
+        keys = self._member_args("Dag.aadd()", workflow_fn, key, depends_on)
+        aconn = await async_connection(conn or self._conn, "Dag.aadd()")
+        found = await queries.arun(aconn, self._admitting(key, keys))
+        run = await api.aschedule(workflow_fn, *args, conn=aconn, deadline=deadline, priority=priority,
+                                  concurrency_key=concurrency_key)
+        await queries.arun(aconn, self._enrolling(key, keys, found, run.id))
+        return Member(self.key, key, run.id)
+
+    def _member_args(self, caller: str, workflow_fn: Callable, key: Any, depends_on: Iterable[Member | str]
+                     ) -> list[str]:
+        """add()'s checks before any statement: the member's key, its
+        workflow, and the keys of its dependencies."""
+        _check_key("a member's key", key)
         name = registry.workflow_name(workflow_fn)
         if name is None:
-            raise TypeError(f"Dag.add() takes an @workflow function, not {workflow_fn!r}")
+            raise TypeError(f"{caller} takes an @workflow function, not {workflow_fn!r}")
         if self.workflows is not None and not any(fnmatch.fnmatchcase(name, p) for p in self.workflows):
             raise DagError(f"graph {self.key!r} may run {', '.join(self.workflows)}, not {name}")
-        keys = self._dependency_keys(depends_on)
-        locked = store.lock_dag(conn, self.key)
+        return self._dependency_keys(depends_on)
+
+    def _admitting(self, key: str, keys: list[str]) -> Plan:
+        """Lock the open graph and find the member's dependencies (key -> run
+        id); refused when it is sealed, `key` is taken or a dependency unknown."""
+        locked = yield from store.lock_dag(self.key)
         if locked is None:
             raise DagNotFound(f"no graph {self.key!r}")
         if locked[0] is not None or locked[1] is not None:
             raise DagSealed(f"graph {self.key!r} is {'cancelled' if locked[1] else 'sealed'}: nothing can be added")
-        found = store.named_members(conn, self.key, keys, [], key)
+        found = yield from store.named_members(self.key, keys, [], key)
         if key in found:
             raise DagError(f"graph {self.key!r} has a member {key!r} already")
         unknown = [k for k in keys if k not in found]
         if unknown:
             raise DependencyError(f"graph {self.key!r} has no member {unknown[0]!r} (a dependency must be added "
                                   "before its dependents)")
-        run = api.schedule(workflow_fn, *args, conn=conn, deadline=deadline, priority=priority,
-                           concurrency_key=concurrency_key)
-        store.hold_for_dependencies(conn, run.id, [found[k] for k in keys], extra=1)
-        store.add_member(conn, self.key, key, store.take_member_position(conn, self.key), run.id, keys)
-        return Member(self.key, key, run.id)
+        return found
+
+    def _enrolling(self, key: str, keys: list[str], found: dict[str, uuid.UUID], run: uuid.UUID) -> Plan:
+        """The member's run, just scheduled, waits for its dependencies and the seal."""
+        yield from store.hold_for_dependencies(run, [found[k] for k in keys], extra=1)
+        position = yield from store.take_member_position(self.key)
+        yield from store.add_member(self.key, key, position, run, keys)
 
     def _dependency_keys(self, depends_on: Iterable[Member | str]) -> list[str]:
         if isinstance(depends_on, (str, Member)):
@@ -168,8 +203,14 @@ class Dag:
         """Seal the graph: nothing can be added any more, and the members
         that depend on nothing start. Refused (DagError): a graph sealed or
         cancelled already, or empty. Audited (`dag-seal`, with `actor`)."""
-        conn = transaction_connection(conn or self._conn, "Dag.seal()")
-        locked = store.lock_dag(conn, self.key)
+        _write(conn or self._conn, "Dag.seal()", self._sealing(actor))
+
+    async def aseal(self, actor: str | None = None, conn: Any = None) -> None:
+        """`seal` for asyncio."""
+        await _awrite(conn or self._conn, "Dag.aseal()", self._sealing(actor))
+
+    def _sealing(self, actor: str | None) -> Plan:
+        locked = yield from store.lock_dag(self.key)
         if locked is None:
             raise DagNotFound(f"no graph {self.key!r}")
         sealed_at, cancelled_at, members = locked
@@ -177,9 +218,19 @@ class Dag:
             raise DagSealed(f"graph {self.key!r} is {'cancelled' if cancelled_at else 'sealed'} already")
         if members == 0:
             raise DagError(f"graph {self.key!r} has no member: add some before sealing it")
-        released = store.seal_dag(conn, self.key, actor)
-        db.audit(conn, actor or api._local_actor(), "api", "dag-seal", target=self.key,
-                 details={"members": members, "released": released})
+        released = yield from store.seal_dag(self.key, actor)
+        yield from db.audit_entry(actor or api._local_actor(), "api", "dag-seal", target=self.key,
+                                  details={"members": members, "released": released})
+
+
+def _write(conn: Any, caller: str, plan: Plan) -> Any:
+    """Run `plan` in the caller's transaction (a sync connection)."""
+    return queries.run(transaction_connection(conn, caller), plan)
+
+
+async def _awrite(conn: Any, caller: str, plan: Plan) -> Any:
+    """Run `plan` in the caller's transaction (an AsyncConnection, or a SQLAlchemy AsyncSession)."""
+    return await queries.arun(await async_connection(conn, caller), plan)
 
 
 def create(key: str, *, workflows: Iterable[str] | None = None, actor: str | None = None, conn: Any = None) -> Dag:
@@ -187,12 +238,18 @@ def create(key: str, *, workflows: Iterable[str] | None = None, actor: str | Non
     exists (then that one, sealed or not: race-safe like an idempotency
     key). `workflows`: the module.qualname patterns (* and ?) its members
     may use (None: any)."""
-    key = _check_key("a graph's key", key)
-    patterns = _patterns(workflows)
-    bound = conn
-    conn = transaction_connection(conn, "dags.create()")
-    row = store.create_dag(conn, key, patterns, actor)
-    return Dag(row.key, row.workflows, bound)
+    row = _write(conn, "dags.create()", store.create_dag(_check_key("a graph's key", key), _patterns(workflows),
+                                                         actor))
+    return Dag(row.key, row.workflows, conn)
+
+
+async def acreate(key: str, *, workflows: Iterable[str] | None = None, actor: str | None = None,
+                  conn: Any = None) -> Dag:
+    """`create` for asyncio (`conn`: as for `aschedule()`); the Dag's
+    `aadd` and `aseal` default to the same connection."""
+    row = await _awrite(conn, "dags.acreate()", store.create_dag(_check_key("a graph's key", key),
+                                                                 _patterns(workflows), actor))
+    return Dag(row.key, row.workflows, conn)
 
 
 def _status(sealed: bool, cancelled: bool, statuses: list[str | None]) -> str:
@@ -212,12 +269,20 @@ def _status(sealed: bool, cancelled: bool, statuses: list[str | None]) -> str:
 
 def get(key: str, conn: Any = None) -> DagState:
     """The graph `key` and its members (DagNotFound if there is none)."""
-    conn = api._reading(conn, "dags.get()")
-    row = store.dag(conn, key)
+    return queries.run(api._reading(conn, "dags.get()"), _state(key))
+
+
+async def aget(key: str, conn: Any = None) -> DagState:
+    """`get` for asyncio."""
+    return await queries.arun(await async_connection(conn, "dags.aget()", write=False), _state(key))
+
+
+def _state(key: str) -> Plan:
+    row = yield from store.dag(key)
     if row is None:
         raise DagNotFound(f"no graph {key!r}")
     members = {m["key"]: MemberState(m["run_id"], m["status"], tuple(m["depends_on"]), m["cancel_reason"])
-               for m in store.dag_members(conn, key)}
+               for m in (yield from store.dag_members(key))}
     return DagState(row.key, _status(row.sealed_at is not None, row.cancelled_at is not None,
                                      [m.status for m in members.values()]),
                     members, None if row.workflows is None else tuple(row.workflows), row.created_at,
@@ -236,10 +301,20 @@ def cancel(key: str, reason: str | None = None, conn: Any = None, actor: str | N
     """Cancel the graph: every member not ended yet is cancelled (at once
     when it is not running; at its next step when it is), and so are the
     follow-ups waiting for them."""
-    conn = transaction_connection(conn, "dags.cancel()")
-    if not store.cancel_dag(conn, key, reason):
+    _write(conn, "dags.cancel()", _cancelling(key, reason, actor, source))
+
+
+async def acancel(key: str, reason: str | None = None, conn: Any = None, actor: str | None = None,
+                  source: str = "api") -> None:
+    """`cancel` for asyncio."""
+    await _awrite(conn, "dags.acancel()", _cancelling(key, reason, actor, source))
+
+
+def _cancelling(key: str, reason: str | None, actor: str | None, source: str) -> Plan:
+    if not (yield from store.cancel_dag(key, reason)):
         raise DagNotFound(f"no graph {key!r}")
-    db.audit(conn, actor or api._local_actor(), source, "dag-cancel", target=key, details={"reason": reason})
+    yield from db.audit_entry(actor or api._local_actor(), source, "dag-cancel", target=key,
+                              details={"reason": reason})
 
 
 def rerun(key: str, member: str, conn: Any = None, actor: str | None = None, source: str = "api") -> uuid.UUID:
@@ -249,29 +324,38 @@ def rerun(key: str, member: str, conn: Any = None, actor: str | None = None, sou
     again for their dependencies, to start when the re-run completes.
     Returns the new run's id. Refused (DagError) for an unknown graph or
     member, a cancelled graph, a member not ended or completed."""
-    conn = transaction_connection(conn, "dags.rerun()")
-    row = store.dag(conn, key)
+    return _write(conn, "dags.rerun()", _rerunning(key, member, actor or api._local_actor(), source))
+
+
+async def arerun(key: str, member: str, conn: Any = None, actor: str | None = None,
+                 source: str = "api") -> uuid.UUID:
+    """`rerun` for asyncio."""
+    return await _awrite(conn, "dags.arerun()", _rerunning(key, member, actor or api._local_actor(), source))
+
+
+def _rerunning(key: str, member: str, actor: str, source: str) -> Plan:
+    row = yield from store.dag(key)
     if row is None:
         raise DagNotFound(f"no graph {key!r}")
     if row.cancelled_at is not None:
         raise DagError(f"graph {key!r} is cancelled")
-    found = store.member_run(conn, key, member)
+    found = yield from store.member_run(key, member)
     if found is None:
         raise DagNotFound(f"graph {key!r} has no member {member!r}")
     old, status = found
     if status not in (RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED):
         raise DagError(f"member {member!r} of graph {key!r} is {status}: only a failed, stopped or cancelled "
                        "member is re-run")
-    actor = actor or api._local_actor()
-    source_run = db.rerun_source(conn, old)
+    source_run = yield from db.rerun_source(old)
     failed = [s["step_id"] for s in (source_run[1] if source_run else []) if s["status"] == StepStatus.FAILED]
     if failed:
-        new = reruns.rerun_in(conn, old, failed[-1], actor, source)[0]
+        new = (yield from reruns.rerunning(old, failed[-1], actor, source))[0]
     else:  # it failed outside any step: run it again from the start
-        new = db.insert_rerun(conn, old, uuid7(), [])
-        db.audit(conn, actor, source, "rerun", run=new, target=str(old), details={"rerun_of": str(old)})
-    store.replace_member_run(conn, key, member, old, new)
-    db.audit(conn, actor, source, "dag-rerun", run=new, target=key, details={"member": member, "rerun_of": str(old)})
+        new = yield from db.insert_rerun(old, uuid7(), [])
+        yield from db.audit_entry(actor, source, "rerun", run=new, target=str(old), details={"rerun_of": str(old)})
+    yield from store.replace_member_run(key, member, old, new)
+    yield from db.audit_entry(actor, source, "dag-rerun", run=new, target=key,
+                              details={"member": member, "rerun_of": str(old)})
     return new
 
 

@@ -34,6 +34,8 @@ from typing import Any
 import psycopg
 
 from everystep import db
+from everystep.db import queries
+from everystep.db.queries import Plan
 from everystep.errors import EverystepError
 from everystep.ids import uuid7
 from everystep.schema import TERMINAL, StepStatus
@@ -116,9 +118,14 @@ def rerun_in(conn: psycopg.Connection, run: uuid.UUID, from_step: str, actor: st
     """Schedule the re-run of `run` from `from_step` in the caller's
     transaction, with its audit record (`rerun`, on the new run); returns the
     new run and the step ids copied."""
+    return queries.run(conn, rerunning(run, from_step, actor, source))
+
+
+def rerunning(run: uuid.UUID, from_step: str, actor: str, source: str) -> Plan:
+    """rerun_in as a plan (queries.Plan), for a caller on either kind of connection."""
     if not isinstance(from_step, str) or not from_step:
         raise RerunRefused("from_step must be a step id, e.g. 3 or charge or fan.0.1")
-    found = db.rerun_source(conn, run)
+    found = yield from db.rerun_source(run)
     if found is None:
         raise RerunNotFound(f"no run {run}")
     status, steps = found
@@ -126,7 +133,7 @@ def rerun_in(conn: psycopg.Connection, run: uuid.UUID, from_step: str, actor: st
         raise RerunRefused(f"run {run} is {status}, still in flight: a run is re-run once it has ended "
                            "(cancel it first?)")
     copied = steps_to_copy(run, steps, from_step)
-    new = db.insert_rerun(conn, run, uuid7(), copied)
-    db.audit(conn, actor, source, "rerun", run=new, step_id=from_step, target=str(run),
-             details={"rerun_of": str(run), "from_step": from_step, "copied": len(copied)})
+    new = yield from db.insert_rerun(run, uuid7(), copied)
+    yield from db.audit_entry(actor, source, "rerun", run=new, step_id=from_step, target=str(run),
+                              details={"rerun_of": str(run), "from_step": from_step, "copied": len(copied)})
     return new, copied

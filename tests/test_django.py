@@ -20,3 +20,12 @@ def test_schedule_joins_the_django_transaction(db):
     assert rows == [(out["committed"], "django:1", "scheduled"), (third, "django:3", "scheduled")]
     assert out["again"] == out["committed"] and out["again_created"] is False
     assert out["many"][0] == [out["committed"], False] and third_created is True
+
+
+def test_a_graph_is_written_in_the_django_transaction(db):
+    result = subprocess.run([sys.executable, "-m", "tests.apps.django_dags", db.url], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert db.query("SELECT key, sealed_at IS NOT NULL FROM everystep_dag") == [("django", True)]
+    db.run_pending()
+    assert db.query("SELECT status, count(*) FROM everystep_workflow GROUP BY status") == [("completed", 2)]

@@ -104,6 +104,7 @@ from everystep.db.observe import (
 from everystep.db.ops import (
     ResolveRefused,
     audit,
+    audit_entry,
     audit_records,
     audit_records_filtered,
     insert_rerun,
@@ -294,7 +295,7 @@ __all__ = [
     "advance_clock", "clock_frozen", "create_schema", "current_schema", "drop_schema", "next_due_moment", "reset_clock",
     "run_statuses", "runs_of_workflow", "set_clock",
     # ops, observe, ui
-    "audit", "audit_records", "audit_records_filtered", "record_environment", "recorded_environment",
+    "audit", "audit_entry", "audit_records", "audit_records_filtered", "record_environment", "recorded_environment",
     "insert_rerun", "rerun_source", "resolve_step",
     "Moved", "Week", "archive_batch", "count_expired", "drop_week", "history_ahead", "history_weeks", "retention_batch",
     "retention_batch_hot", "week_expired",

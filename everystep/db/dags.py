@@ -1,5 +1,11 @@
 """Graphs of runs and follow-ups (everystep.dags): the statements of
-sql/dags.sql, one typed function each, in the caller's transaction."""
+sql/dags.sql, one typed function each, in the caller's transaction.
+
+What everystep.dags and schedule(depends_on=) write are plans
+(queries.Plan): the caller composes them into its own (`yield from`) and
+runs that with queries.run on a connection or queries.arun on an
+AsyncConnection, the same statements. The reads of the operators' tools and
+of a running member take a connection."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from typing import NamedTuple
 import psycopg
 
 from everystep.db import queries
+from everystep.db.queries import Plan, Query
 from everystep.db.rows import dicts
 
 
@@ -29,92 +36,92 @@ class Held(NamedTuple):
     cancel_reason: str | None  # set when a dependency had failed, stopped or been cancelled
 
 
-def create_dag(conn: psycopg.Connection, key: str, workflows: list[str] | None, actor: str | None) -> DagRow:
-    """The graph `key`, made now unless it exists."""
-    conn.execute(queries.get("create_dag"), {"key": key, "workflows": workflows, "actor": actor})
-    return dag(conn, key)
+def create_dag(key: str, workflows: list[str] | None, actor: str | None) -> Plan:
+    """The graph `key` (a DagRow), made now unless it exists."""
+    yield Query("create_dag", {"key": key, "workflows": workflows, "actor": actor}, "none")
+    return (yield from dag(key))
 
 
-def dag(conn: psycopg.Connection, key: str) -> DagRow | None:
-    row = conn.execute(queries.get("dag"), {"key": key}).fetchone()
+def dag(key: str) -> Plan:
+    """The graph `key` (a DagRow), None if there is none."""
+    row = yield Query("dag", {"key": key})
     return None if row is None else DagRow(*row)
 
 
-def take_member_position(conn: psycopg.Connection, key: str) -> int | None:
+def take_member_position(key: str) -> Plan:
     """The next member's position, locking the graph; None if it is not open."""
-    row = conn.execute(queries.get("take_member_position"), {"key": key}).fetchone()
+    row = yield Query("take_member_position", {"key": key})
     return None if row is None else row[0]
 
 
-def named_members(conn: psycopg.Connection, dag: str, keys: list[str], runs: list[uuid.UUID],
-                  new_key: str) -> dict[str, uuid.UUID]:
+def named_members(dag: str, keys: list[str], runs: list[uuid.UUID], new_key: str) -> Plan:
     """The members named (by key or run id) or keyed `new_key`: key -> run id."""
-    rows = conn.execute(queries.get("named_members"),
-                        {"dag": dag, "keys": keys, "runs": runs, "new_key": new_key}).fetchall()
+    rows = yield Query("named_members", {"dag": dag, "keys": keys, "runs": runs, "new_key": new_key}, "all")
     return {key: run for key, run in rows}
 
 
-def add_member(conn: psycopg.Connection, dag: str, key: str, position: int, run: uuid.UUID,
-               depends_on: list[str]) -> None:
-    conn.execute(queries.get("add_member"),
-                 {"dag": dag, "key": key, "position": position, "run": run, "depends_on": depends_on})
+def add_member(dag: str, key: str, position: int, run: uuid.UUID, depends_on: list[str]) -> Plan:
+    yield Query("add_member", {"dag": dag, "key": key, "position": position, "run": run, "depends_on": depends_on},
+                "none")
 
 
-def runs_exist(conn: psycopg.Connection, runs: list[uuid.UUID]) -> set[uuid.UUID]:
-    return {row[0] for row in conn.execute(queries.get("runs_exist"), {"runs": runs})}
+def runs_exist(runs: list[uuid.UUID]) -> Plan:
+    """Which of `runs` exist (a set)."""
+    return {row[0] for row in (yield Query("runs_exist", {"runs": runs}, "all"))}
 
 
-def hold_for_dependencies(conn: psycopg.Connection, run: uuid.UUID, depends_on: list[uuid.UUID],
-                          extra: int = 0) -> Held:
+def hold_for_dependencies(run: uuid.UUID, depends_on: list[uuid.UUID], extra: int = 0) -> Plan:
     """Make a run inserted in this transaction wait for `depends_on` (and
-    `extra` more: the seal of its graph)."""
-    row = conn.execute(queries.get("hold_for_dependencies"),
-                       {"run": run, "depends_on": depends_on, "extra": extra}).fetchone()
+    `extra` more: the seal of its graph); a Held."""
+    row = yield Query("hold_for_dependencies", {"run": run, "depends_on": depends_on, "extra": extra})
     return Held(row[0], row[1])
 
 
-def lock_dag(conn: psycopg.Connection, key: str) -> tuple | None:
+def lock_dag(key: str) -> Plan:
     """(sealed_at, cancelled_at, members) of the graph, locked; None if there is none."""
-    return conn.execute(queries.get("lock_dag"), {"key": key}).fetchone()
+    return (yield Query("lock_dag", {"key": key}))
 
 
-def seal_dag(conn: psycopg.Connection, key: str, actor: str | None) -> int:
+def seal_dag(key: str, actor: str | None) -> Plan:
     """Seal the graph locked by lock_dag; returns how many members it released."""
-    return conn.execute(queries.get("seal_dag"), {"key": key, "actor": actor}).fetchone()[0]
+    return (yield Query("seal_dag", {"key": key, "actor": actor}))[0]
 
 
-def dag_members(conn: psycopg.Connection, key: str) -> list[dict]:
-    return dicts(conn.execute(queries.get("dag_members"), {"key": key}))
+def dag_members(key: str) -> Plan:
+    return (yield Query("dag_members", {"key": key}, "dicts"))
 
 
 def list_dags(conn: psycopg.Connection, status: str | None = None, limit: int | None = 100) -> list[dict]:
     return dicts(conn.execute(queries.get("list_dags"), {"status": status, "limit": limit}))
 
 
-def cancel_dag(conn: psycopg.Connection, key: str, reason: str | None) -> bool:
+def cancel_dag(key: str, reason: str | None) -> Plan:
     """Cancel the graph's members not ended yet, and settle the dependents of
     those cancelled at once; False if there is no such graph."""
-    rows = conn.execute(queries.get("cancel_dag"), {"key": key, "reason": reason}).fetchall()
+    rows = yield Query("cancel_dag", {"key": key, "reason": reason}, "all")
     ended = [(run, status) for _, run, status in rows if run is not None]
     if ended:
-        settle_runs(conn, [run for run, _ in ended], [status for _, status in ended])
+        yield from _settle_runs([run for run, _ in ended], [status for _, status in ended])
     return rows[0][0] is not None
 
 
 def settle_runs(conn: psycopg.Connection, runs: list[uuid.UUID], statuses: list[str]) -> int:
-    return conn.execute(queries.get("settle_runs"), {"runs": runs, "statuses": statuses}).fetchone()[0]
+    return queries.run(conn, _settle_runs(runs, statuses))
 
 
-def member_run(conn: psycopg.Connection, dag: str, key: str) -> tuple[uuid.UUID, str | None] | None:
+def _settle_runs(runs: list[uuid.UUID], statuses: list[str]) -> Plan:
+    return (yield Query("settle_runs", {"runs": runs, "statuses": statuses}))[0]
+
+
+def member_run(dag: str, key: str) -> Plan:
     """A member's run and its status (the member locked), None if there is no such member."""
-    row = conn.execute(queries.get("member_run"), {"dag": dag, "key": key}).fetchone()
+    row = yield Query("member_run", {"dag": dag, "key": key})
     return None if row is None else (row[0], row[1])
 
 
-def replace_member_run(conn: psycopg.Connection, dag: str, key: str, old: uuid.UUID, new: uuid.UUID) -> int:
+def replace_member_run(dag: str, key: str, old: uuid.UUID, new: uuid.UUID) -> Plan:
     """Put a member's re-run in its place; returns how many cancelled dependents wait again."""
-    return conn.execute(queries.get("replace_member_run"),
-                        {"dag": dag, "key": key, "old": old, "new": new}).fetchone()[1]
+    return (yield Query("replace_member_run", {"dag": dag, "key": key, "old": old, "new": new}))[1]
 
 
 def upstream_result(conn: psycopg.Connection, run: uuid.UUID, key: str) -> tuple | None:

@@ -9,6 +9,7 @@ import uuid
 import psycopg
 
 from everystep.db import fenced, queries
+from everystep.db.queries import Plan, Query
 from everystep.db.rows import dicts
 from everystep.db.session import Executor
 from everystep.schema import RunStatus, StepStatus
@@ -47,31 +48,37 @@ def resolve_step(
         conn.execute(queries.get("notify"), {})
 
 
-def rerun_source(conn: psycopg.Connection, run: uuid.UUID) -> tuple[str, list[dict]] | None:
-    """The status of the run a re-run copies from (hot or in the history)
-    and its recorded steps (id,
-    step_id, name, status, started_at, finished_at; times as ISO text), in
-    recorded order; None when there is no such run."""
-    row = conn.execute(queries.get("rerun_source"), {"run": run}).fetchone()
+def rerun_source(run: uuid.UUID) -> Plan:
+    """Plan: the status of the run a re-run copies from (hot or in the
+    history) and its recorded steps (id, step_id, name, status, started_at,
+    finished_at; times as ISO text), in recorded order; None when there is
+    no such run."""
+    row = yield Query("rerun_source", {"run": run})
     return None if row is None else (row[0], row[1])
 
 
-def insert_rerun(conn: psycopg.Connection, run: uuid.UUID, new_id: uuid.UUID, step_ids: list[str]) -> uuid.UUID:
-    """In the caller's transaction: the re-run `new_id` of `run` (same
+def insert_rerun(run: uuid.UUID, new_id: uuid.UUID, step_ids: list[str]) -> Plan:
+    """Plan, in the caller's transaction: the re-run `new_id` of `run` (same
     workflow and args, rerun_of = run), with the recorded outcomes of
     `step_ids` copied from `run` in one statement. Returns the new run's id."""
-    new = conn.execute(queries.get("insert_rerun"), {"id": new_id, "run": run}).fetchone()[0]
+    new = (yield Query("insert_rerun", {"id": new_id, "run": run}))[0]
     if step_ids:
-        conn.execute(queries.get("copy_rerun_steps"), {"id": new, "run": run, "step_ids": step_ids})
+        yield Query("copy_rerun_steps", {"id": new, "run": run, "step_ids": step_ids}, "none")
     return new
 
 
 def audit(conn: Executor, actor: str, source: str, action: str, run: uuid.UUID | None = None,
           step_id: str | None = None, target: str | None = None, details: dict | None = None) -> None:
     """Record an operator's action (who, what, on which run or step, the values given)."""
-    conn.execute(queries.get("audit"), {
+    queries.run(conn, audit_entry(actor, source, action, run, step_id, target, details))
+
+
+def audit_entry(actor: str, source: str, action: str, run: uuid.UUID | None = None, step_id: str | None = None,
+                target: str | None = None, details: dict | None = None) -> Plan:
+    """audit as a plan, for a plan that records its action with its writes."""
+    yield Query("audit", {
         "actor": actor[:255], "source": source, "action": action, "run": run, "step_id": step_id, "target": target,
-        "details": json.dumps(details or {}, default=str)})
+        "details": json.dumps(details or {}, default=str)}, "none")
 
 
 def audit_records(conn: psycopg.Connection, run: uuid.UUID | None = None, limit: int = 200,

@@ -112,7 +112,8 @@ def numbered(name: str) -> Numbered:
 
 class Query(NamedTuple):
     """One statement of a plan, by name, and what of its result the plan
-    wants back: "one" row (or None), "all" rows, or the rows as "dicts"."""
+    wants back: "one" row (or None), "all" rows, the rows as "dicts", or
+    "none" (a statement that returns no rows)."""
     name: str
     params: dict
     rows: str = "one"
@@ -130,7 +131,8 @@ def run(conn: Any, plan: Plan) -> Any:
     stepper = Stepper(plan)
     while (query := stepper.next()) is not DONE:
         cur = conn.execute(get(query.name), query.params)
-        stepper.sent = _rows(query, cur, cur.fetchone() if query.rows == "one" else cur.fetchall())
+        if query.rows != "none":
+            stepper.sent = _rows(query, cur, cur.fetchone() if query.rows == "one" else cur.fetchall())
     return stepper.value
 
 
@@ -139,7 +141,8 @@ async def arun(aconn: Any, plan: Plan) -> Any:
     stepper = Stepper(plan)
     while (query := stepper.next()) is not DONE:
         cur = await aconn.execute(get(query.name), query.params)
-        stepper.sent = _rows(query, cur, await cur.fetchone() if query.rows == "one" else await cur.fetchall())
+        if query.rows != "none":
+            stepper.sent = _rows(query, cur, await cur.fetchone() if query.rows == "one" else await cur.fetchall())
     return stepper.value
 
 
