@@ -179,7 +179,7 @@ class Dag:
 
     def _enrolling(self, key: str, keys: list[str], found: dict[str, uuid.UUID], run: uuid.UUID) -> Plan:
         """The member's run, just scheduled, waits for its dependencies and the seal."""
-        yield from store.hold_for_dependencies(run, [found[k] for k in keys], extra=1)
+        yield from store.hold_for_dependencies(run, [found[k] for k in keys], sealed=False)
         position = yield from store.take_member_position(self.key)
         yield from store.add_member(self.key, key, position, run, keys)
 

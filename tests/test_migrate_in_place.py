@@ -1,9 +1,10 @@
 """A database of the previous version migrates in place with `everystep
 migrate`, its runs in flight keep running: delayed, sleeping, waiting for a
-message and held mid-step by a live worker of the previous version (its code
-from git), beside 100,000 finished runs in the history; each finishes as it
-would have without the migration, under that worker and one of this
-version."""
+message, held mid-step by a live worker of the previous version (its code
+from git), and graphs (one sealed, its fan-in waiting for a completed member
+and one held mid-step; one open), beside 100,000 finished runs in the
+history; each finishes as it would have without the migration, under that
+worker and one of this version."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import uuid
 
 import everystep
+from everystep import dags
 from everystep.ids import uuid7_many
 from tests.apps.cli_workflows import greet
 from tests.apps.flow_workflows import mailbox
@@ -21,7 +23,7 @@ from tests.support.migrations import migrated_before, previous_release
 from tests.support.processes import ROOT, WorkerProcess, wait_for
 
 # The first migration the previous version did not have.
-FIRST_NEW = "0032"
+FIRST_NEW = "0033"
 HISTORY = 100_000
 
 
@@ -46,6 +48,23 @@ def fill_history(db, count: int) -> None:
                      " SELECT * FROM w")
 
 
+# Graphs made by the previous version's code (its statements fit its schema).
+GRAPHS = """
+import sys, everystep, psycopg
+from everystep import dags
+from tests.apps.cli_workflows import greet
+from tests.apps.workflows import held
+url, marks, release = sys.argv[1:4]
+with psycopg.connect(url) as conn, everystep.transaction(conn):
+    wave = dags.create("wave")
+    first = wave.add(greet, "first", key="first")
+    middle = wave.add(held, marks, release, key="middle")
+    wave.add(greet, "fan-in", key="fan-in", depends_on=[first, middle])
+    wave.seal()
+    dags.create("open").add(greet, "open", key="only")
+"""
+
+
 def schedule(db, fn, *args, **options) -> uuid.UUID:
     with db.connect() as conn, everystep.transaction(conn):
         return everystep.schedule(fn, *args, **options).id
@@ -68,13 +87,18 @@ def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_plac
         sleeping = schedule(db, sleeper, str(marks), 10.0)
         waiting = schedule(db, mailbox, str(marks), 1)
         mid_step = [schedule(db, held, str(marks), str(release)) for _ in range(2)]
-        worker = WorkerProcess(db.url, "before", tmp_path / "logs", threads=4, imports=imports,
-                               cwd=previous_release(tmp_path / "previous"))
+        previous = previous_release(tmp_path / "previous")
+        subprocess.run([sys.executable, "-c", GRAPHS, db.url, str(marks), str(release)], cwd=previous, check=True,
+                       timeout=60)
+        member = dict(db.query("SELECT key, run_id FROM everystep_dag_member"))
+        worker = WorkerProcess(db.url, "before", tmp_path / "logs", threads=4, imports=imports, cwd=previous)
         wait_for(lambda: db.run(sleeping)["status"] == "waiting" and db.run(waiting)["status"] == "waiting",
                  60, what="the sleeping and the waiting run parked")
         wait_for(lambda: all(db.run(run)["status"] == "running" for run in mid_step)
-                 and (marks / "steps").exists() and (marks / "steps").read_text().count(" held ") == 2, 60,
-                 what="the runs held mid-step")
+                 and db.run(member["first"])["status"] == "completed"
+                 and (marks / "steps").exists() and (marks / "steps").read_text().count(" held ") == 3, 60,
+                 what="the runs held mid-step, and the graph's first member completed")
+        assert db.run(member["fan-in"])["status"] == db.run(member["only"])["status"] == "waiting"
         delayed = schedule(db, greet, "later", after=3)
         assert db.run(sleeping)["status"] == db.run(delayed)["status"] == "waiting"  # not due yet
 
@@ -86,9 +110,14 @@ def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_plac
         new_worker = WorkerProcess(db.url, "after", tmp_path / "logs", threads=4, imports=imports)
         with db.connect() as conn, everystep.transaction(conn):
             everystep.send(waiting, "in", "hello", conn=conn)
+        with db.connect() as conn, everystep.transaction(conn):
+            dags.create("open", conn=conn).seal()  # a graph left open by the previous version, sealed by this one
         release.touch()
         wait_for(lambda: all(db.run(run)["status"] == "completed"
-                             for run in [delayed, sleeping, waiting, *mid_step]), 60, what="every run finished")
+                             for run in [delayed, sleeping, waiting, *mid_step, *member.values()]), 60,
+                 what="every run finished")
+        assert db.run(member["fan-in"])["result"] == "hello FAN-IN"
+        assert db.value("SELECT bool_and(met) FROM everystep_dependency") is True
         assert db.run(delayed)["result"] == "hello LATER"
         assert db.run(sleeping)["result"] == "slept"
         assert db.run(waiting)["result"] == ["hello"]
@@ -96,9 +125,9 @@ def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_plac
         # Each step ran once (the held ones were not started again), and the
         # history reads as before.
         assert db.value("SELECT count(*) FROM everystep_step WHERE workflow_id = ANY(%s) AND name LIKE %s",
-                        (mid_step, "%.hold")) == 2
+                        ([*mid_step, member["middle"]], "%.hold")) == 3
         assert db.value("SELECT count(*) FROM everystep_workflow_history") == HISTORY
-        assert db.value("SELECT count(*) FROM everystep_workflow_all WHERE status = 'completed'") == HISTORY + 5
+        assert db.value("SELECT count(*) FROM everystep_workflow_all WHERE status = 'completed'") == HISTORY + 9
         assert db.value("SELECT count(*) FROM everystep_execution") == 0  # no execution was lost or requeued
         # Nothing is left waiting nor held in the queue's tables.
         assert db.value("SELECT (SELECT count(*) FROM everystep_ready) + (SELECT count(*) FROM everystep_timer)"

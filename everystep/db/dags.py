@@ -32,7 +32,7 @@ class DagRow(NamedTuple):
 
 
 class Held(NamedTuple):
-    awaiting: int  # what the run still waits for (0: due at once)
+    awaiting: int  # what the run still waits for: the seal, and the dependencies not completed (0: due at once)
     cancel_reason: str | None  # set when a dependency had failed, stopped or been cancelled
 
 
@@ -70,10 +70,10 @@ def runs_exist(runs: list[uuid.UUID]) -> Plan:
     return {row[0] for row in (yield Query("runs_exist", {"runs": runs}, "all"))}
 
 
-def hold_for_dependencies(run: uuid.UUID, depends_on: list[uuid.UUID], extra: int = 0) -> Plan:
-    """Make a run inserted in this transaction wait for `depends_on` (and
-    `extra` more: the seal of its graph); a Held."""
-    row = yield Query("hold_for_dependencies", {"run": run, "depends_on": depends_on, "extra": extra})
+def hold_for_dependencies(run: uuid.UUID, depends_on: list[uuid.UUID], sealed: bool = True) -> Plan:
+    """Make a run inserted in this transaction wait for `depends_on` (and,
+    not `sealed`, for the seal of its graph); a Held."""
+    row = yield Query("hold_for_dependencies", {"run": run, "depends_on": depends_on, "seal": 0 if sealed else 1})
     return Held(row[0], row[1])
 
 

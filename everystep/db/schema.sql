@@ -117,10 +117,10 @@ CREATE TABLE everystep_workflow (
     -- 0022: its searchable attributes, a flat object of scalars
     -- (schedule(attributes=), everystep.set_attributes); NULL: none
     attributes          jsonb,
-    -- 0031: what it still waits for before it may start (its dependencies
-    -- not completed yet, plus one for the seal of an open graph); NULL: it
-    -- never waited for any. While > 0 the run is `waiting`, due 9999-12-31
-    -- (or at its deadline), waiting_on 'dependencies'
+    -- 0031: a run that waits or waited for dependencies (NULL: never):
+    -- 1 while its graph is not sealed, else 0 (0033; what else it waits
+    -- for is its edges not met). While it waits the run is `waiting`, due
+    -- 9999-12-31 (or at its deadline), waiting_on 'dependencies'
     awaiting            integer,
     -- 0031: other runs depend on it: its end calls everystep_settle
     dependents          boolean NOT NULL DEFAULT false
@@ -642,54 +642,80 @@ CREATE TABLE everystep_dag_member (
 );
 CREATE UNIQUE INDEX everystep_dag_member_run ON everystep_dag_member (run_id);
 
--- The edges between runs: run_id starts once depends_on has completed.
+-- The edges between runs: run_id starts once depends_on has completed
+-- (0033: `met` once it has).
 CREATE TABLE everystep_dependency (
     depends_on uuid NOT NULL,
     run_id     uuid NOT NULL,
+    met        boolean NOT NULL DEFAULT false,
     PRIMARY KEY (depends_on, run_id)
 );
 CREATE INDEX everystep_dependency_run ON everystep_dependency (run_id);
+CREATE INDEX everystep_dependency_open ON everystep_dependency (run_id) WHERE NOT met;
 
 -- The end of runs with dependents (ids, with the statuses they ended with):
--- each dependent of a completed one waits for one dependency fewer, and is
--- due at once when it waits for none; the dependents of a failed, stopped or
--- cancelled one are cancelled, and theirs, transitively, each with the reason
--- 'dependency <key> <status>' (<key>: the member key of its dependency, else
--- that run's id). A blocked one holds its dependents. The dependents' rows
--- are locked in id order first: two ends releasing one fan-in serialize on
--- its row, and the second sees what the first left (the release happens
--- once). Returns how many runs it released.
+-- the edges out of a completed one are met, and a dependent whose edges are
+-- all met (and whose graph is sealed) is due at once: its release. The
+-- dependents of a failed, stopped or cancelled one are cancelled, and
+-- theirs, transitively, each with the reason 'dependency <key> <status>'
+-- (<key>: the member key of its dependency, else that run's id). A blocked
+-- one holds its dependents. Returns how many runs it released.
+--
+-- Exactly one end releases a dependent, however its dependencies' ends
+-- interleave. After marking its edges, an end looks for an edge of the
+-- dependent not met and not being met by another transaction in flight
+-- (SKIP LOCKED), and locks the one it finds FOR SHARE: that edge's own end
+-- then waits for this commit, and sees it. Finding none, the end may be the
+-- last: it locks the dependent's row (in id order) and counts the edges not
+-- met in a snapshot taken after the lock. Two such ends in flight at once
+-- queue on that lock, and the second counts after the first committed.
 CREATE FUNCTION everystep_settle(ids uuid[], statuses text[]) RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     released integer := 0;
+    touched uuid[];
+    maybe_last uuid[];
 BEGIN
     IF ids IS NULL OR cardinality(ids) = 0 THEN
         RETURN 0;
     END IF;
-    -- = ANY(ARRAY(...)), and `(status = 'waiting') IS TRUE` below: a probe
-    -- of the primary key per dependent, never a scan of the status index,
-    -- whatever the plan cached for the function expects.
-    PERFORM 1 FROM everystep_workflow w
-    WHERE w.id = ANY(ARRAY(SELECT d.run_id FROM everystep_dependency d WHERE d.depends_on = ANY(ids)))
-    ORDER BY w.id
-    FOR UPDATE;
     WITH met AS (
-        SELECT d.run_id, count(*)::integer AS n
-        FROM everystep_dependency d
+        UPDATE everystep_dependency d
+        SET met = true
         WHERE d.depends_on = ANY(ARRAY(SELECT e.id FROM unnest(ids, statuses) AS e(id, status)
                                        WHERE e.status = 'completed'))
-        GROUP BY d.run_id
-    ), freed AS (
-        UPDATE everystep_workflow w
-        SET awaiting = w.awaiting - met.n,
-            due_at = CASE WHEN w.awaiting - met.n <= 0 THEN everystep_now() ELSE w.due_at END,
-            waiting_on = CASE WHEN w.awaiting - met.n <= 0 THEN NULL ELSE w.waiting_on END
-        FROM met
-        WHERE w.id = ANY(ARRAY(SELECT run_id FROM met)) AND w.id = met.run_id
-          AND (w.status = 'waiting') IS TRUE AND w.awaiting > 0
-        RETURNING w.awaiting
+          AND NOT d.met
+        RETURNING d.run_id
     )
-    SELECT count(*) FILTER (WHERE awaiting <= 0) INTO released FROM freed;
+    SELECT array_agg(DISTINCT run_id) INTO touched FROM met;
+    IF touched IS NOT NULL THEN
+        SELECT array_agg(t.id ORDER BY t.id) INTO maybe_last
+        FROM unnest(touched) AS t(id)
+        LEFT JOIN LATERAL (
+            SELECT true AS open
+            FROM everystep_dependency d
+            WHERE d.run_id = t.id AND NOT d.met
+            LIMIT 1
+            FOR SHARE SKIP LOCKED
+        ) o ON true
+        WHERE o.open IS NULL;
+    END IF;
+    IF maybe_last IS NOT NULL THEN
+        -- = ANY(ARRAY(...)) and `(status = 'waiting') IS TRUE`: a probe of the
+        -- primary key per dependent, whatever plan is cached for the function.
+        PERFORM 1 FROM everystep_workflow w
+        WHERE w.id = ANY(maybe_last)
+        ORDER BY w.id
+        FOR UPDATE;
+        WITH freed AS (
+            UPDATE everystep_workflow w
+            SET due_at = everystep_now(), waiting_on = NULL
+            WHERE w.id = ANY(maybe_last) AND (w.status = 'waiting') IS TRUE
+              AND w.waiting_on = 'dependencies' AND w.awaiting = 0
+              AND NOT EXISTS (SELECT FROM everystep_dependency d WHERE d.run_id = w.id AND NOT d.met)
+            RETURNING 1
+        )
+        SELECT count(*) INTO released FROM freed;
+    END IF;
     IF EXISTS (SELECT FROM unnest(statuses) AS s WHERE s IN ('failed', 'stopped', 'cancelled')) THEN
         WITH RECURSIVE down(id, reason) AS (
             SELECT d.run_id, 'dependency ' || coalesce(m.key, e.id::text) || ' ' || e.status
@@ -715,7 +741,7 @@ BEGIN
             cancel_reason = hit.reason, waiting_on = NULL
         FROM hit
         WHERE w.id = ANY(ARRAY(SELECT id FROM locked)) AND w.id = hit.id
-          AND (w.status = 'waiting') IS TRUE AND w.awaiting > 0;
+          AND (w.status = 'waiting') IS TRUE AND w.waiting_on = 'dependencies';
     END IF;
     IF released > 0 THEN
         PERFORM pg_notify('everystep:' || current_schema(), '');

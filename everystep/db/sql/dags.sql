@@ -44,13 +44,14 @@ FROM everystep_workflow_all
 WHERE id = ANY(%(runs)s::uuid[]);
 
 -- name: hold_for_dependencies
--- A run just inserted in this transaction waits for these runs (and
--- `extra` more: 1 for the seal of its graph): each is marked as having
+-- A run just inserted in this transaction waits for these runs (and for
+-- the seal of its graph when `seal` is 1): each is marked as having
 -- dependents (a row lock to the commit: an end in flight writes first, or
--- after this commits and then sees the edge), the edges are written, and
--- the run waits for those not completed (none: it stays as it was). A
--- dependency that ended failed, stopped or cancelled cancels it at once.
--- Returns what it waits for and its cancel reason, if cancelled.
+-- after this commits and then sees the edge), the edges are written, met
+-- for those completed, and the run waits for the rest (none: it stays as
+-- it was). A dependency that ended failed, stopped or cancelled cancels it
+-- at once. Returns what it waits for (the seal and the edges not met) and
+-- its cancel reason, if cancelled.
 WITH marked AS (
     UPDATE everystep_workflow d
     SET dependents = true
@@ -64,8 +65,8 @@ WITH marked AS (
     SELECT a.id, a.status FROM everystep_workflow_all a
     WHERE a.id = ANY(%(depends_on)s::uuid[]) AND a.id NOT IN (SELECT id FROM marked)
 ), edges AS (
-    INSERT INTO everystep_dependency (depends_on, run_id)
-    SELECT DISTINCT unnest(%(depends_on)s::uuid[]), %(run)s::uuid
+    INSERT INTO everystep_dependency (depends_on, run_id, met)
+    SELECT DISTINCT id, %(run)s::uuid, status = 'completed' FROM deps
     ON CONFLICT DO NOTHING
 ), broken AS (
     SELECT 'dependency ' || coalesce(m.key, deps.id::text) || ' ' || deps.status AS reason
@@ -73,23 +74,23 @@ WITH marked AS (
     WHERE deps.status IN ('failed', 'stopped', 'cancelled')
     ORDER BY deps.id
     LIMIT 1
+), waits AS (
+    SELECT %(seal)s::integer + (SELECT count(DISTINCT id) FROM deps WHERE status <> 'completed') AS n
 )
 UPDATE everystep_workflow w
 SET status = CASE WHEN EXISTS (SELECT FROM broken) THEN 'cancelled'
-                  WHEN %(extra)s::integer + (SELECT count(*) FROM deps WHERE status <> 'completed') = 0 THEN w.status
+                  WHEN waits.n = 0 THEN w.status
                   ELSE 'waiting' END,
     completed_at = CASE WHEN EXISTS (SELECT FROM broken) THEN everystep_now() END,
     cancel_requested_at = CASE WHEN EXISTS (SELECT FROM broken) THEN everystep_now() END,
     cancel_reason = (SELECT reason FROM broken),
-    due_at = CASE WHEN EXISTS (SELECT FROM broken) THEN w.due_at
-                  WHEN %(extra)s::integer + (SELECT count(*) FROM deps WHERE status <> 'completed') = 0 THEN w.due_at
+    due_at = CASE WHEN EXISTS (SELECT FROM broken) OR waits.n = 0 THEN w.due_at
                   ELSE coalesce(w.deadline_at, '9999-12-31 00:00:00+00') END,
-    waiting_on = CASE WHEN EXISTS (SELECT FROM broken)
-                           OR %(extra)s::integer + (SELECT count(*) FROM deps WHERE status <> 'completed') = 0
-                      THEN NULL ELSE 'dependencies' END,
-    awaiting = %(extra)s::integer + (SELECT count(*) FROM deps WHERE status <> 'completed')
+    waiting_on = CASE WHEN EXISTS (SELECT FROM broken) OR waits.n = 0 THEN NULL ELSE 'dependencies' END,
+    awaiting = %(seal)s::integer
+FROM waits
 WHERE w.id = %(run)s
-RETURNING w.awaiting, w.cancel_reason;
+RETURNING waits.n, w.cancel_reason;
 
 -- name: lock_dag
 -- The graph's row, locked to the commit (the seal queues behind the adds).
@@ -100,28 +101,30 @@ FOR UPDATE;
 
 -- name: seal_dag
 -- Seal an open graph (locked by lock_dag in this transaction, so this
--- statement's snapshot has every member): each member waits for one thing
--- fewer, and those that waited for nothing else are due at once. Returns
--- how many it released.
+-- statement's snapshot has every member): no member waits for the seal any
+-- more, and those that wait for no edge either (no member of the graph can
+-- have run yet) are due at once. Returns how many it released.
 WITH dag AS (
     UPDATE everystep_dag
     SET sealed_at = everystep_now(), sealed_by = %(actor)s
     WHERE key = %(key)s AND sealed_at IS NULL
     RETURNING key
-), released AS (
+), sealed AS (
     UPDATE everystep_workflow w
-    SET awaiting = w.awaiting - 1,
-        due_at = CASE WHEN w.awaiting <= 1 THEN everystep_now() ELSE w.due_at END,
-        waiting_on = CASE WHEN w.awaiting <= 1 THEN NULL ELSE w.waiting_on END
+    SET awaiting = 0,
+        due_at = CASE WHEN o.open THEN w.due_at ELSE everystep_now() END,
+        waiting_on = CASE WHEN o.open THEN w.waiting_on END
     FROM everystep_dag_member m
     JOIN dag ON m.dag = dag.key
+    CROSS JOIN LATERAL (SELECT EXISTS (SELECT FROM everystep_dependency d
+                                       WHERE d.run_id = m.run_id AND NOT d.met) AS open) o
     WHERE w.id = m.run_id AND w.status = 'waiting' AND w.awaiting > 0
-    RETURNING w.awaiting
+    RETURNING o.open
 )
-SELECT count(*) FILTER (WHERE awaiting <= 0),
-       CASE WHEN count(*) FILTER (WHERE awaiting <= 0) > 0
+SELECT count(*) FILTER (WHERE NOT open),
+       CASE WHEN count(*) FILTER (WHERE NOT open) > 0
             THEN pg_notify('everystep:' || current_schema(), '')::text END
-FROM released;
+FROM sealed;
 
 -- name: dag_members
 -- A graph's members in the order they were added, each with its run's
@@ -233,10 +236,7 @@ WITH RECURSIVE member AS (
     UPDATE everystep_workflow w
     SET status = 'waiting', completed_at = NULL, cancel_requested_at = NULL, cancel_reason = NULL,
         waiting_on = 'dependencies', due_at = coalesce(w.deadline_at, '9999-12-31 00:00:00+00'),
-        awaiting = (SELECT count(*) FROM everystep_dependency d
-                    LEFT JOIN LATERAL (SELECT x.status FROM everystep_workflow_all x WHERE x.id = d.depends_on) r
-                        ON true
-                    WHERE d.run_id = w.id AND r.status IS DISTINCT FROM 'completed')
+        awaiting = 0  -- its graph is sealed (and the edge from the re-run, at least, is not met)
     FROM (SELECT DISTINCT id FROM down) v
     WHERE w.id = v.id
     RETURNING w.id
