@@ -269,3 +269,39 @@ def test_the_examples_of_docs_dags_run_as_written(db, tmp_path, monkeypatch):
         exec(follow_up, namespace)
     db.run_pending()
     assert db.query("SELECT status, awaiting FROM everystep_workflow ORDER BY id DESC LIMIT 1") == [("completed", 0)]
+
+
+def test_ends_of_a_fan_ins_dependencies_in_flight_at_once_release_it_exactly_once(db):
+    """The ends of a fan-in's dependencies, each in its own transaction held
+    open a little while the others run: whatever the interleaving, exactly
+    one of them releases the fan-in (none would leave it waiting for ever,
+    two would start it twice)."""
+    import random  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from everystep.db import dags as dag_store  # noqa: PLC0415
+
+    for round_ in range(12):
+        with db.connect() as conn, everystep.transaction(conn):
+            g = dags.create(f"race-{round_}")
+            deps = [g.add(noop, key=f"dep{i}") for i in range(6)]
+            fan_in = g.add(noop, key="fan-in", depends_on=deps)
+            g.seal()
+        released, start = [], threading.Barrier(len(deps))
+
+        def end(dep, pause):
+            with db.connect(autocommit=False) as conn:
+                start.wait()
+                released.append(dag_store.settle_runs(conn, [dep.run_id], ["completed"]))
+                threading.Event().wait(pause)  # the commit comes a little later, as after an end's other writes
+                conn.commit()
+
+        threads = [threading.Thread(target=end, args=(dep, random.random() / 200)) for dep in deps]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sum(released) == 1, (round_, released)
+        assert db.value("SELECT waiting_on FROM everystep_workflow WHERE id = %s", (fan_in.run_id,)) is None
+        assert db.value("SELECT count(*) FROM everystep_dependency WHERE run_id = %s AND NOT met",
+                        (fan_in.run_id,)) == 0
