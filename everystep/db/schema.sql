@@ -651,7 +651,7 @@ CREATE TABLE everystep_dependency (
     PRIMARY KEY (depends_on, run_id)
 );
 CREATE INDEX everystep_dependency_run ON everystep_dependency (run_id);
-CREATE INDEX everystep_dependency_open ON everystep_dependency (run_id) WHERE NOT met;
+CREATE INDEX everystep_dependency_open ON everystep_dependency (run_id, depends_on) WHERE NOT met;
 
 -- The end of runs with dependents (ids, with the statuses they ended with):
 -- the edges out of a completed one are met, and a dependent whose edges are
@@ -694,6 +694,7 @@ BEGIN
             SELECT true AS open
             FROM everystep_dependency d
             WHERE d.run_id = t.id AND NOT d.met
+            ORDER BY d.depends_on DESC
             LIMIT 1
             FOR SHARE SKIP LOCKED
         ) o ON true

@@ -24,8 +24,11 @@ SET awaiting = CASE WHEN EXISTS (SELECT FROM everystep_dag_member m JOIN everyst
 WHERE w.awaiting IS NOT NULL;
 
 -- The edges a dependent still waits for: what the end of a dependency
--- looks at, one dependent at a time, however many edges the dependent has.
-CREATE INDEX everystep_dependency_open ON everystep_dependency (run_id) WHERE NOT met;
+-- looks at, one dependent at a time, however many edges the dependent has
+-- (newest dependency first: the one that ends last, as runs are claimed
+-- oldest first, so the edge an end locks is seldom one about to be met, and
+-- the entries of edges met, at the index's other end, are not walked over).
+CREATE INDEX everystep_dependency_open ON everystep_dependency (run_id, depends_on) WHERE NOT met;
 
 -- The end of runs with dependents (ids, with the statuses they ended with):
 -- the edges out of a completed one are met, and a dependent whose edges are
@@ -68,6 +71,7 @@ BEGIN
             SELECT true AS open
             FROM everystep_dependency d
             WHERE d.run_id = t.id AND NOT d.met
+            ORDER BY d.depends_on DESC
             LIMIT 1
             FOR SHARE SKIP LOCKED
         ) o ON true
