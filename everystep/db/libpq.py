@@ -76,6 +76,10 @@ def check(conn: psycopg.Connection, result: pq.abc.PGresult) -> pq.abc.PGresult:
     raise errors.error_from_result(result, encoding=conn.info.encoding)
 
 
+# The steps of a claimed run that has none, as everystep_claim returns them (to_json of an empty array).
+NO_STEPS = b"[]"
+
+
 def claimed_runs(on: Executor, result: pq.abc.PGresult, first_column: int) -> list[ClaimedRun]:
     """The runs in a result whose columns from `first_column` on are those of
     a claimed run (ClaimedRun's; a NULL id: no run), read from their text."""
@@ -85,8 +89,10 @@ def claimed_runs(on: Executor, result: pq.abc.PGresult, first_column: int) -> li
         run_id, name, args, steps, token, cancel, now, slot, parent = (
             result.get_value(row, first_column + i) for i in range(9))
         if run_id is not None:
+            # A first claim has no steps (most claims, in a busy queue): nothing to decode.
+            recorded = [] if steps == NO_STEPS else json.loads(steps.decode(encoding))
             runs.append(ClaimedRun(uuid.UUID(run_id.decode()), name.decode(encoding), json.loads(args.decode(encoding)),
-                                   json.loads(steps.decode(encoding)), int(token), cancel == b"t", float(now),
+                                   recorded, int(token), cancel == b"t", float(now),
                                    None if slot is None else int(slot),
                                    None if parent is None else uuid.UUID(parent.decode())))
     return runs
