@@ -220,6 +220,11 @@ def _run_metrics(workflow: str, outcome: str) -> tuple:
     return metrics.WORKFLOW_RUNS.labels(workflow, outcome), metrics.WORKFLOW_DURATION.labels(workflow, outcome)
 
 
+def _log_fields(run: db.ClaimedRun, runner: str) -> dict:
+    """The fields of a log line about a run (made only when one is written)."""
+    return {"run": str(run.id), "workflow": run.name, "runner": runner}
+
+
 class UnknownWorkflow(Exception):
     """This process cannot import the workflow of a claimed run (its module
     is missing, fails to import, or does not define it yet)."""
@@ -305,7 +310,6 @@ class Runner:
 
     def _execution(self, run: db.ClaimedRun, loop: aio.Loop | None) -> Rules:
         started = time.perf_counter()
-        extra = {"run": str(run.id), "workflow": run.name, "runner": self.name}
         with HeldRun(self._lent, run, asynchronous=loop is not None) as held:
             replay = Replay(held, run, loop)
             if loop is not None:
@@ -318,10 +322,11 @@ class Runner:
                 replay.trace = observe.run_started(replay, traced)
                 outcome = yield from replay.run()
             except LostClaim as exc:
-                log.warning("claim lost, run abandoned: %s", exc, extra=extra)
+                log.warning("claim lost, run abandoned: %s", exc, extra=_log_fields(run, self.name))
                 metrics.CLAIMS_LOST.labels(self.name).inc()
                 outcome = "abandoned"
             except UnknownWorkflow as exc:
+                extra = _log_fields(run, self.name)
                 if self.give_back_unknown:
                     log.error("cannot import workflow %s: %s; run given back to the queue for a worker that can, "
                               "and no more of its runs claimed here", run.name, exc, extra=extra)
@@ -332,6 +337,7 @@ class Runner:
             except Exception as exc:
                 # The engine itself failed on this run. (SystemExit or the like
                 # out of user code is not ours to record: it goes on up.)
+                extra = _log_fields(run, self.name)
                 log.exception("engine error on run; marking it failed", extra=extra)
                 outcome = yield from self._engine_error(held, replay, exc, extra)
             finally:

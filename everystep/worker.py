@@ -186,6 +186,8 @@ class Worker(Successors):
         # while a slot is free: a full worker needs no notification).
         self._waiting = False
         self._extra = {"runner": name}
+        # Counted at every run a slot goes on with: the labelled child looked up once.
+        self._claims_counter = metrics.CLAIMS.labels(name)
 
     # ---------------------------------------------------------------- control
 
@@ -373,7 +375,7 @@ class Worker(Successors):
         resumed = [run for run in held if run.id not in poisoned]
         if resumed:
             log.info("catchup: resuming %d runs left running under %s", len(resumed), self.name, extra=self._extra)
-            metrics.CLAIMS.labels(self.name).inc(len(resumed))
+            self._claims_counter.inc(len(resumed))
         with self._lock:
             self._backlog.extend(resumed)
 
@@ -468,7 +470,7 @@ class Worker(Successors):
             self._waiting = True
         runs = db.claim(conn, self.name, free, self.routes, skipped=self.skipped)
         if runs:
-            metrics.CLAIMS.labels(self.name).inc(len(runs))
+            self._claims_counter.inc(len(runs))
             for run in runs:
                 self._start(run)
             if self.on_claim:
@@ -638,7 +640,7 @@ class Worker(Successors):
                     other_kind = successor
             wake = run is None or self._reconcile or bool(self._backlog)
         if successor is not None:
-            metrics.CLAIMS.labels(self.name).inc()
+            self._claims_counter.inc()
             if self.on_claim:
                 self.on_claim(1)
         if other_kind is not None:

@@ -41,21 +41,29 @@ IDLE = 5.0
 
 class _Write:
     """One write waiting for its batch's commit (or, with `then`, not
-    waited for: `then(answer, error)` is called from the writer's thread)."""
+    waited for: `then(answer, error)` is called from the writer's thread).
+    `done` is a bare lock held until the answer is in, which the run's
+    thread waits for by acquiring it: one is made and waited on at every
+    write, and an Event (a Condition, a waiter lock per wait) costs several
+    times as much."""
 
     __slots__ = ("write", "done", "answer", "error", "then")
 
     def __init__(self, write: db.StepWrite | db.EndWrite | db.StreamWrite,
                  then: Callable[[Any, BaseException | None], None] | None = None):
         self.write = write
-        self.done = threading.Event()
+        self.done: threading.Lock | None = None
+        if then is None:
+            self.done = threading.Lock()
+            self.done.acquire()
         self.answer: Any = None
         self.error: BaseException | None = None
         self.then = then
 
     def finish(self, answer: Any = None, error: BaseException | None = None) -> None:
         self.answer, self.error = answer, error
-        self.done.set()
+        if self.done is not None:
+            self.done.release()
         if self.then is not None:
             self.then(answer, error)
 
@@ -75,6 +83,7 @@ class GroupWriter:
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
         self._closed = False
+        self._batch_sizes = metrics.WRITE_BATCH.labels(runner)  # observed at every batch: looked up once
 
     # ------------------------------------------------------------ the runs' side
 
@@ -112,7 +121,7 @@ class GroupWriter:
     def _submit(self, write: db.StepWrite | db.EndWrite | db.StreamWrite) -> Any:
         waiting = _Write(write)
         self._enqueue(waiting)
-        waiting.done.wait()
+        waiting.done.acquire()
         if waiting.error is not None:
             raise waiting.error
         return waiting.answer
@@ -177,7 +186,7 @@ class GroupWriter:
                 for waiting in batch:
                     self._write([waiting])
             return
-        metrics.WRITE_BATCH.labels(self.runner).observe(len(batch))
+        self._batch_sizes.observe(len(batch))
         for waiting, answer in zip(steps, written):
             waiting.finish(answer)
         for waiting, answer in zip(ends, finished):

@@ -76,19 +76,27 @@ def check(conn: psycopg.Connection, result: pq.abc.PGresult) -> pq.abc.PGresult:
     raise errors.error_from_result(result, encoding=conn.info.encoding)
 
 
+# The steps of a claimed run that has none, as everystep_claim returns them (to_json of an empty array).
+NO_STEPS = b"[]"
+
+
 def claimed_runs(on: Executor, result: pq.abc.PGresult, first_column: int) -> list[ClaimedRun]:
     """The runs in a result whose columns from `first_column` on are those of
     a claimed run (ClaimedRun's; a NULL id: no run), read from their text."""
     encoding = (on.connection if isinstance(on, psycopg.Cursor) else on).info.encoding
+    value = result.get_value
     runs = []
     for row in range(result.ntuples):
-        run_id, name, args, steps, token, cancel, now, slot, parent = (
-            result.get_value(row, first_column + i) for i in range(9))
-        if run_id is not None:
-            runs.append(ClaimedRun(uuid.UUID(run_id.decode()), name.decode(encoding), json.loads(args.decode(encoding)),
-                                   json.loads(steps.decode(encoding)), int(token), cancel == b"t", float(now),
-                                   None if slot is None else int(slot),
-                                   None if parent is None else uuid.UUID(parent.decode())))
+        run_id = value(row, first_column)
+        if run_id is None:
+            continue  # no run (end_runs: one of the rows about the ends, two in three of a busy batch)
+        name, args, steps, token, cancel, now, slot, parent = (value(row, first_column + i) for i in range(1, 9))
+        # A first claim has no steps (most claims, in a busy queue): nothing to decode.
+        recorded = [] if steps == NO_STEPS else json.loads(steps.decode(encoding))
+        runs.append(ClaimedRun(uuid.UUID(run_id.decode()), name.decode(encoding), json.loads(args.decode(encoding)),
+                               recorded, int(token), cancel == b"t", float(now),
+                               None if slot is None else int(slot),
+                               None if parent is None else uuid.UUID(parent.decode())))
     return runs
 
 
@@ -97,7 +105,13 @@ def array_literal(items: list | None) -> str | None:
     hot statements' text parameters."""
     if items is None:
         return None
-    return "{" + ",".join(
-        "NULL" if item is None else '"' + str(item).replace("\\", "\\\\").replace('"', '\\"') + '"'
-        for item in items
-    ) + "}"
+    parts = []
+    for item in items:
+        if item is None:
+            parts.append("NULL")
+            continue
+        text = str(item)
+        if "\\" in text or '"' in text:  # (ids, numbers and names have neither: no replace to run)
+            text = text.replace("\\", "\\\\").replace('"', '\\"')
+        parts.append('"' + text + '"')
+    return "{" + ",".join(parts) + "}"
