@@ -289,7 +289,7 @@ def test_ends_of_a_fan_ins_dependencies_in_flight_at_once_release_it_exactly_onc
             g.seal()
         released, start = [], threading.Barrier(len(deps))
 
-        def end(dep, pause):
+        def end(dep, pause, start=start, released=released):
             with db.connect(autocommit=False) as conn:
                 start.wait()
                 released.append(dag_store.settle_runs(conn, [dep.run_id], ["completed"]))
