@@ -9,7 +9,8 @@
 -- `awaiting` now counts only the seal of a graph not yet sealed (1, else
 -- 0); what a run still waits for is its edges not met. Additive: a column
 -- and an index; the edges of runs already completed are met, and the runs
--- waiting keep waiting for the same things.
+-- waiting keep waiting for the same things. Where the roles of `everystep
+-- roles` are used, apply them again: a worker now updates `met`.
 ALTER TABLE everystep_dependency ADD COLUMN met boolean NOT NULL DEFAULT false;
 
 UPDATE everystep_dependency d
