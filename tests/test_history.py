@@ -472,10 +472,10 @@ def test_a_database_with_runs_in_flight_and_a_history_migrates_in_place(server_u
                          " SELECT id, %s, %s::jsonb, 'scheduled' FROM unnest(%s::uuid[]) AS id",
                          (f"{held.__module__}.{held.__qualname__}", json.dumps([str(marks), str(release)]),
                           in_flight))
-        # A worker of the previous version (its code from git): this one
-        # needs the queue tables of 0032.
+        # A worker of a version before 0032 (its code from git): later ones
+        # need the queue tables of 0032.
         worker = WorkerProcess(db.url, "migrating", tmp_path / "logs", threads=4,
-                               cwd=previous_release(tmp_path / "previous"))
+                               cwd=previous_release(tmp_path / "previous", before="0032"))
         wait_for(lambda: len((marks / "steps").read_text().splitlines()) == 3 if (marks / "steps").exists()
                  else False, timeout=60, what="the runs held mid-step")
         started = time.monotonic()

@@ -74,9 +74,10 @@ def test_a_supervisor_whose_imports_miss_a_module_is_not_ready_and_shows_the_run
                             what="readiness naming the workflow")
     assert body == ("workers cannot import workflows (their runs wait for a worker that can): "
                     "missing-imports-0: elsewhere_flows.job\n")
+    # The run goes back once its worker claims without that workflow (after it said so): then it waits, unserved.
+    wait_for(lambda: db.run(foreign)["status"] == "scheduled", what="the run given back")
+    assert db.value("SELECT count(*) FROM everystep_execution WHERE run_id = %s", (foreign,)) == 1
     exposition = samples(get(f"http://127.0.0.1:{sup.port}/metrics")[1])
     assert value(exposition, "everystep_workflows_unserved", workflow="elsewhere_flows.job") == 1
     assert value(exposition, "everystep_unknown_workflow_runs_total", runner="missing-imports-0",
                  workflow="elsewhere_flows.job") == 1
-    wait_for(lambda: db.run(foreign)["status"] == "scheduled", what="the run given back")
-    assert db.value("SELECT count(*) FROM everystep_execution WHERE run_id = %s", (foreign,)) == 1

@@ -191,10 +191,11 @@ def migrate_in_place(finished: int, runs: int) -> dict:
             conn.execute("VACUUM ANALYZE everystep_step")
         fill_s = time.monotonic() - began
         settle(db)
-        # A supervisor of the previous version (its code from git: this one needs the queue tables of
+        # A supervisor of a version before 0032 (its code from git: later ones need the queue tables of
         # 0032), its drain running across the migration.
         with harness.scratch() as folder, harness.supervisor(db, "history-migrate", folder, migrate=False,
-                                                             code=previous_release(folder / "previous")):
+                                                             code=previous_release(folder / "previous",
+                                                                                   before="0032")):
             # Scheduled as the version before does (its insert).
             with db.connect() as conn:
                 conn.execute("INSERT INTO everystep_workflow (id, name, args, status)"

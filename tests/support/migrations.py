@@ -25,11 +25,13 @@ def migrated_before(server_url: str, schema: str, number: str) -> None:
             conn.execute("INSERT INTO everystep_migration (name) VALUES (%s)", (f.name.removesuffix(".sql"),))
 
 
-def previous_release(dest: Path) -> Path:
-    """The code of the version before the newest migration, from git into
-    `dest`: the parent of the commit that added that migration. Its worker
-    runs on a schema migrated before it (`cwd=dest`: it imports that code)."""
-    newest = sorted(f.name for f in resources.files("everystep.migrations").iterdir() if f.name.endswith(".sql"))[-1]
+def previous_release(dest: Path, before: str | None = None) -> Path:
+    """The code of the version before the newest migration (or before the
+    migration numbered `before`, e.g. "0032"), from git into `dest`: the
+    parent of the commit that added that migration. Its worker runs on a
+    schema migrated before it (`cwd=dest`: it imports that code)."""
+    names = sorted(f.name for f in resources.files("everystep.migrations").iterdir() if f.name.endswith(".sql"))
+    newest = names[-1] if before is None else next(name for name in names if name.startswith(before))
     root = Path(__file__).resolve().parents[2]
     added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "-1", "--",
                             f"everystep/migrations/{newest}"], cwd=root, capture_output=True, text=True, check=True)
