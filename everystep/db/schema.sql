@@ -701,7 +701,7 @@ BEGIN
         WHERE o.open IS NULL;
     END IF;
     IF maybe_last IS NOT NULL THEN
-        -- = ANY(ARRAY(...)) and `(status = 'waiting') IS TRUE`: a probe of the
+        -- `= ANY(maybe_last)` and `(status = 'waiting') IS TRUE`: a probe of the
         -- primary key per dependent, whatever plan is cached for the function.
         PERFORM 1 FROM everystep_workflow w
         WHERE w.id = ANY(maybe_last)
