@@ -22,12 +22,14 @@ IDLE seconds; the next reader starts another.
 from __future__ import annotations
 
 import bisect
+import json
 import os
 import select
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import NamedTuple
 
 import psycopg
 
@@ -52,23 +54,42 @@ class Cell:
     row, and the entry the first reader made of it when the others may have
     the same (see everystep.streams._entry_of)."""
 
-    __slots__ = ("row", "entry", "raw")
+    __slots__ = ("row", "entry")
 
     def __init__(self, row: Row):
         self.row = row
         self.entry = None  # the decoded entry, when its value is immutable
-        self.raw = None  # the entry with its value as JSON text
 
 
-def parse_notification(payload: str) -> tuple[str, int | None, str | None]:
-    """(run, last offset, key) of a stream notification; (run, None, None)
-    when a run's end closed all its streams."""
+class Notice(NamedTuple):
+    """A stream notification (see db/sql/streams.sql): the run, and the
+    stream and its last offset written, or None for both when the run's end
+    closed all its streams; `entries`: the entries themselves as JSON, when
+    the notification carries them (`rows()` reads them)."""
+
+    run: str
+    last: int | None
+    key: str | None
+    first: int | None = None
+    entries: str | None = None
+
+    def rows(self) -> list[Row]:
+        """The entries it carries, as rows of a look."""
+        return [(offset, value, value is None, step_id, attempt, token)
+                for offset, value, step_id, attempt, token in json.loads(self.entries)]
+
+
+def parse_notification(payload: str) -> Notice:
     run, _, rest = payload.partition(" ")
-    last, _, key = rest.partition(" ")
     try:
-        return run, int(last), key
+        if rest.startswith("@"):  # '@<first> <last> <key length> <key><entries>'
+            first, last, length, rest = rest[1:].split(" ", 3)
+            length = int(length)
+            return Notice(run, int(last), rest[:length], int(first), rest[length:])
+        last, _, key = rest.partition(" ")  # '<last> <key>'
+        return Notice(run, int(last), key)
     except ValueError:  # the run alone (or a payload of another form: look anyway)
-        return run, None, None
+        return Notice(run, None, None)
 
 
 class Reader:
@@ -210,14 +231,40 @@ class Hub:
             if self._wake_r in ready:
                 os.read(self._wake_r, 4096)
             notifies = list(conn.notifies(timeout=0))
+        handed: dict[int, Reader] = {}  # woken once all the notifications are handed (a commit sends several)
         with self._lock:
             for notify in notifies:
-                run, last, key = parse_notification(notify.payload)
-                tails = self._by_run.get(run, ())
-                for tail in tails:
-                    if last is None or (tail.key == key and any(r.want <= last for r in tail.readers)):
+                notice = parse_notification(notify.payload)
+                for tail in self._by_run.get(notice.run, ()):
+                    if notice.last is None:
                         tail.pending = True
+                    elif tail.key == notice.key:
+                        if notice.entries is not None:
+                            self._hand(tail, notice, handed)
+                        if any(r.want <= notice.last and not r.ended and r.error is None for r in tail.readers):
+                            tail.pending = True  # behind the entries it carries, or carried none: a look
+            for reader in handed.values():
+                reader.wake()
         return True
+
+    def _hand(self, tail: _Tail, notice: Notice, handed: dict[int, Reader]) -> None:
+        """(With the lock held.) The entries a notification carries, to each
+        reader of the stream that wants the next of them and has room: no
+        look for it. A reader behind them, or not looked at yet, looks."""
+        cells = None
+        for reader in tail.readers:
+            if (reader.error is not None or reader.ended or not reader.looked
+                    or not notice.first <= reader.want <= notice.last or len(reader.rows) >= READ_BATCH):
+                continue
+            if cells is None:
+                cells = [Cell(row) for row in notice.rows()]
+            for cell in cells[reader.want - notice.first:]:
+                if cell.row[2]:  # the close
+                    reader.ended = True
+                    break
+                reader.rows.append(cell)
+                reader.want = cell.row[0] + 1
+            handed[id(reader)] = reader
 
     def _due(self) -> list[_Tail]:
         with self._lock:

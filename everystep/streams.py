@@ -150,11 +150,13 @@ class _Look(NamedTuple):
     full: bool  # READ_BATCH entries: there may be more already
 
 
-def _entry(row: tuple, raw: bool) -> StreamEntry:
-    """The entry of a row of a look (`raw`: its value as JSON text)."""
+def _entry(row: tuple, raw: bool) -> StreamEntry | tuple[int, str]:
+    """The entry of a row of a look (`raw`: the pair (offset, value as JSON text))."""
     offset, value, _closes, step_id, attempt, token = row
-    return StreamEntry(offset, value if raw else serde.from_json(json.loads(value)),
-                       step_id if attempt is not None else None, attempt, token)
+    if raw:
+        return offset, value
+    return StreamEntry(offset, serde.from_json(json.loads(value)), step_id if attempt is not None else None,
+                       attempt, token)
 
 
 # Values a reader cannot change: one entry of them serves all the readers of a process.
@@ -162,15 +164,13 @@ _IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, datetime.datet
                         datetime.time, datetime.timedelta, uuid.UUID})
 
 
-def _entry_of(cell: stream_readers.Cell, raw: bool) -> StreamEntry:
+def _entry_of(cell: stream_readers.Cell) -> StreamEntry:
     """The entry of a cell of a shared look: made once for all the readers
     of the process when its value is immutable, else this reader's own."""
-    entry = cell.raw if raw else cell.entry
+    entry = cell.entry
     if entry is None:
-        entry = _entry(cell.row, raw)
-        if raw:
-            cell.raw = entry
-        elif type(entry.value) in _IMMUTABLE:
+        entry = _entry(cell.row, False)
+        if type(entry.value) in _IMMUTABLE:
             cell.entry = entry
     return entry
 
@@ -269,7 +269,7 @@ def _follow(hub: stream_readers.Hub, reader: stream_readers.Reader, signal: thre
             signal.clear()  # before taking: a wake after it is not lost
             rows, ended, error = hub.take(reader)
             for cell in rows:
-                yield _entry_of(cell, False)
+                yield cell.entry or _entry_of(cell)
             if ended:
                 return
             if error is not None:
@@ -300,8 +300,8 @@ def _read(conn: psycopg.Connection, run_id: uuid.UUID, key: str, look: _Look, of
 def _concerns(payload: str, run: str, key: str, offset: int) -> bool:
     """Whether a notification may bring a reader of `run`'s stream `key`
     at `offset` something new: an entry at or after it, or the run's end."""
-    notified, last, notified_key = stream_readers.parse_notification(payload)
-    return notified == run and (last is None or (notified_key == key and last >= offset))
+    notice = stream_readers.parse_notification(payload)
+    return notice.run == run and (notice.last is None or (notice.key == key and notice.last >= offset))
 
 
 def _notified(conn: psycopg.Connection, run: str, key: str, offset: int, seconds: float) -> None:
@@ -325,15 +325,16 @@ async def aread_stream(run_id: uuid.UUID | str, key: str, offset: int = 0, timeo
 
 
 def aread_stream_looks(run_id: uuid.UUID | str, key: str, offset: int = 0, timeout: float | None = None,
-                       conn: Any = None) -> AsyncIterator[list[StreamEntry]]:
-    """`aread_stream` by look: the entries each look found, together, with
-    their values as the stored JSON text, not decoded (what a Server-Sent
-    Events response sends as it is, in one write per look)."""
+                       conn: Any = None) -> AsyncIterator[list[tuple[int, str]]]:
+    """`aread_stream` by look: the entries each look found, together, as
+    (offset, value) pairs with the value as the stored JSON text, not
+    decoded (what a Server-Sent Events response sends as it is, in one
+    write per look)."""
     return _alooks("aread_stream()", run_id, key, offset, timeout, conn, raw=True)
 
 
 async def _alooks(what: str, run_id: Any, key: Any, offset: Any, timeout: Any, conn: Any,
-                  raw: bool) -> AsyncIterator[list[StreamEntry]]:
+                  raw: bool) -> AsyncIterator[list]:
     run_id, key, offset, timeout = _read_args(what, run_id, key, offset, timeout)
     conn = conn if conn is not None else bound_connection()
     if isinstance(conn, str):
@@ -366,7 +367,7 @@ async def _alooks(what: str, run_id: Any, key: Any, offset: Any, timeout: Any, c
 
 
 async def _alooks_shared(what: str, url: str, run_id: uuid.UUID, key: str, offset: int, clock: _Clock,
-                         raw: bool) -> AsyncIterator[list[StreamEntry]]:
+                         raw: bool) -> AsyncIterator[list]:
     """aread_stream by URL: through this process's listener for the URL."""
     loop, signal = asyncio.get_running_loop(), asyncio.Event()
 
@@ -384,7 +385,7 @@ async def _alooks_shared(what: str, url: str, run_id: uuid.UUID, key: str, offse
             if reader.missing:
                 raise EverystepError(f"{what}: no run {run_id}")
             if rows:
-                yield [_entry_of(cell, raw) for cell in rows]
+                yield [(cell.row[0], cell.row[1]) for cell in rows] if raw else [_entry_of(cell) for cell in rows]
             if ended:
                 return
             if error is not None:

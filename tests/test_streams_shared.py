@@ -1,7 +1,7 @@
 """The readers of durable streams in one process share one listener per
 database (everystep.stream_readers): one LISTEN connection, one look per
-wake of each stream for all its readers, a notification that names the
-stream and its last offset; every reader still gets every entry in order,
+wake of each stream for all its readers, a notification that carries the
+entries (or names the stream and its last offset); every reader still gets every entry in order,
 from its own offset, after a reconnect too."""
 
 from __future__ import annotations
@@ -79,21 +79,60 @@ def test_many_readers_share_one_listener_and_each_gets_every_entry_in_order_afte
         thread.join(20)
     assert got == {i: ticks() for i in range(12)}
     assert stream_readers._hubs[db.url] is hub  # the reconnects came back to the same listener
-    # One look per wake for all the readers: one reader each would take 12 times as many.
-    assert len(looks) - first_looks < 3 * (ENTRIES + 2) + 6
+    # The entries come in the notifications: a look only for each reader that
+    # comes back (6), and at the run's end (the last reader of a stream
+    # looking every notification would take 30 or more).
+    assert len(looks) - first_looks < 12
 
 
-def test_a_notification_names_the_stream_and_its_last_offset(db):
+def notices_of(db, workflow, *args) -> tuple[list[stream_readers.Notice], list[str]]:
+    """The stream notifications of a run of `workflow`, parsed, and as sent."""
     with psycopg.connect(db.url, autocommit=True) as listener:
         everystep.db.listen_streams(listener)
-        run = schedule_one(db, flows.writes, 3)
+        run = schedule_one(db, workflow, *args)
         assert db.run_pending() == {run.id: "completed"}
         payloads = [n.payload for n in listener.notifies(timeout=0.5)]
-    offsets = [stream_readers.parse_notification(p) for p in payloads if p != str(run.id)]
-    assert offsets and all(r == str(run.id) and k == "out" for r, _, k in offsets)
-    assert max(last for _, last, _ in offsets) == 3  # the close, after the entries 0..2
     assert payloads[-1] == str(run.id)  # the run's end: every stream of the run
-    assert stream_readers.parse_notification(f"{run.id} 7 a key with spaces") == (str(run.id), 7, "a key with spaces")
+    notices = [stream_readers.parse_notification(p) for p in payloads[:-1]]
+    assert notices and all(n.run == str(run.id) and n.key == "out" for n in notices)
+    return notices, payloads
+
+
+def looked(db, run_id: str, offset: int) -> list[tuple]:
+    with psycopg.connect(db.url, autocommit=True) as conn:
+        return everystep.db.read_stream(conn, run_id, "out", offset, 1000).entries
+
+
+def test_a_notification_carries_the_entries_it_notifies_as_a_look_reads_them(db):
+    notices, payloads = notices_of(db, flows.writes, 3)
+    assert all(n.entries is not None for n in notices)
+    rows = [row for n in notices for row in n.rows()]
+    assert [n.last for n in notices][-1] == 3 == rows[-1][0]  # the close, after the entries 0..2
+    assert rows == looked(db, notices[0].run, 0)  # offset, value as JSON text, close, step, attempt, token
+    assert rows[-1][2] and not any(row[2] for row in rows[:-1])
+    assert all(len(p.encode()) < 8000 for p in payloads)
+
+
+def test_entries_that_do_not_fit_a_notification_are_notified_by_offset(db):
+    # 300 small entries take several notifications; one of 9,000 characters fits none.
+    notices, payloads = notices_of(db, flows.writes_sizes, [40] * 300 + [9000, 40])
+    assert all(len(p.encode()) < 8000 for p in payloads)
+    carried = [row for n in notices if n.entries is not None for row in n.rows()]
+    by_offset = [n for n in notices if n.entries is None]
+    assert by_offset and all(n.last >= 300 for n in by_offset)  # the large entry's part: a reader looks
+    assert len(notices) > 2
+    everything = looked(db, notices[0].run, 0)
+    assert [row for row in everything if row[0] < 300] == [row for row in carried if row[0] < 300]
+    assert len(everything) == 303
+
+
+def test_a_notification_names_its_stream_and_last_offset():
+    run = "0190a0b4-0000-7000-8000-000000000000"
+    assert stream_readers.parse_notification(f"{run} 7 a key with spaces") == (run, 7, "a key with spaces", None, None)
+    notice = stream_readers.parse_notification(f'{run} @4 5 5 a b c[[4,"1",null,null,9],[5,null,"s1",2,9]]')
+    assert (notice.run, notice.first, notice.last, notice.key) == (run, 4, 5, "a b c")
+    assert notice.rows() == [(4, "1", False, None, None, 9), (5, None, True, "s1", 2, 9)]
+    assert stream_readers.parse_notification(run) == (run, None, None, None, None)
 
 
 def test_a_reader_looks_only_at_a_notification_of_its_stream_at_or_after_its_offset():

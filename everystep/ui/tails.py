@@ -30,7 +30,7 @@ class _Tail:
     async def _read(self, tails: Tails, run: uuid.UUID, key: str) -> None:
         try:
             async for entries in streams.aread_stream_looks(run, key, offset=0, conn=tails.database_url):
-                self.events.extend(f"id: {entry.offset}\ndata: {entry.value}\n\n" for entry in entries)
+                self.events.extend(f"id: {offset}\ndata: {value}\n\n" for offset, value in entries)
                 self._wake()
             self.ended = True
         except Exception as exc:  # the clients end with it; the next one starts another reader

@@ -93,3 +93,12 @@ def ticks(n: int, pause: float) -> str:
         everystep.write_stream("out", f"tick {i}. ")
         everystep.sleep(pause)
     return "".join(f"tick {i}. " for i in range(n))
+
+
+@everystep.workflow
+def writes_sizes(sizes: list[int]) -> int:
+    """Writes one entry of each size (characters) to "out", then closes it."""
+    for size in sizes:
+        everystep.write_stream("out", "x" * size)
+    everystep.close_stream("out")
+    return len(sizes)

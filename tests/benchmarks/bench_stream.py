@@ -41,7 +41,7 @@ def read_direct(url: str, run_id: str, threads: int, ready, results) -> None:
             got[i].append(time.time())
 
     _run_threads(reader, threads)
-    results.put(got)
+    results.put(("read_stream", got))
 
 
 def read_sse(base: str, run_id: str, threads: int, ready, results) -> None:
@@ -67,7 +67,7 @@ def read_sse(base: str, run_id: str, threads: int, ready, results) -> None:
                 tail = text[-16:]
 
     _run_threads(reader, threads)
-    results.put(got)
+    results.put(("sse", got))
 
 
 def _run_threads(target, count: int) -> None:
@@ -130,14 +130,17 @@ def main() -> None:
             finally:
                 runner.close()
                 everystep.db.write_streams = original
-            received = [times for _ in readers for times in results.get(timeout=300)]
+            received = [(kind, times) for _ in readers for kind, got in [results.get(timeout=300)] for times in got]
             for process in readers:
                 process.join(30)
         finally:
             ui.close()
     written_s = max(committed.values()) - started
-    latencies_ms = [(at - committed[offset]) * 1000 for times in received for offset, at in enumerate(times)]
-    cuts = harness.percentiles(latencies_ms)
+    latencies_ms = {kind: [(at - committed[offset]) * 1000 for of_kind, times in received if of_kind == kind
+                           for offset, at in enumerate(times)] for kind in ("read_stream", "sse")}
+    cuts = harness.percentiles(latencies_ms["read_stream"] + latencies_ms["sse"])
+    by_kind = {f"{kind}_p{p}_ms": round(harness.percentiles(of_kind)[f"p{p}"], 3)
+               for kind, of_kind in latencies_ms.items() if of_kind for p in (50, 99)}
     harness.emit({
         "benchmark": "stream",
         "entries": args.entries,
@@ -146,12 +149,13 @@ def main() -> None:
         "entries_per_s": round(args.entries / written_s),
         "commit_to_reader_p50_ms": round(cuts["p50"], 3),
         "commit_to_reader_p99_ms": round(cuts["p99"], 3),
+        **by_kind,
         "target_entries_per_s": 5000,
         "target_p50_ms": 5.0,
         "target_p99_ms": 25.0,
-        "entries_read": len(latencies_ms),
+        "entries_read": sum(map(len, latencies_ms.values())),
         "not_completed": int(outcome != "completed")
-                         + sum(len(times) != args.entries for times in received)
+                         + sum(len(times) != args.entries for _, times in received)
                          + (len(received) != args.readers + args.sse_readers),
     })
 

@@ -1,9 +1,17 @@
 -- Durable streams (0023): what a run writes for the outside to read while
 -- it goes on. Read by everystep/db/streams.py. Readers LISTEN on
 -- 'everystep_stream:<schema>'; every write notifies there at its commit,
--- once per stream written, with '<run> <last offset written> <key>' (the key
--- last: it may hold spaces), so that a reader looks only when it is behind;
--- a run's end notifies '<run>' alone (every stream of the run is closed).
+-- for each stream written, in one of two forms (see
+-- everystep/stream_readers.py, parse_notification):
+--   '<run> @<first offset> <last offset> <key length> <key><entries>': the entries
+--     themselves, a JSON array of [offset, value as JSON text, step_id,
+--     attempt, claim_token] (value null: the close), in several
+--     notifications of at most 8000 bytes when they do not fit one, so that
+--     a listener hands them to its readers without a look;
+--   '<run> <last offset written> <key>' (the key last: it may hold spaces):
+--     where the entries do not fit (a large value), so that a reader looks
+--     only when it is behind.
+-- A run's end notifies '<run>' alone (every stream of the run is closed).
 
 
 -- name: write_streams
@@ -13,8 +21,9 @@
 -- from both winning). The entries come as parallel arrays, their offsets
 -- given by the execution (it is the run's only writer); an entry there
 -- already is this execution's own earlier try, its answer lost. Returns
--- the runs held by the writing executions (a row per stream written, each
--- notified to its readers with its last offset).
+-- the runs held by the writing executions (a row per notification: the
+-- entries of a stream cut in parts of about 6,000 bytes, each notified with
+-- its entries, or its last offset where they do not fit a notification).
 WITH
     i AS (
         SELECT *
@@ -39,11 +48,34 @@ WITH
         FROM i
         JOIN held ON held.id = i.run
         ON CONFLICT (run_id, key, "offset") DO NOTHING
+    ),
+    written AS (
+        SELECT i.run, i.key, i."offset",
+               json_build_array(i."offset", i.value::jsonb::text, i.step_id, i.attempt, i.token)::text AS entry
+        FROM i
+        JOIN held ON held.id = i.run
+    ),
+    part AS (
+        SELECT run, key, "offset", entry,
+               sum(octet_length(entry) + 1) OVER (PARTITION BY run, key ORDER BY "offset") / 6000 AS part
+        FROM written
+    ),
+    note AS (
+        SELECT run, key, part, min("offset") AS first, max("offset") AS last,
+               '[' || string_agg(entry, ',' ORDER BY "offset") || ']' AS entries
+        FROM part
+        GROUP BY run, key, part
+    ),
+    payload AS (
+        SELECT run, key, part,
+               run::text || ' @' || first || ' ' || last || ' ' || length(key) || ' ' || key || entries AS inline,
+               run::text || ' ' || last || ' ' || key AS header
+        FROM note
+        ORDER BY run, key, part  -- a stream's notifications in offset order
     )
-SELECT i.run, pg_notify('everystep_stream:' || current_schema(), i.run::text || ' ' || max(i."offset") || ' ' || i.key)
-FROM i
-JOIN held ON held.id = i.run
-GROUP BY i.run, i.key;
+SELECT run, pg_notify('everystep_stream:' || current_schema(),
+                      CASE WHEN octet_length(inline) < 8000 THEN inline ELSE header END)
+FROM payload;
 
 -- name: stream_state
 -- What an execution needs before it writes to a run's streams: per key,
