@@ -258,12 +258,7 @@ class Hub:
                 continue
             if cells is None:
                 cells = [Cell(row) for row in notice.rows()]
-            for cell in cells[reader.want - notice.first:]:
-                if cell.row[2]:  # the close
-                    reader.ended = True
-                    break
-                reader.rows.append(cell)
-                reader.want = cell.row[0] + 1
+            _give(reader, cells, reader.want - notice.first)
             handed[id(reader)] = reader
 
     def _due(self) -> list[_Tail]:
@@ -303,13 +298,7 @@ class Hub:
                     reader.error = EverystepError(f"no run {tail.run}")
                     reader.wake()
                     continue
-                got = False
-                for cell in cells[bisect.bisect_left(offsets, reader.want):]:
-                    if cell.row[2]:  # the close
-                        reader.ended = True
-                        break
-                    reader.rows.append(cell)
-                    reader.want, got = cell.row[0] + 1, True
+                got = _give(reader, cells, bisect.bisect_left(offsets, reader.want))
                 if not reader.ended:
                     reader.more = full
                     reader.ended = not full and look.status in TERMINAL
@@ -326,6 +315,19 @@ class Hub:
                 reader.error = exc
         for reader in readers:
             reader.wake()
+
+
+def _give(reader: Reader, cells: list[Cell], start: int) -> bool:
+    """(With the hub's lock held.) The cells from `start` on to the reader,
+    up to the stream's close (its last entry); whether it got any."""
+    given = cells[start:]
+    if given and given[-1].row[2]:  # the close
+        reader.ended = True
+        given = given[:-1]
+    if given:
+        reader.rows += given
+        reader.want = given[-1].row[0] + 1
+    return bool(given)
 
 
 _hubs: dict[str, Hub] = {}

@@ -164,15 +164,22 @@ _IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, datetime.datet
                         datetime.time, datetime.timedelta, uuid.UUID})
 
 
-def _entry_of(cell: stream_readers.Cell) -> StreamEntry:
-    """The entry of a cell of a shared look: made once for all the readers
-    of the process when its value is immutable, else this reader's own."""
-    entry = cell.entry
-    if entry is None:
-        entry = _entry(cell.row, False)
-        if type(entry.value) in _IMMUTABLE:
-            cell.entry = entry
-    return entry
+def _entries_of(cells: list[stream_readers.Cell]) -> list[StreamEntry]:
+    """The entries of cells of a shared look, for one reader: each made once
+    for all the readers of the process when its value is immutable (kept in
+    its cell), else this reader's own; the values still to decode are
+    decoded together, in one call."""
+    entries = [cell.entry for cell in cells]
+    missing = [i for i, entry in enumerate(entries) if entry is None]
+    if missing:
+        values = json.loads(f"[{','.join([cells[i].row[1] for i in missing])}]")
+        for i, value in zip(missing, values):
+            offset, _text, _closes, step_id, attempt, token = cells[i].row
+            entry = entries[i] = StreamEntry(offset, serde.from_json(value), step_id if attempt is not None else None,
+                                             attempt, token)
+            if type(entry.value) in _IMMUTABLE:
+                cells[i].entry = entry
+    return entries
 
 
 def _entries(what: str, run_id: uuid.UUID, look: db.StreamLook, raw: bool = False) -> _Look:
@@ -268,8 +275,7 @@ def _follow(hub: stream_readers.Hub, reader: stream_readers.Reader, signal: thre
         while True:
             signal.clear()  # before taking: a wake after it is not lost
             rows, ended, error = hub.take(reader)
-            for cell in rows:
-                yield cell.entry or _entry_of(cell)
+            yield from _entries_of(rows)
             if ended:
                 return
             if error is not None:
@@ -385,7 +391,7 @@ async def _alooks_shared(what: str, url: str, run_id: uuid.UUID, key: str, offse
             if reader.missing:
                 raise EverystepError(f"{what}: no run {run_id}")
             if rows:
-                yield [(cell.row[0], cell.row[1]) for cell in rows] if raw else [_entry_of(cell) for cell in rows]
+                yield [(cell.row[0], cell.row[1]) for cell in rows] if raw else _entries_of(rows)
             if ended:
                 return
             if error is not None:
@@ -395,7 +401,8 @@ async def _alooks_shared(what: str, url: str, run_id: uuid.UUID, key: str, offse
                 continue
             seconds = clock.wait(run_id, key)
             try:
-                await asyncio.wait_for(signal.wait(), seconds)
+                async with asyncio.timeout(seconds):  # no task per wait, as wait_for makes
+                    await signal.wait()
             except TimeoutError:
                 pass  # the clock says at the next turn whether the reader's timeout has passed
     finally:

@@ -76,7 +76,8 @@ class Tails:
                     yield "event: end\ndata: {}\n\n"
                     return
                 try:
-                    await asyncio.wait_for(changed.wait(), self.heartbeat)
+                    async with asyncio.timeout(self.heartbeat):  # no task per wait, as wait_for makes
+                        await changed.wait()
                 except TimeoutError:
                     yield ": heartbeat\n\n"
         finally:
