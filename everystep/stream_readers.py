@@ -2,11 +2,13 @@
 
 However many readers a process has (threads with `read_stream`, tasks with
 `aread_stream`, the UI server's Server-Sent Events), those that read by
-database URL share one connection, LISTENing, and one thread that owns it:
-a notification names the stream written and its last offset, so the thread
-looks only at the streams that have a reader behind it, once per wake for
-all of its readers (from the lowest offset they need), and hands each reader
-its part. An entry is decoded once for all the readers of the process when
+database URL share one connection, LISTENing, and one thread that owns it.
+A commit's notification carries the entries it committed (or, where they
+do not fit one, names the stream and its last offset): the thread hands
+them to the readers that want them next, with no statement, and looks
+only at the streams that have a reader behind (once per wake for all of
+its readers, from the lowest offset they need), handing each reader its
+part. An entry is decoded once for all the readers of the process when
 its value cannot be changed (a string, a number: the tokens of a model);
 else each reader decodes its own, so that no two readers share a mutable
 value (everystep.streams does it, in the readers' threads, see Cell).

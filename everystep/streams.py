@@ -7,10 +7,11 @@ which gives it its offset and sends it to the process's group commit without
 waiting: the body goes on at once, and the entries of many writes share a
 statement and a commit. What a step wrote commits before its outcome, and
 everything before the run's end. A reader LISTENs, looks, and looks again
-when a commit of its stream notifies it (the notification carries the
-stream and its last offset, so a reader that is not behind does not look).
-The readers of a process that read by database URL share one connection and
-one look per wake of each stream (everystep.stream_readers).
+when a commit of its stream notifies it (the notification names the stream
+and its last offset, so a reader that is not behind does not look). The
+readers of a process that read by database URL share one connection, which
+hands them the entries a notification carries, and one look per wake of a
+stream they are behind in (everystep.stream_readers).
 """
 
 from __future__ import annotations
