@@ -54,7 +54,7 @@ Row = tuple  # (offset, value JSON text, closes, step_id, attempt, claim_token),
 class Cell:
     """One entry of a look, as all the readers of the process get it: its
     row, and the entry the first reader made of it when the others may have
-    the same (see everystep.streams._entry_of)."""
+    the same (see everystep.streams._entries_of)."""
 
     __slots__ = ("row", "entry")
 
