@@ -120,11 +120,13 @@ GRANT SELECT ON {s}.everystep_minute, {s}.everystep_schedule_run TO {operator};
 GRANT SELECT ON {s}.everystep_step_traceback TO {operator};  -- the run page's tracebacks
 GRANT pg_read_all_stats TO {operator};
 -- Graphs and follow-ups (0031_dags.sql): a worker's end of a run with
--- dependents reads the member keys and marks its edges met (everystep_settle); writing a
+-- dependents reads the member keys and meets its edges (everystep_settle); writing a
 -- graph or a follow-up changes runs not yet ended (their dependents flag,
 -- the seal's release), which is the operator's, not the producer's.
 GRANT SELECT ON {s}.everystep_dag, {s}.everystep_dag_member, {s}.everystep_dependency TO {worker};
-GRANT UPDATE (met) ON {s}.everystep_dependency TO {worker};  -- the end of a dependency meets its edges (0033)
+-- The end of a dependency deletes the edges it meets (0034), and locks one
+-- edge of each dependent FOR SHARE, which takes an UPDATE privilege.
+GRANT UPDATE (met), DELETE ON {s}.everystep_dependency TO {worker};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.everystep_dag, {s}.everystep_dag_member, {s}.everystep_dependency
     TO {operator};
 -- Where runs wait (0032_ready.sql): every change of a run's status reaches

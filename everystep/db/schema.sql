@@ -642,8 +642,9 @@ CREATE TABLE everystep_dag_member (
 );
 CREATE UNIQUE INDEX everystep_dag_member_run ON everystep_dag_member (run_id);
 
--- The edges between runs: run_id starts once depends_on has completed
--- (0033: `met` once it has).
+-- The edges between runs: run_id starts once depends_on has completed.
+-- An edge is deleted once met (0034; 0033 marked it `met`, which the
+-- statements still skip).
 CREATE TABLE everystep_dependency (
     depends_on uuid NOT NULL,
     run_id     uuid NOT NULL,
@@ -679,8 +680,7 @@ BEGIN
         RETURN 0;
     END IF;
     WITH met AS (
-        UPDATE everystep_dependency d
-        SET met = true
+        DELETE FROM everystep_dependency d
         WHERE d.depends_on = ANY(ARRAY(SELECT e.id FROM unnest(ids, statuses) AS e(id, status)
                                        WHERE e.status = 'completed'))
           AND NOT d.met

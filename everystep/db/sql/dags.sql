@@ -47,8 +47,8 @@ WHERE id = ANY(%(runs)s::uuid[]);
 -- A run just inserted in this transaction waits for these runs (and for
 -- the seal of its graph when `seal` is 1): each is marked as having
 -- dependents (a row lock to the commit: an end in flight writes first, or
--- after this commits and then sees the edge), the edges are written, met
--- for those completed, and the run waits for the rest (none: it stays as
+-- after this commits and then sees the edge), the edges to those not
+-- completed are written, and the run waits for them (none: it stays as
 -- it was). A dependency that ended failed, stopped or cancelled cancels it
 -- at once. Returns what it waits for (the seal and the edges not met) and
 -- its cancel reason, if cancelled.
@@ -65,8 +65,9 @@ WITH marked AS (
     SELECT a.id, a.status FROM everystep_workflow_all a
     WHERE a.id = ANY(%(depends_on)s::uuid[]) AND a.id NOT IN (SELECT id FROM marked)
 ), edges AS (
-    INSERT INTO everystep_dependency (depends_on, run_id, met)
-    SELECT DISTINCT id, %(run)s::uuid, status = 'completed' FROM deps
+    INSERT INTO everystep_dependency (depends_on, run_id)
+    SELECT DISTINCT id, %(run)s::uuid FROM deps
+    WHERE status <> 'completed'
     ON CONFLICT DO NOTHING
 ), broken AS (
     SELECT 'dependency ' || coalesce(m.key, deps.id::text) || ' ' || deps.status AS reason
