@@ -663,7 +663,7 @@ CREATE INDEX everystep_dependency_open ON everystep_dependency (run_id, depends_
 -- one holds its dependents. Returns how many runs it released.
 --
 -- Exactly one end releases a dependent, however its dependencies' ends
--- interleave. After marking its edges, an end looks for an edge of the
+-- interleave. After deleting the edges it meets, an end looks for an edge of the
 -- dependent not met and not being met by another transaction in flight
 -- (SKIP LOCKED), and locks the one it finds FOR SHARE: that edge's own end
 -- then waits for this commit, and sees it. Finding none, the end may be the
