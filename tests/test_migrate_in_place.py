@@ -23,7 +23,7 @@ from tests.support.migrations import migrated_before, previous_release
 from tests.support.processes import ROOT, WorkerProcess, wait_for
 
 # The first migration the previous version did not have.
-FIRST_NEW = "0034"
+FIRST_NEW = "0035"
 HISTORY = 100_000
 
 
@@ -106,7 +106,7 @@ def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_plac
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert db.value("SELECT count(*) FROM everystep_migration WHERE name >= %s", (FIRST_NEW,)) >= 1
-        # The fan-in's edge from the completed member, met, is gone (0034); the other waits.
+        # The fan-in's edge from the completed member, met, is gone (the previous worker deleted it); the other waits.
         assert db.value("SELECT array_agg(depends_on) FROM everystep_dependency") == [member["middle"]]
 
         new_worker = WorkerProcess(db.url, "after", tmp_path / "logs", threads=4, imports=imports)

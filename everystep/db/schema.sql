@@ -680,10 +680,11 @@ BEGIN
         RETURN 0;
     END IF;
     WITH met AS (
+        -- A join with the ended runs, not `= ANY(...)`: a probe of the primary
+        -- key per completed run under any cached plan (see 0035).
         DELETE FROM everystep_dependency d
-        WHERE d.depends_on = ANY(ARRAY(SELECT e.id FROM unnest(ids, statuses) AS e(id, status)
-                                       WHERE e.status = 'completed'))
-          AND NOT d.met
+        USING unnest(ids, statuses) AS e(id, status)
+        WHERE d.depends_on = e.id AND e.status = 'completed' AND NOT d.met
         RETURNING d.run_id
     )
     SELECT array_agg(DISTINCT run_id) INTO touched FROM met;
