@@ -305,3 +305,35 @@ def test_ends_of_a_fan_ins_dependencies_in_flight_at_once_release_it_exactly_onc
         assert db.value("SELECT waiting_on FROM everystep_workflow WHERE id = %s", (fan_in.run_id,)) is None
         assert db.value("SELECT count(*) FROM everystep_dependency WHERE run_id = %s AND NOT met",
                         (fan_in.run_id,)) == 0
+
+
+def test_an_end_reads_only_its_own_edges_under_the_plans_of_a_workers_writer(db):
+    """A worker's writer plans its statements once, generic, without bitmap
+    scans (db/sql/session.sql). With a root holding half of a graph's edges,
+    the end of one of its members must still find its edges by the primary
+    key, not by reading the whole edge table (migration 0035). The plan of
+    the delete in everystep_settle is read with auto_explain."""
+    from everystep.db import dags as dag_store  # noqa: PLC0415
+    from everystep.db import session  # noqa: PLC0415
+
+    with db.connect() as conn, everystep.transaction(conn):
+        g = dags.create("wide")
+        root = g.add(noop, key="root")
+        middle = [g.add(noop, key=f"m{i}", depends_on=[root]) for i in range(1000)]
+        g.add(noop, key="fan-in", depends_on=middle)
+        g.seal()
+    with db.connect() as conn:
+        conn.execute("ANALYZE everystep_dependency")  # the statistics a busy table has: one dependency is half of it
+        session.prepare_claiming_session(conn)
+        conn.execute("LOAD 'auto_explain'")
+        for setting in ("auto_explain.log_min_duration = 0", "auto_explain.log_nested_statements = on",
+                        "client_min_messages = log"):
+            conn.execute(f"SET {setting}")
+        plans: list[str] = []
+        conn.add_notice_handler(lambda notice: plans.append(notice.message_primary))
+        for member in middle[:8]:
+            dag_store.settle_runs(conn, [member.run_id], ["completed"])
+    deletes = [plan for plan in plans if "DELETE FROM everystep_dependency" in plan]
+    assert len(deletes) == 8
+    assert all("everystep_dependency_pkey" in plan and "Seq Scan on everystep_dependency" not in plan
+               for plan in deletes), deletes[-1]

@@ -139,3 +139,24 @@ def test_a_database_of_the_previous_version_with_runs_in_flight_migrates_in_plac
             if process is not None:
                 process.close()
         server.drop(db, server_url)
+
+
+def test_migration_0034_deletes_the_edges_0033_marked_met(server_url):
+    """0033 kept a met edge, marked; from 0034 on an edge in the table is one
+    not met, so the migration deletes the marked ones and keeps the others."""
+    from everystep.testing import server  # noqa: PLC0415
+    from tests.conftest import Database  # noqa: PLC0415
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    migrated_before(server_url, schema, "0034")
+    db = Database(server_url, schema)
+    try:
+        done, waiting, dependent = uuid7_many(3)
+        with db.connect() as conn:
+            conn.execute("INSERT INTO everystep_dependency (depends_on, run_id, met) VALUES (%s, %s, true),"
+                         " (%s, %s, false)", (done, dependent, waiting, dependent))
+        with db.connect() as conn:
+            everystep.db.migrate(conn)
+        assert db.query("SELECT depends_on, run_id FROM everystep_dependency") == [(waiting, dependent)]
+    finally:
+        server.drop(db, server_url)
