@@ -58,6 +58,38 @@ def test_the_claim_is_short_and_no_statement_is_large():
             assert len(statement) <= 6000, (path.name, statement.split("\n", 1)[0])
 
 
+def test_an_end_finds_its_runs_by_key_under_a_writers_plan_made_on_a_small_table(db):
+    """A worker's writer plans end_runs once, generic (db/sql/session.sql),
+    perhaps while the run table is small and was never analyzed (a new
+    schema; a server without autovacuum never corrects it): the plan must
+    still find the ended runs by the primary key, not read the whole run
+    table at every end as it grows. The plan is read with auto_explain."""
+    from everystep.db import session  # noqa: PLC0415
+
+    def schedule(count: int) -> None:
+        with db.connect() as producer, everystep.transaction(producer):
+            for i in range(count):
+                everystep.schedule(workflows.quick, str(i))
+
+    def end(conn, runs) -> list[str]:
+        ends = [everystep.db.EndWrite(run.id, run.token, "completed", "null", None, None, False) for run in runs]
+        return [end.status for end in everystep.db.end_runs(conn, "w1", ends, None).finished]
+
+    with db.connect() as conn:
+        session.prepare_claiming_session(conn)
+        schedule(1000)  # a first batch: 40 pages, where a read of them all looks cheaper than 10 probes
+        assert end(conn, everystep.db.claim(conn, "w1", 1)) == ["completed"]  # planned now
+        runs = everystep.db.claim(conn, "w1", 2)
+        conn.execute("LOAD 'auto_explain'")
+        for setting in ("auto_explain.log_min_duration = 0", "client_min_messages = log"):
+            conn.execute(f"SET {setting}")
+        plans: list[str] = []
+        conn.add_notice_handler(lambda notice: plans.append(notice.message_primary))
+        assert end(conn, runs) == ["completed", "completed"]
+    (plan,) = [plan for plan in plans if "everystep_claim(" in plan]
+    assert "everystep_workflow_pkey" in plan and "Seq Scan on everystep_workflow" not in plan, plan
+
+
 def test_a_run_waits_in_one_place_at_a_time_from_its_schedule_to_its_end(db):
     with db.connect() as conn:
         everystep.db.apply_limits(conn, {BOUNDED: 1})

@@ -42,6 +42,7 @@ def reset_claiming_session(conn: psycopg.Connection) -> None:
     """Back to the defaults, before the session goes back to a pool."""
     conn.execute(queries.get("reset_plan_cache_mode"), {})
     conn.execute(queries.get("reset_enable_bitmapscan"), {})
+    conn.execute(queries.get("reset_enable_seqscan"), {})
 
 
 def prepare_control_session(conn: psycopg.Connection, idle: int, interval: int, count: int) -> None:
