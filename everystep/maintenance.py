@@ -37,6 +37,8 @@ RETRY_CEILING = 10.0  # seconds: the longest wait between attempts to reach the 
 ROLLUP_INTERVAL = 10.0  # seconds between two updates of the charts' per-minute figures (the runs ended)
 SAMPLE_INTERVAL = 60.0  # seconds between two samples of the backlog into them (and at every new minute)
 PRUNE_MINUTES_INTERVAL = 3600.0  # seconds between two deletions of the figures past their days
+# Dead row versions in the queue's tables that make a sweep VACUUM them (see _vacuum_queue).
+VACUUM_QUEUE_AT = 5000
 
 
 class Maintenance:
@@ -55,6 +57,7 @@ class Maintenance:
         self.sweep = liveness.DeadClaimerSweep(grace, max_crashes)
         self.history = Upkeep(retention, archive_after)
         self._stopped = threading.Event()
+        self._may_vacuum_queue = True  # False once this role was found not to own the queue's tables
 
     def stop(self, fast: bool = False) -> None:
         """Return from `run()` at once (there is nothing to drain: `fast` is
@@ -77,6 +80,7 @@ class Maintenance:
                         self.sweep.sweep(conn)
                         db.sort_lanes(conn)  # a run admitted while a limit changed, a missed release (0032)
                         db.sweep_keys(conn)  # the fair queues' idle keys go (0032)
+                        self._vacuum_queue(conn)
                         next_sweep = time.monotonic() + self.sweep.next_probe_in(self.interval)
                     scheduler.tick(conn)  # logs what it fires
                     if time.monotonic() >= next_rollup:
@@ -99,6 +103,23 @@ class Maintenance:
         finally:
             if conn is not None:
                 conn.close()
+
+
+    def _vacuum_queue(self, conn: psycopg.Connection) -> None:
+        """VACUUM the queue's tables once they hold VACUUM_QUEUE_AT dead row
+        versions. Every run inserts and deletes a ready row, and each claim
+        walks the dead entries at the front of the ready order until a vacuum
+        removes them: autovacuum visits a database once a minute, by when a
+        busy queue has left tens of thousands (queue.sql, queue_dead_tuples).
+        Only where this role owns them; else autovacuum alone does it."""
+        if not self._may_vacuum_queue:
+            return
+        owned, dead = db.queue_dead_tuples(conn)
+        if not owned:
+            self._may_vacuum_queue = False
+            log.info("maintenance: the queue's tables are vacuumed by autovacuum alone: this role does not own them")
+        elif dead >= VACUUM_QUEUE_AT:
+            db.vacuum_queue(conn)
 
 
 class Outage:

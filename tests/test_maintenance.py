@@ -18,6 +18,7 @@ import everystep.db
 from everystep import schedule, scheduler
 from everystep.maintenance import Maintenance
 from everystep.scheduler import Schedule
+from tests.apps import workflows
 from tests.apps.cli_workflows import greet
 from tests.support.processes import wait_for
 
@@ -161,3 +162,30 @@ def test_an_embedding_program_runs_it_on_a_thread_and_stops_it(db):
         loop.stop()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_the_sweep_vacuums_the_queue_tables_once_claims_left_dead_rows(db):
+    """Each claim walks the ready order's dead entries until a vacuum removes
+    them, and autovacuum visits a database once a minute: the maintenance
+    loop vacuums the queue's tables itself once they hold VACUUM_QUEUE_AT
+    dead row versions (here the test server runs without autovacuum)."""
+    from everystep import maintenance  # noqa: PLC0415
+
+    with db.connect() as conn, everystep.transaction(conn):
+        for i in range(maintenance.VACUUM_QUEUE_AT + 500):
+            everystep.schedule(workflows.quick, str(i))
+    with db.connect() as conn:
+        while everystep.db.claim(conn, "gone", 1000):
+            pass  # every ready row deleted: dead rows at the front of the ready order
+    dead = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'everystep_ready'::regclass"
+    wait_for(lambda: db.value(dead) >= maintenance.VACUUM_QUEUE_AT, timeout=30, what="the claims' dead rows counted")
+    assert db.value("SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'everystep_ready'::regclass") == 0
+    loop = Maintenance(db.url, interval=0.1, grace=600)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        wait_for(lambda: db.value(dead) < 100, timeout=30, what="the queue's tables vacuumed")
+    finally:
+        loop.stop()
+        thread.join(10)
+    assert db.value("SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'everystep_ready'::regclass") >= 1

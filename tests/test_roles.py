@@ -177,3 +177,29 @@ def test_a_worker_role_releases_and_cancels_graph_members_an_operator_wrote(db, 
         worker.signal(15)
         worker.proc.wait(30)
     assert db.run(after_bad.run_id)["cancel_reason"] == "dependency bad failed"
+
+
+def test_a_role_that_does_not_own_the_queue_tables_leaves_them_to_autovacuum(db, roles, caplog):
+    """The maintenance loop's vacuum of the queue's tables is for their owner
+    (another role's VACUUM is refused): under a role of the three it says so
+    once and does not try."""
+    import logging  # noqa: PLC0415
+
+    from psycopg import conninfo  # noqa: PLC0415
+
+    from everystep.maintenance import Maintenance  # noqa: PLC0415
+
+    caplog.set_level(logging.INFO, logger="everystep")
+    loop = Maintenance(db.url)
+    for role in ("worker", "operator"):
+        url = conninfo.make_conninfo(db.url, options=f"-c search_path={db.schema} -c role={roles}{role}")
+        with psycopg.connect(url, autocommit=True) as conn:
+            assert everystep.db.queue_dead_tuples(conn)[0] is False
+            notices: list[str] = []
+            conn.add_notice_handler(lambda notice, notices=notices: notices.append(notice.message_primary))
+            loop._vacuum_queue(conn)
+            loop._vacuum_queue(conn)
+            assert notices == []  # no VACUUM tried: it would warn that it skips the tables
+    assert caplog.text.count("vacuumed by autovacuum alone") == 1
+    with db.connect() as conn:
+        assert everystep.db.queue_dead_tuples(conn)[0] is True  # the owner (here a superuser) may

@@ -126,6 +126,7 @@ from everystep.db.queue import (
     next_due_in,
     priorities,
     put_rate_limits,
+    queue_dead_tuples,
     rate_limits,
     reclaim_held,
     record_step,
@@ -139,6 +140,7 @@ from everystep.db.queue import (
     stop_waiting,
     sweep_keys,
     take_token,
+    vacuum_queue,
     wait_for_runs,
 )
 from everystep.db.rows import (
@@ -278,6 +280,7 @@ __all__ = [
     "limits", "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer",
     "requeue_from_dead_claimers", "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting",
     "wait_for_runs", "key_limits", "priorities", "put_rate_limits", "rate_limits", "sweep_keys", "take_token",
+    "queue_dead_tuples", "vacuum_queue",
     # fenced
     "abegin_step_transaction", "arecord_transactional_step", "begin_step_transaction", "record_transactional_step",
     "begin_wait", "cancel_reason", "complete_started_step", "deliver_cancel", "park_run", "park_waiting",

@@ -136,6 +136,29 @@ def sweep_keys(conn: psycopg.Connection) -> int:
         return len(conn.execute(queries.get("idle_keys"), {}).fetchall())
 
 
+def queue_dead_tuples(conn: psycopg.Connection) -> tuple[bool, int]:
+    """Whether this role may vacuum the queue's tables, and the dead row
+    versions they hold (queue.sql, queue_dead_tuples, says why it matters)."""
+    with conn.transaction():
+        owned, dead = conn.execute(queries.get("queue_dead_tuples"), {}).fetchone()
+    return bool(owned), dead
+
+
+def vacuum_queue(conn: psycopg.Connection) -> bool:
+    """VACUUM the queue's tables (a statement that cannot run in a transaction:
+    the connection is in autocommit for it); False, not run, while the
+    connection is in a transaction."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        return False
+    autocommit = conn.autocommit
+    conn.autocommit = True
+    try:
+        conn.execute(queries.get("vacuum_queue"), {})
+    finally:
+        conn.autocommit = autocommit
+    return True
+
+
 def limits(conn: psycopg.Connection) -> dict[str, int]:
     """The concurrency limits in force, by workflow name."""
     return dict(conn.execute(queries.get("limits"), {}).fetchall())

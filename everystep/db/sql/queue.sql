@@ -73,6 +73,21 @@ WHERE k.held = 0
   AND NOT EXISTS (SELECT FROM everystep_blocked b WHERE b.name = k.name AND b.ckey = k.key)
 RETURNING k.key;
 
+-- name: queue_dead_tuples
+-- The dead row versions of the queue's own tables (0032_ready.sql): a row
+-- inserted and deleted at every run, whose dead entries at the front of the
+-- ready order each claim steps over until a vacuum removes them, and
+-- autovacuum visits a database once a minute. Whether this role may vacuum
+-- them all (a member of their owner: a superuser too), and how many.
+SELECT bool_and(pg_has_role(c.relowner, 'MEMBER')), coalesce(sum(s.n_dead_tup), 0)::bigint
+FROM pg_class c
+LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.oid IN ('everystep_ready'::regclass, 'everystep_claimed'::regclass, 'everystep_timer'::regclass);
+
+-- name: vacuum_queue
+-- (Outside a transaction.) Skips a table another vacuum holds.
+VACUUM (SKIP_LOCKED) everystep_ready, everystep_claimed, everystep_timer;
+
 -- name: drop_limits
 -- The workflows whose limit was removed: their slots go with them (FK cascade).
 DELETE FROM everystep_limit
