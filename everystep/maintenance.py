@@ -104,7 +104,6 @@ class Maintenance:
             if conn is not None:
                 conn.close()
 
-
     def _vacuum_queue(self, conn: psycopg.Connection) -> None:
         """VACUUM the queue's tables once they hold VACUUM_QUEUE_AT dead row
         versions. Every run inserts and deletes a ready row, and each claim

@@ -144,19 +144,18 @@ def queue_dead_tuples(conn: psycopg.Connection) -> tuple[bool, int]:
     return bool(owned), dead
 
 
-def vacuum_queue(conn: psycopg.Connection) -> bool:
+def vacuum_queue(conn: psycopg.Connection) -> None:
     """VACUUM the queue's tables (a statement that cannot run in a transaction:
-    the connection is in autocommit for it); False, not run, while the
-    connection is in a transaction."""
+    the connection is in autocommit for it); not while the connection is in
+    a transaction (the next sweep does it)."""
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-        return False
+        return
     autocommit = conn.autocommit
     conn.autocommit = True
     try:
         conn.execute(queries.get("vacuum_queue"), {})
     finally:
         conn.autocommit = autocommit
-    return True
 
 
 def limits(conn: psycopg.Connection) -> dict[str, int]:
