@@ -183,9 +183,11 @@ def test_the_sweep_vacuums_the_queue_tables_once_claims_left_dead_rows(db):
     loop = Maintenance(db.url, interval=0.1, grace=600)
     thread = threading.Thread(target=loop.run)
     thread.start()
+    vacuums = "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'everystep_ready'::regclass"
     try:
-        wait_for(lambda: db.value(dead) < 100, timeout=30, what="the queue's tables vacuumed")
+        # Counted, not the dead rows gone: another test's open snapshot on the
+        # shared server may keep the vacuum from removing them.
+        wait_for(lambda: db.value(vacuums) >= 1, timeout=30, what="the queue's tables vacuumed")
     finally:
         loop.stop()
         thread.join(10)
-    assert db.value("SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'everystep_ready'::regclass") >= 1
