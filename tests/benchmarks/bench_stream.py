@@ -48,29 +48,42 @@ def read_direct(url: str, run_id: str, threads: int, ready, results) -> None:
     results.put(("read_stream", got))
 
 
-def read_sse(base: str, run_id: str, threads: int, ready, results) -> None:
-    """`threads` Server-Sent Events clients of the UI, in this process. The
-    events are counted in the raw chunks as they arrive (a browser parses
-    them in native code; a Python line splitter per event would measure
-    the client, not the server): every event of a chunk arrived with it."""
-    import httpx  # noqa: PLC0415
+def read_sse(base: str, run_id: str, clients: int, ready, results) -> None:
+    """`clients` Server-Sent Events clients of the UI, each on its own
+    socket, served by one thread of this process that waits on them all,
+    as a browser's network thread does. The events are counted in the raw
+    bytes as they arrive (a browser parses them in native code; an HTTP
+    library's parser in Python, or a line splitter per event, would measure
+    the client, not the server): every event of a read arrived with it.
+    The server sends whole events in each chunk of its chunked response,
+    so a chunk's size line ends just before an event's `id:`."""
+    import selectors  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+    import urllib.parse  # noqa: PLC0415
 
-    got: list[list[float]] = [[] for _ in range(threads)]
-
-    def reader(i: int) -> None:
-        with httpx.Client(timeout=120) as client, client.stream(
-                "GET", f"{base}/api/runs/{run_id}/streams/out", headers={"Authorization": f"Bearer {VIEWER}"}
-        ) as response:
+    got: list[list[float]] = [[] for _ in range(clients)]
+    tails = [b""] * clients  # the end of each socket's last read (an event's start may be cut between two)
+    where = urllib.parse.urlsplit(base)
+    request = (f"GET /api/runs/{run_id}/streams/out HTTP/1.1\r\nHost: {where.netloc}\r\n"
+               f"Authorization: Bearer {VIEWER}\r\nAccept: text/event-stream\r\n\r\n").encode()
+    with selectors.DefaultSelector() as selector:
+        for i in range(clients):
+            sock = socket.create_connection((where.hostname, where.port), timeout=120)
+            sock.sendall(request)
+            selector.register(sock, selectors.EVENT_READ, i)
             ready.release()
-            tail = b"\n"  # the end of the last chunk (an event's start may be cut between two), first a line's end
-            for chunk in response.iter_raw():
-                at, text = time.time(), tail + chunk
-                got[i].extend([at] * (text.count(b"\nid: ") - tail.count(b"\nid: ")))
-                if b"\nevent: end\n" in text:
-                    return
-                tail = text[-16:]
-
-    _run_threads(reader, threads)
+        while selector.get_map():
+            events = selector.select(timeout=120)
+            if not events:
+                raise TimeoutError("no event for 120 s")
+            for key, _ in events:
+                i, data = key.data, key.fileobj.recv(1 << 20)
+                at, text = time.time(), tails[i] + data
+                got[i].extend([at] * (text.count(b"\nid: ") - tails[i].count(b"\nid: ")))
+                tails[i] = text[-16:]
+                if not data or b"\nevent: end\n" in text:
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()
     results.put(("sse", got))
 
 
@@ -141,8 +154,7 @@ def main() -> None:
             ready, results = spawn.Semaphore(0), spawn.Queue()
             readers = [spawn.Process(target=read_direct, args=(db.url, str(run_id), n, ready, results))
                        for n in _spread(args.readers)]
-            readers += [spawn.Process(target=read_sse, args=(base, str(run_id), n, ready, results))
-                        for n in _spread(args.sse_readers)]
+            readers += [spawn.Process(target=read_sse, args=(base, str(run_id), args.sse_readers, ready, results))]
             observed = spawn.Queue()
             observer = spawn.Process(target=observe_commits, args=(db.url, str(run_id), ready, observed))
             for process in [*readers, observer]:
