@@ -332,7 +332,7 @@ class Arbiter:
     def _fail(self, message: str) -> None:
         log.error("%s", message)
         self.fatal = message
-        self._stop(signal.SIGTERM)
+        self._stop(signal.SIGTERM, "the setup failed")
 
     # ---------------------------------------------------------------- signals
 
@@ -347,9 +347,9 @@ class Arbiter:
 
     def _on_signal(self, signum: int) -> None:
         if signum in (signal.SIGTERM, signal.SIGINT):
-            self._stop(signal.SIGTERM)
+            self._stop(signal.SIGTERM, signal.Signals(signum).name)
         elif signum == signal.SIGQUIT:
-            self._stop(signal.SIGQUIT)
+            self._stop(signal.SIGQUIT, "SIGQUIT")
         elif signum == signal.SIGHUP:
             self._reload()
         elif signum == signal.SIGTTIN:
@@ -357,12 +357,13 @@ class Arbiter:
         elif signum == signal.SIGTTOU:
             self._scale(self.processes - 1)
 
-    def _stop(self, how: int) -> None:
+    def _stop(self, how: int, cause: str) -> None:
         """Drain (TERM) or stop fast (QUIT): the workers first, then the rest
-        once the workers are gone (see `_stop_the_rest`)."""
+        once the workers are gone (see `_stop_the_rest`). `cause`: what the
+        log names (the signal received: a Ctrl-C is SIGINT)."""
         first = self.phase != "stopping"
         self.phase = "stopping"
-        log.info("%s: stopping %s", signal.Signals(how).name, "(draining workers)" if how == signal.SIGTERM else "fast")
+        log.info("%s: stopping %s", cause, "(draining workers)" if how == signal.SIGTERM else "fast")
         for slot in self.slots.values():
             if slot.role in ("worker", "setup"):
                 self._signal(slot, how)

@@ -102,6 +102,7 @@ def test_sigterm_and_sigint_drain_and_exit_zero_with_nothing_running(db, supervi
     wait_for(lambda: count(db, "running") == 6, what="runs in flight")
     sup.signal(sig)
     assert sup.wait(30) == 0
+    assert f"{sig.name}: stopping (draining workers)" in sup.output()  # the signal received, a Ctrl-C too
     assert count(db, "running") == 0
     assert nothing_claimed(db)
     assert not [pid for pid in children if running(pid)]
