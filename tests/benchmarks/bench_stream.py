@@ -70,6 +70,16 @@ def read_sse(base: str, run_id: str, clients: int, ready, results) -> None:
         for i in range(clients):
             sock = socket.create_connection((where.hostname, where.port), timeout=120)
             sock.sendall(request)
+            head = b""
+            while b"\r\n\r\n" not in head:  # the response has started: the server follows the stream
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionError(f"the UI's server closed the stream: {head[:200]!r}")
+                head += data
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise ConnectionError(f"the UI's server answered {head[:200]!r}")
+            got[i].extend([time.time()] * head.count(b"\nid: "))
+            tails[i] = head[-16:]
             selector.register(sock, selectors.EVENT_READ, i)
             ready.release()
         while selector.get_map():
