@@ -346,10 +346,8 @@ class Arbiter:
             signal.signal(sig, lambda *_: None)
 
     def _on_signal(self, signum: int) -> None:
-        if signum in (signal.SIGTERM, signal.SIGINT):
-            self._stop(signal.SIGTERM, signal.Signals(signum).name)
-        elif signum == signal.SIGQUIT:
-            self._stop(signal.SIGQUIT, "SIGQUIT")
+        if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            self._stop(signal.SIGQUIT if signum == signal.SIGQUIT else signal.SIGTERM, signal.Signals(signum).name)
         elif signum == signal.SIGHUP:
             self._reload()
         elif signum == signal.SIGTTIN:

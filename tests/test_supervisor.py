@@ -247,6 +247,7 @@ def test_a_setup_that_fails_stops_the_supervisor(server_url, tmp_path):
             conn.execute(f"DROP ROLE {role}")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "the setup (migrations, schedules) failed" in result.stderr
+    assert "the setup failed: stopping (draining workers)" in result.stdout + result.stderr  # no signal came
     assert "permission denied for schema" in result.stdout
     assert "started worker" not in result.stdout
 
