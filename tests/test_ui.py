@@ -4,7 +4,9 @@ CSRF and token checks, the audit trail, the bind rule, the live hub."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -218,6 +220,31 @@ def test_non_loopback_bind_without_credentials_is_refused(db, tmp_path):
                             text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "ui.bind: bind '0.0.0.0' is not a loopback address" in result.stderr
+
+
+def test_the_ui_socket_sends_each_write_at_once():
+    """Connections to the UI's socket have Nagle's algorithm off, as asyncio
+    sets it (TCP_NODELAY) on connections of a socket that names TCP; with it
+    on, a stream's events waited up to 40 ms for the client's delayed ACK."""
+    from everystep.ui.server import bind  # noqa: PLC0415
+
+    async def accepted_nodelay(sock: socket.socket) -> int:
+        accepted = asyncio.get_running_loop().create_future()
+
+        class Accept(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                accepted.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP,
+                                                                                   socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(Accept, sock=sock)  # as uvicorn serves it
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            try:
+                return await asyncio.wait_for(accepted, 10)
+            finally:
+                writer.close()
+
+    assert asyncio.run(accepted_nodelay(bind("127.0.0.1", 0))) != 0
 
 
 def test_cli_actions_are_audited(db):
