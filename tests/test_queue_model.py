@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 
 import everystep
@@ -50,8 +51,8 @@ def test_no_index_of_the_run_row_names_what_changes_while_it_runs(db):
 
 def test_the_claim_is_short_and_no_statement_is_large():
     claim = everystep.db.queries.get("claim")
-    migration = (Path(everystep.__file__).resolve().parent / "migrations" / "0032_ready.sql").read_text()
-    function = re.search(r"CREATE FUNCTION everystep_claim\(.*?END \$\$;", migration, re.S).group(0)
+    schema = (SQL.parent / "schema.sql").read_text()  # the newest definition (0036)
+    function = re.search(r"CREATE FUNCTION everystep_claim\(.*?END \$\$;", schema, re.S).group(0)
     assert len(claim) + len(function) <= 3000
     for path in SQL.glob("*.sql"):
         for statement in re.split(r"(?m)^(?=-- name: )", path.read_text())[1:]:
@@ -88,6 +89,47 @@ def test_an_end_finds_its_runs_by_key_under_a_writers_plan_made_on_a_small_table
         assert end(conn, runs) == ["completed", "completed"]
     (plan,) = [plan for plan in plans if "everystep_claim(" in plan]
     assert "everystep_workflow_pkey" in plan and "Seq Scan on everystep_workflow" not in plan, plan
+
+
+def test_a_claim_deletes_the_queue_rows_it_took_by_their_address_whatever_the_statistics(db):
+    """A claiming session plans the claim once, generic, without sequential
+    scans (db/sql/session.sql), perhaps just after a vacuum found a queue
+    table nearly empty, when the statistics call it tiny: the deletes of the
+    ready rows and due timers it took must still probe each row (a TID scan
+    by the ctid it locked), not walk a whole index with the taken rows
+    inside, which reads the whole backlog at every claim (0036). The plans
+    of the claim's statements are read with auto_explain."""
+    from everystep.db import session  # noqa: PLC0415
+
+    with db.connect() as conn:
+        # What a vacuum of the queue tables while they held a row or so
+        # leaves the planner.
+        conn.execute("UPDATE pg_class SET reltuples = 1, relpages = 1 WHERE oid IN"
+                     " ('everystep_ready'::regclass, 'everystep_ready_pkey'::regclass,"
+                     " 'everystep_ready_order'::regclass, 'everystep_timer'::regclass,"
+                     " 'everystep_timer_pkey'::regclass, 'everystep_timer_due'::regclass)")
+        session.prepare_claiming_session(conn)
+        assert everystep.db.claim(conn, "w1", 1) == []  # planned now: the queue tables hold no row
+        with db.connect() as producer, everystep.transaction(producer):
+            for i in range(1000):
+                everystep.schedule(workflows.quick, str(i))
+            for i in range(3):
+                everystep.schedule(workflows.quick, f"due-{i}", after=0.01)
+        time.sleep(0.05)  # the delayed runs are due: the next claim admits them
+        conn.execute("LOAD 'auto_explain'")
+        for setting in ("auto_explain.log_min_duration = 0", "auto_explain.log_nested_statements = on",
+                        "client_min_messages = log"):
+            conn.execute(f"SET {setting}")
+        plans: list[str] = []
+        conn.add_notice_handler(lambda notice: plans.append(notice.message_primary))
+        taken = everystep.db.claim(conn, "w1", 8)
+    assert len(taken) == 8 and len({run.id for run in taken}) == 8
+    assert db.value("SELECT count(*) FROM everystep_ready WHERE run_id = ANY(%s)", ([run.id for run in taken],)) == 0
+    assert db.value("SELECT count(*) FROM everystep_timer") == 0  # the due ones were admitted
+    (ready,) = [plan for plan in plans if "DELETE FROM everystep_ready" in plan]
+    (timer,) = [plan for plan in plans if "DELETE FROM everystep_timer" in plan]
+    assert "Tid Scan on everystep_ready" in ready, ready
+    assert "Tid Scan on everystep_timer" in timer, timer
 
 
 def test_a_run_waits_in_one_place_at_a_time_from_its_schedule_to_its_end(db):
