@@ -12,6 +12,7 @@ import everystep
 from everystep import EverystepError, dags
 from tests.apps.dag_workflows import combine, fail, fail_unless, noop, produce, unsafe_member
 from tests.apps.workflows import quick
+from tests.support.plans import record_plans
 
 
 def status(db, run_id):
@@ -325,12 +326,7 @@ def test_an_end_reads_only_its_own_edges_under_the_plans_of_a_workers_writer(db)
     with db.connect() as conn:
         conn.execute("ANALYZE everystep_dependency")  # the statistics a busy table has: one dependency is half of it
         session.prepare_claiming_session(conn)
-        conn.execute("LOAD 'auto_explain'")
-        for setting in ("auto_explain.log_min_duration = 0", "auto_explain.log_nested_statements = on",
-                        "client_min_messages = log"):
-            conn.execute(f"SET {setting}")
-        plans: list[str] = []
-        conn.add_notice_handler(lambda notice: plans.append(notice.message_primary))
+        plans = record_plans(conn)
         for member in middle[:8]:
             dag_store.settle_runs(conn, [member.run_id], ["completed"])
     deletes = [plan for plan in plans if "DELETE FROM everystep_dependency" in plan]

@@ -15,6 +15,7 @@ import everystep.db
 from everystep.testing import advance
 from tests.apps import workflows
 from tests.apps.priority_workflows import tenant_job_bounded
+from tests.support.plans import record_plans
 
 BOUNDED = tenant_job_bounded.__everystep_workflow__
 SQL = Path(everystep.db.__file__).resolve().parent / "sql"
@@ -116,12 +117,7 @@ def test_a_claim_deletes_the_queue_rows_it_took_by_their_address_whatever_the_st
             for i in range(3):
                 everystep.schedule(workflows.quick, f"due-{i}", after=0.01)
         time.sleep(0.05)  # the delayed runs are due: the next claim admits them
-        conn.execute("LOAD 'auto_explain'")
-        for setting in ("auto_explain.log_min_duration = 0", "auto_explain.log_nested_statements = on",
-                        "client_min_messages = log"):
-            conn.execute(f"SET {setting}")
-        plans: list[str] = []
-        conn.add_notice_handler(lambda notice: plans.append(notice.message_primary))
+        plans = record_plans(conn)
         taken = everystep.db.claim(conn, "w1", 8)
     assert len(taken) == 8 and len({run.id for run in taken}) == 8
     assert db.value("SELECT count(*) FROM everystep_ready WHERE run_id = ANY(%s)", ([run.id for run in taken],)) == 0
