@@ -39,6 +39,11 @@ SAMPLE_INTERVAL = 60.0  # seconds between two samples of the backlog into them (
 PRUNE_MINUTES_INTERVAL = 3600.0  # seconds between two deletions of the figures past their days
 # Dead row versions in the queue's tables that make a sweep VACUUM them (see _vacuum_queue).
 VACUUM_QUEUE_AT = 5000
+# A queue table still holding VACUUM_QUEUE_AT dead rows after that vacuum (a
+# snapshot held open) is rewritten if it has at most this many live rows,
+# the copy it makes under its lock, waiting at most COMPACT_WAIT_MS for that.
+COMPACT_QUEUE_LIVE = 10_000
+COMPACT_WAIT_MS = 50
 
 
 class Maintenance:
@@ -110,7 +115,11 @@ class Maintenance:
         walks the dead entries at the front of the ready order until a vacuum
         removes them: autovacuum visits a database once a minute, by when a
         busy queue has left tens of thousands (queue.sql, queue_dead_tuples).
-        Only where this role owns them; else autovacuum alone does it."""
+        A vacuum removes nothing deleted after the oldest snapshot still
+        open: a table it left with VACUUM_QUEUE_AT dead rows is rewritten with
+        its live rows alone (db.compact_queue), else the claims' walk would
+        grow with every run for as long as that snapshot stays open. Only
+        where this role owns them; else autovacuum alone does it."""
         if not self._may_vacuum_queue:
             return
         owned, dead = db.queue_dead_tuples(conn)
@@ -119,6 +128,10 @@ class Maintenance:
             log.info("maintenance: the queue's tables are vacuumed by autovacuum alone: this role does not own them")
         elif dead >= VACUUM_QUEUE_AT:
             db.vacuum_queue(conn)
+            compacted = db.compact_queue(conn, VACUUM_QUEUE_AT, COMPACT_QUEUE_LIVE, COMPACT_WAIT_MS)
+            if compacted:
+                log.debug("maintenance: rewrote %s: a snapshot held open kept the vacuum from removing their dead rows",
+                          ", ".join(compacted))
 
 
 class Outage:

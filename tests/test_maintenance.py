@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import psycopg
 import pytest
 
 import everystep
@@ -168,15 +169,24 @@ def test_the_sweep_vacuums_the_queue_tables_once_claims_left_dead_rows(db):
     """Each claim walks the ready order's dead entries until a vacuum removes
     them, and autovacuum visits a database once a minute: the maintenance
     loop vacuums the queue's tables itself once they hold VACUUM_QUEUE_AT
-    dead row versions (here the test server runs without autovacuum)."""
+    dead row versions (here the test server runs without autovacuum). A
+    snapshot held open keeps the vacuum from removing them: the sweep then
+    rewrites the ready table with its live rows alone (0037)."""
     from everystep import maintenance  # noqa: PLC0415
 
+    holder = psycopg.connect(db.url, autocommit=False)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT count(*) FROM everystep_workflow")  # the snapshot, then idle in transaction
     with db.connect() as conn, everystep.transaction(conn):
         for i in range(maintenance.VACUUM_QUEUE_AT + 500):
             everystep.schedule(workflows.quick, str(i))
     with db.connect() as conn:
         while everystep.db.claim(conn, "gone", 1000):
             pass  # every ready row deleted: dead rows at the front of the ready order
+    with db.connect() as conn, everystep.transaction(conn):
+        waiting = {everystep.schedule(workflows.quick, f"live-{i}").id for i in range(5)}
+    file = "SELECT pg_relation_filenode('everystep_ready')"
+    before = db.value(file)
     dead = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'everystep_ready'::regclass"
     wait_for(lambda: db.value(dead) >= maintenance.VACUUM_QUEUE_AT, timeout=30, what="the claims' dead rows counted")
     assert db.value("SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'everystep_ready'::regclass") == 0
@@ -185,9 +195,10 @@ def test_the_sweep_vacuums_the_queue_tables_once_claims_left_dead_rows(db):
     thread.start()
     vacuums = "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'everystep_ready'::regclass"
     try:
-        # Counted, not the dead rows gone: another test's open snapshot on the
-        # shared server may keep the vacuum from removing them.
         wait_for(lambda: db.value(vacuums) >= 1, timeout=30, what="the queue's tables vacuumed")
+        wait_for(lambda: db.value(file) != before, timeout=30, what="the ready table rewritten")
+        assert {row[0] for row in db.query("SELECT run_id FROM everystep_ready")} == waiting
     finally:
         loop.stop()
         thread.join(10)
+        holder.close()

@@ -10,6 +10,9 @@ import threading
 import time
 from pathlib import Path
 
+import psycopg
+import pytest
+
 import everystep
 import everystep.db
 from everystep.testing import advance
@@ -126,6 +129,93 @@ def test_a_claim_deletes_the_queue_rows_it_took_by_their_address_whatever_the_st
     (timer,) = [plan for plan in plans if "DELETE FROM everystep_timer" in plan]
     assert "Tid Scan on everystep_ready" in ready, ready
     assert "Tid Scan on everystep_timer" in timer, timer
+
+
+READY = "SELECT run_id, name, priority, ready_at, slot FROM everystep_ready ORDER BY run_id"
+
+
+def hold_a_snapshot(db) -> psycopg.Connection:
+    """A session idle in a REPEATABLE READ transaction that has read once:
+    no vacuum removes a row deleted after its snapshot while it stays open."""
+    holder = psycopg.connect(db.url, autocommit=False)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT count(*) FROM everystep_workflow")
+    return holder
+
+
+def test_a_queue_table_whose_dead_rows_a_held_snapshot_keeps_is_rewritten_with_its_live_rows(db):
+    """Under a snapshot held open, the ready rows the claims deleted stay, and
+    each claim steps over their index entries at the front of the ready
+    order: the vacuum cannot remove them, the compaction (0037) rewrites the
+    table with its live rows alone, which the claims then take as before."""
+    holder = hold_a_snapshot(db)
+    try:
+        with db.connect() as conn, everystep.transaction(conn):
+            for i in range(600):
+                everystep.schedule(workflows.quick, str(i), priority=i % 3)
+        with db.connect() as conn:
+            assert len(everystep.db.claim(conn, "gone", 500)) == 500
+            live = conn.execute(READY).fetchall()
+            conn.execute("VACUUM everystep_ready")
+            assert conn.execute("SELECT pg_stat_get_dead_tuples('everystep_ready'::regclass)").fetchone()[0] >= 500
+            size = conn.execute("SELECT pg_relation_size('everystep_ready')").fetchone()[0]
+            assert everystep.db.compact_queue(conn, dead=500, live=10_000, wait_ms=5000) == ["everystep_ready"]
+            assert conn.execute(READY).fetchall() == live
+            assert conn.execute("SELECT pg_relation_size('everystep_ready')").fetchone()[0] < size / 2
+            expected = [row[0] for row in conn.execute(
+                "SELECT run_id FROM everystep_ready ORDER BY priority DESC, ready_at, run_id").fetchall()]
+            assert [run.id for run in everystep.db.claim(conn, "w1", 100)] == expected
+    finally:
+        holder.close()
+
+
+def test_a_compaction_that_does_not_get_its_lock_in_time_changes_nothing(db):
+    """A producer's transaction that scheduled a run and has not committed
+    holds the ready table: the compaction waits `wait_ms` for its lock, gives
+    up, and leaves every row as it was; the producer commits as usual."""
+    with db.connect() as conn, everystep.transaction(conn):
+        for i in range(10):
+            everystep.schedule(workflows.quick, str(i))
+    before = db.query(READY)
+    with db.connect(autocommit=False) as producer:
+        with everystep.transaction(producer):
+            late = everystep.schedule(workflows.quick, "late")
+            with db.connect() as conn:
+                began = time.monotonic()
+                assert "everystep_ready" not in everystep.db.compact_queue(conn, dead=0, live=10_000, wait_ms=100)
+                assert time.monotonic() - began < 5
+    after = db.query(READY)
+    assert [row for row in after if row[0] != late.id] == before
+    assert late.id in {row[0] for row in after}
+
+
+def test_the_timers_and_the_blocked_runs_are_rewritten_as_they_were(db):
+    """The other queue tables a snapshot can leave dirty: the timers' due
+    order and the blocked runs' (a limited workflow's backlog), each row put
+    back as it was, and the runs admitted from them as before."""
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {BOUNDED: 1})
+    with db.connect() as conn, everystep.transaction(conn):
+        delayed = [everystep.schedule(workflows.quick, f"later-{i}", after=3600) for i in range(5)]
+        bounded = [everystep.schedule(tenant_job_bounded, "t", 0) for _ in range(3)]
+    timers = "SELECT run_id, due_at FROM everystep_timer ORDER BY run_id"
+    blocked = "SELECT run_id, name, ckey, priority, due_at FROM everystep_blocked ORDER BY run_id"
+    before = (db.query(timers), db.query(blocked))
+    assert len(before[0]) == 5 and len(before[1]) == 2
+    assert db.value("SELECT everystep_compact('everystep_timer', 1000)"
+                    " AND everystep_compact('everystep_blocked', 1000)")
+    assert (db.query(timers), db.query(blocked)) == before
+    with db.connect() as conn:
+        (first,) = everystep.db.claim(conn, "w1", 10)
+        assert first.id == bounded[0].id
+        everystep.db.finish_run(conn, first.id, "w1", first.token, "completed", "null", None)
+    assert where(db, bounded[1]) == ["ready"] and where(db, delayed[0]) == ["timer"]
+
+
+def test_only_the_queue_tables_are_compacted(db):
+    with db.connect() as conn:
+        with pytest.raises(psycopg.errors.RaiseException, match="not a queue table"):
+            conn.execute("SELECT everystep_compact('everystep_workflow', 10)")
 
 
 def test_a_run_waits_in_one_place_at_a_time_from_its_schedule_to_its_end(db):

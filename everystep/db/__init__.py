@@ -117,6 +117,7 @@ from everystep.db.queue import (
     apply_limits,
     cancel_requests,
     claim,
+    compact_queue,
     count_crashes,
     end_runs,
     finish_run,
@@ -280,7 +281,7 @@ __all__ = [
     "limits", "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer",
     "requeue_from_dead_claimers", "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting",
     "wait_for_runs", "key_limits", "priorities", "put_rate_limits", "rate_limits", "sweep_keys", "take_token",
-    "queue_dead_tuples", "vacuum_queue",
+    "compact_queue", "queue_dead_tuples", "vacuum_queue",
     # fenced
     "abegin_step_transaction", "arecord_transactional_step", "begin_step_transaction", "record_transactional_step",
     "begin_wait", "cancel_reason", "complete_started_step", "deliver_cancel", "park_run", "park_waiting",

@@ -158,6 +158,16 @@ def vacuum_queue(conn: psycopg.Connection) -> None:
         conn.autocommit = autocommit
 
 
+def compact_queue(conn: psycopg.Connection, dead: int, live: int, wait_ms: int) -> list[str]:
+    """The queue tables that hold `dead` dead row versions or more and `live`
+    live ones at most, rewritten with their live rows alone, each waiting at
+    most `wait_ms` for its lock (queue.sql, compact_queue, says when it
+    matters). Returns the tables rewritten."""
+    with conn.transaction():
+        return [name for (name,) in conn.execute(queries.get("compact_queue"),
+                                                 {"dead": dead, "live": live, "wait_ms": wait_ms}).fetchall()]
+
+
 def limits(conn: psycopg.Connection) -> dict[str, int]:
     """The concurrency limits in force, by workflow name."""
     return dict(conn.execute(queries.get("limits"), {}).fetchall())

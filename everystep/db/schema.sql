@@ -1126,6 +1126,28 @@ BEGIN
     RETURN n;
 END $$;
 
+-- A queue table whose dead rows a vacuum cannot remove is rewritten with
+-- only its live rows (0037_compact_queue.sql says when and why).
+CREATE FUNCTION everystep_compact(queue regclass, wait_ms integer) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    kept text;
+    waited text := current_setting('lock_timeout');
+BEGIN
+    IF queue NOT IN ('everystep_ready'::regclass, 'everystep_timer'::regclass, 'everystep_blocked'::regclass) THEN
+        RAISE EXCEPTION 'everystep_compact: % is not a queue table', queue;
+    END IF;
+    PERFORM set_config('lock_timeout', wait_ms || 'ms', true);
+    EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', queue);
+    EXECUTE format('SELECT array_agg(q)::text FROM %s q', queue) INTO kept;
+    EXECUTE format('TRUNCATE %s', queue);
+    EXECUTE format('INSERT INTO %1$s SELECT (unnest($1::%1$s[])).*', queue) USING kept;
+    PERFORM set_config('lock_timeout', waited, true);
+    RETURN true;
+EXCEPTION WHEN lock_not_available THEN
+    RETURN false;
+END $$;
+
 -- The trigger: admission and release at the changes of a run's row. A run
 -- made `running` other than by everystep_claim (by hand, or by a worker of
 -- the previous version during a rolling upgrade) is held by its claimed_by.
