@@ -189,6 +189,23 @@ def test_a_compaction_that_does_not_get_its_lock_in_time_changes_nothing(db):
     assert late.id in {row[0] for row in after}
 
 
+def test_a_compaction_leaves_a_table_a_reader_holds_without_waiting(db):
+    """A reader's lock may last (a pg_dump holds every table it dumps until
+    it ends): the compaction does not wait behind it at every sweep, making
+    the claims queue behind its own lock request, and changes nothing."""
+    with db.connect() as conn, everystep.transaction(conn):
+        for i in range(10):
+            everystep.schedule(workflows.quick, str(i))
+    before = db.query(READY)
+    with db.connect(autocommit=False) as reader:
+        reader.execute("SELECT count(*) FROM everystep_ready")
+        with db.connect() as conn:
+            began = time.monotonic()
+            assert "everystep_ready" not in everystep.db.compact_queue(conn, dead=0, live=10_000, wait_ms=10_000)
+            assert time.monotonic() - began < 5
+    assert db.query(READY) == before
+
+
 def test_the_timers_and_the_blocked_runs_are_rewritten_as_they_were(db):
     """The other queue tables a snapshot can leave dirty: the timers' due
     order and the blocked runs' (a limited workflow's backlog), each row put

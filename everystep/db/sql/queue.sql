@@ -95,12 +95,21 @@ VACUUM (SKIP_LOCKED) everystep_ready, everystep_claimed, everystep_timer;
 -- live ones are rewritten with their live rows alone (everystep_compact,
 -- 0037_compact_queue.sql); the claims step over every dead entry at the
 -- front of their order. Not one another vacuum is at (the vacuum skipped
--- it: autovacuum's, say). Those it rewrote (not one whose lock it did not
--- get within `wait_ms`).
-SELECT q::text FROM unnest('{everystep_ready,everystep_timer,everystep_blocked}'::regclass[]) AS q
-WHERE pg_stat_get_dead_tuples(q) >= %(dead)s AND pg_stat_get_live_tuples(q) <= %(live)s
-  AND NOT EXISTS (SELECT FROM pg_stat_progress_vacuum v WHERE v.relid = q)
-  AND everystep_compact(q, %(wait_ms)s);
+-- it: autovacuum's, say), nor one a reader holds: the queue's statements
+-- take stronger locks, a reader's may last (a pg_dump holds every table it
+-- dumps to its end), and claims would queue behind the rewrite's lock for
+-- `wait_ms` at every sweep, in vain. Those it rewrote (not one whose lock it
+-- did not get within `wait_ms`).
+-- (The candidates are MATERIALIZED: the planner would order the checks by
+-- cost and could call everystep_compact first.)
+WITH candidate AS MATERIALIZED (
+    SELECT q FROM unnest('{everystep_ready,everystep_timer,everystep_blocked}'::regclass[]) AS q
+    WHERE pg_stat_get_dead_tuples(q) >= %(dead)s AND pg_stat_get_live_tuples(q) <= %(live)s
+      AND NOT EXISTS (SELECT FROM pg_stat_progress_vacuum v WHERE v.relid = q)
+      AND NOT EXISTS (SELECT FROM pg_locks l
+                      WHERE l.relation = q AND l.mode = 'AccessShareLock' AND l.pid <> pg_backend_pid())
+)
+SELECT q::text FROM candidate WHERE everystep_compact(q, %(wait_ms)s);
 
 -- name: drop_limits
 -- The workflows whose limit was removed: their slots go with them (FK cascade).
