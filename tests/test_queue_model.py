@@ -19,6 +19,7 @@ from everystep.testing import advance
 from tests.apps import workflows
 from tests.apps.priority_workflows import tenant_job_bounded
 from tests.support.plans import record_plans
+from tests.support.processes import wait_for
 
 BOUNDED = tenant_job_bounded.__everystep_workflow__
 SQL = Path(everystep.db.__file__).resolve().parent / "sql"
@@ -309,3 +310,66 @@ def test_producers_and_ends_at_once_never_strand_a_run_nor_pass_the_limit(db):
     assert db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 300
     assert 0 < max(seen) <= limit
     assert db.value("SELECT count(*) FROM everystep_slot WHERE run_id IS NOT NULL") == 0
+
+
+def test_compactions_among_producers_and_claimers_lose_no_run(db):
+    """The queue tables rewritten again and again while producers schedule
+    runs (plain, delayed, of a limited workflow) and claimers claim and end
+    them: every run ends, once, and the limit holds."""
+    limit = 2
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {BOUNDED: limit})
+    done = threading.Event()
+    errors: list[BaseException] = []
+    rewrites: list[str] = []
+    seen: list[int] = []
+
+    def produce(n: int) -> None:
+        try:
+            for i in range(60):
+                with db.connect() as conn, everystep.transaction(conn):
+                    everystep.schedule(workflows.quick, f"{n}-{i}")
+                    everystep.schedule(workflows.quick, f"{n}-{i}-later", after=0.05)
+                    everystep.schedule(tenant_job_bounded, "t", 0)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    def claimer(i: int) -> None:
+        try:
+            with db.connect() as conn:
+                while not done.is_set():
+                    runs = everystep.db.claim(conn, f"w{i}", 2)
+                    if runs:
+                        seen.append(db.value("SELECT count(*) FROM everystep_claimed WHERE name = %s", (BOUNDED,)))
+                    for run in runs:
+                        everystep.db.finish_run(conn, run.id, f"w{i}", run.token, "completed", "null", None)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    def compactor() -> None:
+        try:
+            with db.connect() as conn:
+                while not done.is_set():
+                    rewrites.extend(everystep.db.compact_queue(conn, dead=0, live=10_000, wait_ms=20))
+                    time.sleep(0.02)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    producers = [threading.Thread(target=produce, args=(n,)) for n in range(3)]
+    others = [threading.Thread(target=claimer, args=(i,)) for i in range(3)] + [threading.Thread(target=compactor)]
+    for thread in producers + others:
+        thread.start()
+    for thread in producers:
+        thread.join()
+    try:
+        ended = "SELECT count(*) FROM everystep_workflow WHERE status = 'completed'"
+        wait_for(lambda: errors or db.value(ended) == 540, timeout=120, what="every run ended")
+    finally:
+        done.set()
+        for thread in others:
+            thread.join(timeout=30)
+    assert not errors
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'") == 0
+    assert db.value("SELECT count(*) FROM everystep_ready") + db.value("SELECT count(*) FROM everystep_timer") == 0
+    assert {"everystep_ready", "everystep_timer", "everystep_blocked"} <= set(rewrites)
+    assert 0 < max(seen) <= limit
