@@ -11,7 +11,6 @@ import sys
 import threading
 from pathlib import Path
 
-import psycopg
 import pytest
 
 import everystep
@@ -21,6 +20,7 @@ from everystep.maintenance import Maintenance
 from everystep.scheduler import Schedule
 from tests.apps import workflows
 from tests.apps.cli_workflows import greet
+from tests.support.concurrency import hold_a_snapshot
 from tests.support.processes import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,9 +174,7 @@ def test_the_sweep_vacuums_the_queue_tables_once_claims_left_dead_rows(db):
     rewrites the ready table with its live rows alone (0037)."""
     from everystep import maintenance  # noqa: PLC0415
 
-    holder = psycopg.connect(db.url, autocommit=False)
-    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-    holder.execute("SELECT count(*) FROM everystep_workflow")  # the snapshot, then idle in transaction
+    holder = hold_a_snapshot(db.url)
     with db.connect() as conn, everystep.transaction(conn):
         for i in range(maintenance.VACUUM_QUEUE_AT + 500):
             everystep.schedule(workflows.quick, str(i))

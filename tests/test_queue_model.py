@@ -18,6 +18,7 @@ import everystep.db
 from everystep.testing import advance
 from tests.apps import workflows
 from tests.apps.priority_workflows import tenant_job_bounded
+from tests.support.concurrency import hold_a_snapshot, reporting_thread
 from tests.support.plans import record_plans
 from tests.support.processes import wait_for
 
@@ -135,21 +136,12 @@ def test_a_claim_deletes_the_queue_rows_it_took_by_their_address_whatever_the_st
 READY = "SELECT run_id, name, priority, ready_at, slot FROM everystep_ready ORDER BY run_id"
 
 
-def hold_a_snapshot(db) -> psycopg.Connection:
-    """A session idle in a REPEATABLE READ transaction that has read once:
-    no vacuum removes a row deleted after its snapshot while it stays open."""
-    holder = psycopg.connect(db.url, autocommit=False)
-    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-    holder.execute("SELECT count(*) FROM everystep_workflow")
-    return holder
-
-
 def test_a_queue_table_whose_dead_rows_a_held_snapshot_keeps_is_rewritten_with_its_live_rows(db):
     """Under a snapshot held open, the ready rows the claims deleted stay, and
     each claim steps over their index entries at the front of the ready
     order: the vacuum cannot remove them, the compaction (0037) rewrites the
     table with its live rows alone, which the claims then take as before."""
-    holder = hold_a_snapshot(db)
+    holder = hold_a_snapshot(db.url)
     try:
         with db.connect() as conn, everystep.transaction(conn):
             for i in range(600):
@@ -274,31 +266,25 @@ def test_producers_and_ends_at_once_never_strand_a_run_nor_pass_the_limit(db):
     errors: list[BaseException] = []
 
     def produce() -> None:
-        try:
-            for _ in range(100):
-                with db.connect() as conn, everystep.transaction(conn):
-                    everystep.schedule(tenant_job_bounded, "t", 0)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
+        for _ in range(100):
+            with db.connect() as conn, everystep.transaction(conn):
+                everystep.schedule(tenant_job_bounded, "t", 0)
 
     def claimer(i: int) -> None:
-        try:
-            with db.connect() as conn:
-                while True:
-                    runs = everystep.db.claim(conn, f"w{i}", 1)
-                    if not runs:
-                        if produced.is_set() and not db.value(
-                                "SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'"):
-                            return
-                        continue
-                    seen.append(db.value("SELECT count(*) FROM everystep_claimed WHERE name = %s", (BOUNDED,)))
-                    (run,) = runs
-                    everystep.db.finish_run(conn, run.id, f"w{i}", run.token, "completed", "null", None)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
+        with db.connect() as conn:
+            while True:
+                runs = everystep.db.claim(conn, f"w{i}", 1)
+                if not runs:
+                    if produced.is_set() and not db.value(
+                            "SELECT count(*) FROM everystep_workflow WHERE status <> 'completed'"):
+                        return
+                    continue
+                seen.append(db.value("SELECT count(*) FROM everystep_claimed WHERE name = %s", (BOUNDED,)))
+                (run,) = runs
+                everystep.db.finish_run(conn, run.id, f"w{i}", run.token, "completed", "null", None)
 
-    producers = [threading.Thread(target=produce) for _ in range(3)]
-    claimers = [threading.Thread(target=claimer, args=(i,)) for i in range(4)]
+    producers = [reporting_thread(errors, produce) for _ in range(3)]
+    claimers = [reporting_thread(errors, claimer, i) for i in range(4)]
     for thread in producers + claimers:
         thread.start()
     for thread in producers:
@@ -325,38 +311,29 @@ def test_compactions_among_producers_and_claimers_lose_no_run(db):
     seen: list[int] = []
 
     def produce(n: int) -> None:
-        try:
-            for i in range(60):
-                with db.connect() as conn, everystep.transaction(conn):
-                    everystep.schedule(workflows.quick, f"{n}-{i}")
-                    everystep.schedule(workflows.quick, f"{n}-{i}-later", after=0.05)
-                    everystep.schedule(tenant_job_bounded, "t", 0)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
+        for i in range(60):
+            with db.connect() as conn, everystep.transaction(conn):
+                everystep.schedule(workflows.quick, f"{n}-{i}")
+                everystep.schedule(workflows.quick, f"{n}-{i}-later", after=0.05)
+                everystep.schedule(tenant_job_bounded, "t", 0)
 
     def claimer(i: int) -> None:
-        try:
-            with db.connect() as conn:
-                while not done.is_set():
-                    runs = everystep.db.claim(conn, f"w{i}", 2)
-                    if runs:
-                        seen.append(db.value("SELECT count(*) FROM everystep_claimed WHERE name = %s", (BOUNDED,)))
-                    for run in runs:
-                        everystep.db.finish_run(conn, run.id, f"w{i}", run.token, "completed", "null", None)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
+        with db.connect() as conn:
+            while not done.is_set():
+                runs = everystep.db.claim(conn, f"w{i}", 2)
+                if runs:
+                    seen.append(db.value("SELECT count(*) FROM everystep_claimed WHERE name = %s", (BOUNDED,)))
+                for run in runs:
+                    everystep.db.finish_run(conn, run.id, f"w{i}", run.token, "completed", "null", None)
 
     def compactor() -> None:
-        try:
-            with db.connect() as conn:
-                while not done.is_set():
-                    rewrites.extend(everystep.db.compact_queue(conn, dead=0, live=10_000, wait_ms=20))
-                    time.sleep(0.02)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
+        with db.connect() as conn:
+            while not done.is_set():
+                rewrites.extend(everystep.db.compact_queue(conn, dead=0, live=10_000, wait_ms=20))
+                time.sleep(0.02)
 
-    producers = [threading.Thread(target=produce, args=(n,)) for n in range(3)]
-    others = [threading.Thread(target=claimer, args=(i,)) for i in range(3)] + [threading.Thread(target=compactor)]
+    producers = [reporting_thread(errors, produce, n) for n in range(3)]
+    others = [reporting_thread(errors, claimer, i) for i in range(3)] + [reporting_thread(errors, compactor)]
     for thread in producers + others:
         thread.start()
     for thread in producers:
