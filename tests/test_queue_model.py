@@ -253,6 +253,30 @@ def test_a_run_waits_in_one_place_at_a_time_from_its_schedule_to_its_end(db):
     assert where(db, later) == []
 
 
+def promotions_in(conn) -> int:
+    """How many times everystep_promote ran in this transaction so far."""
+    return conn.execute(
+        "SELECT coalesce(pg_stat_get_xact_function_calls('everystep_promote'::regproc), 0)").fetchone()[0]
+
+
+def test_a_claim_admits_timers_only_when_one_is_due(db):
+    with db.connect() as conn, everystep.transaction(conn):
+        ready = everystep.schedule(workflows.quick, "now")
+        later = everystep.schedule(workflows.quick, "later", after=3600)
+    with db.connect() as conn, conn.transaction():
+        conn.execute("SET LOCAL track_functions = 'pl'")
+        assert [r.id for r in everystep.db.claim(conn, "w1", 5)] == [ready.id]
+        assert everystep.db.claim(conn, "w1", 5) == []
+        assert promotions_in(conn) == 0  # a timer waits, none is due: nothing to admit
+    with db.connect() as conn:
+        advance(conn, 3601, drain=False)
+    with db.connect() as conn, conn.transaction():
+        conn.execute("SET LOCAL track_functions = 'pl'")
+        assert [r.id for r in everystep.db.claim(conn, "w1", 5)] == [later.id]
+        assert promotions_in(conn) == 1
+    assert where(db, later) == ["claimed"]
+
+
 def test_producers_and_ends_at_once_never_strand_a_run_nor_pass_the_limit(db):
     """Producers schedule runs of a limited workflow while claimers claim
     and end them: an admission and a release that ran at once (each blind

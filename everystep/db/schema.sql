@@ -1047,7 +1047,13 @@ BEGIN
     -- Its own updates of the run rows are not the trigger's (it moved the
     -- queue rows itself): for the rest of this transaction.
     PERFORM set_config('everystep.claiming', 'on', true);
-    PERFORM everystep_promote(500);
+    -- The timers whose time came are admitted first; a probe of the
+    -- timers' index tells whether there is one (most claims: none). It
+    -- locks what it finds, as the admission does: a queue table is never
+    -- only read by the queue (a reader stops its rewrite, 0037).
+    IF EXISTS (SELECT FROM everystep_timer t WHERE t.due_at <= everystep_now() FOR UPDATE SKIP LOCKED) THEN
+        PERFORM everystep_promote(500);
+    END IF;
     RETURN QUERY
     WITH candidate AS (
         SELECT r.ctid AS tid, r.run_id FROM everystep_ready r
