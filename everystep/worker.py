@@ -47,6 +47,7 @@ log = logging.getLogger("everystep")
 PING_INTERVAL = 2.0  # seconds between checks of the control connection when idle
 RECONNECT_CEILING = 5.0  # seconds: the longest wait between two attempts to reconnect
 CLAIM_LANDING_TIMEOUT = 5.0  # seconds a fast stop waits for claims in flight on ending runs
+LOOP_END_WAIT = 10.0  # seconds an interrupted worker waits for its control loop to end before the shutdown
 # Past a waiting run's due time before claiming it (seconds): its claim's now()
 # must not be a hair before the due time.
 DUE_MARGIN = 0.002
@@ -188,6 +189,15 @@ class Worker(Successors):
         self._extra = {"runner": name}
         # Counted at every run a slot goes on with: the labelled child looked up once.
         self._claims_counter = metrics.CLAIMS.labels(name)
+        # The control role (see _control), and the loop's state that passes with it.
+        self._role = threading.Condition()
+        self._role_free = True  # no thread holds the role
+        self._role_waiting = 0  # role threads waiting to take it
+        self._loop_over = False
+        self._loop_error: BaseException | None = None
+        self._last_query = 0.0  # when the loop last queried its connection
+        self._drain_deadline: float | None = None
+        self._claimed: tuple[int, int] | None = None  # the last holder's claim: (runs, free slots), to count
 
     # ---------------------------------------------------------------- control
 
@@ -233,7 +243,7 @@ class Worker(Successors):
         self._publish_load()
         try:
             if self._take_lock(catchup=True):
-                self._loop()
+                self._control()
         finally:
             self._shutdown()
 
@@ -379,58 +389,126 @@ class Worker(Successors):
         with self._lock:
             self._backlog.extend(resumed)
 
+    # ---------------------------------------------------------------- the control role
+
+    def _control(self) -> None:
+        """Run the control loop until it ends. The loop runs on two threads
+        of its own in turn (the control role): the holder that claims runs
+        for idle slots starts the first of them itself, as a slot, and
+        hands the role to the other thread, which was waiting for it. The
+        run then starts with no hand-off between threads, which cost a
+        pickup about 0.1 ms at rest (docs/performance.md). This thread (the
+        process's main one, where signals land) only waits for the end."""
+        self._last_query = time.monotonic()
+        for n in range(2):
+            threading.Thread(target=self._take_role, name=f"everystep-{self.name}-control-{n}", daemon=True).start()
+        try:
+            with self._role:
+                while not self._loop_over:
+                    self._role.wait(1.0)
+        except BaseException:
+            # Interrupted here (a KeyboardInterrupt where no signal handler
+            # stops the worker): the loop ends as at a fast stop before the
+            # shutdown closes its connection.
+            self.stop(fast=True)
+            with self._role:
+                self._role.wait_for(lambda: self._loop_over, LOOP_END_WAIT)
+            raise
+        if self._loop_error is not None:
+            raise self._loop_error
+
+    def _take_role(self) -> None:
+        """A role thread's life: hold the role when it is free, run the loop,
+        and serve the run it handed the role over for, until the loop ends."""
+        while True:
+            with self._role:
+                self._role_waiting += 1
+                while not self._role_free and not self._loop_over:
+                    self._role.wait()
+                self._role_waiting -= 1
+                if self._loop_over:
+                    return
+                self._role_free = False
+            try:
+                run = self._loop()
+            except BaseException as exc:  # noqa: BLE001  (raised again by _control, on the main thread)
+                run, self._loop_error = None, exc
+            if run is None:
+                with self._role:
+                    self._loop_over = True
+                    self._role.notify_all()
+                return
+            self._serve_slot(run)
+
+    def _hand_over(self) -> None:
+        """The role goes to the role thread waiting for it."""
+        with self._role:
+            self._role_free = True
+            self._role.notify()
+
     # ---------------------------------------------------------------- the loop
 
-    def _loop(self) -> None:
-        last_query = time.monotonic()
-        drain_deadline = None
+    def _loop(self) -> db.ClaimedRun | None:
+        """The control loop, from where the last holder of the role left it.
+        None once it ended; a claimed run when it handed the role over to
+        start that run on this thread."""
         while True:
             if self._stopping:
                 if self._fast:
                     self._requeue_everything("fast stop")
-                    return
-                if drain_deadline is None:
-                    drain_deadline = time.monotonic() + self.drain if self.drain > 0 else float("inf")
+                    return None
+                if self._drain_deadline is None:
+                    self._drain_deadline = time.monotonic() + self.drain if self.drain > 0 else float("inf")
                     log.info("draining %d runs in flight", len(self._executing), extra=self._extra)
                 if not self._executing and not self._claiming:
                     self._requeue_backlog()
-                    return
-                if time.monotonic() >= drain_deadline:
+                    return None
+                if time.monotonic() >= self._drain_deadline:
                     self._requeue_everything("drain deadline")
-                    return
+                    return None
             try:
                 if self._conn is None:
                     if not self._take_lock(catchup=False):
-                        return
+                        return None
                 conn = self._conn
                 if self._stopping:
                     self._requeue_backlog()
                 more = False
                 next_due = None
+                if self._claimed is not None:  # the last holder claimed and handed the role over: count it
+                    claimed, self._claimed = self._claimed, None
+                    more = self._after_claim(conn, *claimed)
+                elif not self._stopping:
+                    more, mine = self._fill_slots(conn)
+                    if mine is not None:
+                        self._hand_over()
+                        return mine
                 if not self._stopping:
-                    more = self._fill_slots(conn)
                     self._look_for_cancels(conn)
                     if not more and any(self._free()):
                         # Idle slots: wake when the next waiting run becomes due.
                         next_due = db.next_due_in(conn)
-                    last_query = time.monotonic()
+                    self._last_query = time.monotonic()
                 self._publish_load()
                 timeout = 0 if more else min(self.poll, PING_INTERVAL)
                 if next_due is not None:
                     timeout = min(timeout, max(0.0, next_due + DUE_MARGIN))
-                if drain_deadline is not None:
-                    timeout = min(timeout, max(0.0, drain_deadline - time.monotonic()))
+                if self._drain_deadline is not None:
+                    timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
                 if self._wait(conn, timeout):
                     continue  # notified: claim now
-                if time.monotonic() - last_query >= PING_INTERVAL:
+                if time.monotonic() - self._last_query >= PING_INTERVAL:
                     db.ping(conn)
-                    last_query = time.monotonic()
+                    self._last_query = time.monotonic()
             except db.CONNECTION_ERRORS as exc:
                 self._lost_lock(exc)
 
-    def _fill_slots(self, conn: psycopg.Connection) -> bool:
+    def _fill_slots(self, conn: psycopg.Connection) -> tuple[bool, db.ClaimedRun | None]:
         """Start runs in the free slots: the backlog first, then claims.
-        True to claim again at once (a notification came in while claiming)."""
+        Whether to claim again at once (a notification came in while
+        claiming), and the claimed run this thread is to serve itself (when
+        the other role thread waits to take the role over; the claim is then
+        counted by that thread), if any."""
         if self._skipped_published is not self.skipped:
             skipped = self.skipped
             db.publish_route(conn, self.name, self.routes, skipped)  # for readiness and the unserved gauge
@@ -446,7 +524,7 @@ class Worker(Successors):
             if self._waiting:
                 db.stop_waiting(conn, self.name)
                 self._waiting = False
-            return False
+            return False, None
         with self._lock:
             reconcile = self._reconcile and not self._claiming  # claims in flight wake us when they land
             if reconcile:
@@ -461,24 +539,33 @@ class Worker(Successors):
             with self._lock:
                 self._backlog.extend(found)
         elif self._reconcile:
-            return False
+            return False, None
         if self._backlog:
             self._start_backlog()
-            return False
+            return False, None
         if not self._waiting:
             db.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
             self._waiting = True
         runs = db.claim(conn, self.name, free, self.routes, skipped=self.skipped)
-        if runs:
-            self._claims_counter.inc(len(runs))
-            for run in runs:
-                self._start(run)
+        mine = None
+        for run in runs:
+            if self._start(run, here=mine is None and self._role_waiting > 0):
+                mine = run
+        if mine is not None:
+            self._claimed = (len(runs), free)  # counted by the next holder of the role, after the hand-over
+            return False, mine
+        return self._after_claim(conn, len(runs), free), None
+
+    def _after_claim(self, conn: psycopg.Connection, claimed: int, free: int) -> bool:
+        """Count a claim of `claimed` runs for `free` slots; whether to claim
+        again at once (a notification came in while claiming)."""
+        if claimed:
+            self._claims_counter.inc(claimed)
             if self.on_claim:
-                self.on_claim(len(runs))
+                self.on_claim(claimed)
         else:
             metrics.EMPTY_CLAIMS.labels(self.name).inc()
-        notified = self._drain_notifications(conn)
-        return notified and len(runs) < free
+        return self._drain_notifications(conn) and claimed < free
 
     def _wait(self, conn: psycopg.Connection, timeout: float) -> bool:
         """Wait for a notification, a freed slot or a stop; True if notified."""
@@ -532,17 +619,23 @@ class Worker(Successors):
         for run in starting:
             self._start(run)
 
-    def _start(self, run: db.ClaimedRun) -> None:
+    def _start(self, run: db.ClaimedRun, here: bool = False) -> bool:
+        """Start a run in a slot of its kind (or put it in the backlog, until
+        one is free). `here`: a sync run is not submitted to a slot's thread
+        but left to the caller to serve on its own (True when it is)."""
         asynchronous = registry.is_async(run.name)
         with self._lock:
             if run.id in self._executing.values() or not self._slot_free(asynchronous):
                 self._backlog.append(run)  # claimed: started once the old execution is gone, or a slot is free
-                return
+                return False
             self._take_slot(run, asynchronous)
         if asynchronous:
             self.runner.loop().submit(self._serve_async_slot(run))
+        elif here:
+            return True
         else:
             self.executor.submit(self._serve_slot, run)
+        return False
 
     def _slot_free(self, asynchronous: bool) -> bool:
         """(Under _lock.) Whether a slot of this kind is free."""

@@ -4,6 +4,7 @@ processes (`everystep worker`) against a real PostgreSQL."""
 from __future__ import annotations
 
 import collections
+import re
 import signal
 import time
 
@@ -41,6 +42,26 @@ def test_two_workers_claim_disjoint_sets(db, start_worker, marks):
         pids_per_run[run].add(pid)
     assert all(len(pids) == 1 for pids in pids_per_run.values())  # no run split across processes
     assert len(pids_per_run) == len(runs)
+
+
+def test_an_idle_worker_starts_the_run_it_claims_on_the_thread_that_claimed_it(db, start_worker, tmp_path):
+    """The holder of the control loop starts the first run it claims for
+    idle slots itself and hands the loop to the worker's other control
+    thread, which goes on claiming: a run claimed while both are busy goes
+    to a slot's thread."""
+    release = tmp_path / "release"
+    start_worker("w-inline", threads=4).wait_logged("holding the lock")
+    (held,) = db.schedule_many(workflows.on_which_thread, [(str(release),)])
+    wait_for(lambda: db.run(held.id)["status"] == "running", what="the first run started")
+    (meanwhile,) = db.schedule_many(workflows.on_which_thread, [(None,)])
+    wait_for(lambda: db.run(meanwhile.id)["status"] == "completed", what="a run claimed while the first is held")
+    release.touch()
+    wait_for(lambda: db.run(held.id)["status"] == "completed", what="the first run released")
+    (after,) = db.schedule_many(workflows.on_which_thread, [(None,)])
+    wait_for(lambda: db.run(after.id)["status"] == "completed", what="a run claimed at rest again")
+    assert re.fullmatch(r"everystep-w-inline-control-[01]", db.run(held.id)["result"])
+    assert re.fullmatch(r"everystep-w-inline_\d+", db.run(meanwhile.id)["result"])
+    assert re.fullmatch(r"everystep-w-inline-control-[01]", db.run(after.id)["result"])
 
 
 def test_sigkill_mid_step_then_catchup_under_the_same_name(db, start_worker, marks, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -80,6 +81,19 @@ def unsafe_effect(marks: str, release: str) -> str:
 def kill_my_process(marks: str) -> None:
     mark(marks, "poison")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@step
+def thread_name(release: str | None) -> str:
+    """The name of the thread it runs on, once `release` exists (None: at once)."""
+    while release is not None and not os.path.exists(release):
+        time.sleep(0.02)
+    return threading.current_thread().name
+
+
+@workflow
+def on_which_thread(release: str | None = None) -> str:
+    return thread_name(release)
 
 
 @workflow
