@@ -576,7 +576,7 @@ class Worker(Successors):
         return self._drain_notifications(conn)
 
     def _drain_notifications(self, conn: psycopg.Connection) -> bool:
-        received = len(list(conn.notifies(timeout=0)))
+        received = db.notifications(conn)
         if received:
             metrics.WAKEUPS.labels(self.name).inc(received)
         return received > 0

@@ -277,6 +277,31 @@ def test_a_claim_admits_timers_only_when_one_is_due(db):
     assert where(db, later) == ["claimed"]
 
 
+def test_a_notification_that_comes_in_during_a_claim_is_counted_after_it(db):
+    with db.connect() as conn, everystep.transaction(conn):
+        run = everystep.schedule(workflows.quick, "unused")
+    with db.connect() as listener, db.connect() as other:
+        channel = everystep.db.listen(listener)
+        assert everystep.db.notifications(listener) == 0
+        other.execute("SELECT pg_notify(%s, '')", (channel,))
+        time.sleep(0.2)  # the server sends it to the idle session at once: it waits in the socket
+        # The claim (through libpq, which reads the notification off the socket) takes the run.
+        assert [r.id for r in everystep.db.claim(listener, "w1", 1)] == [run.id]
+        assert everystep.db.notifications(listener) == 1
+        assert everystep.db.notifications(listener) == 0
+
+
+def test_a_claim_on_a_connection_outside_autocommit_is_in_its_transaction(db):
+    with db.connect() as conn, everystep.transaction(conn):
+        run = everystep.schedule(workflows.quick, "unused")
+    with db.connect(autocommit=False) as conn:
+        assert [r.id for r in everystep.db.claim(conn, "w1", 1)] == [run.id]
+        assert where(db, run) == ["ready"]  # not committed
+        conn.rollback()
+    assert where(db, run) == ["ready"]
+    assert db.run(run.id)["status"] == "scheduled"
+
+
 def test_producers_and_ends_at_once_never_strand_a_run_nor_pass_the_limit(db):
     """Producers schedule runs of a limited workflow while claimers claim
     and end them: an admission and a release that ran at once (each blind

@@ -220,6 +220,7 @@ from everystep.db.session import (
     Executor,
     TransactionPooledConnection,
     listen,
+    notifications,
     ping,
     prepare_claiming_session,
     prepare_control_session,
@@ -273,8 +274,8 @@ __all__ = [
     "Server", "Sleep", "StepRow", "StepState", "StepWrite", "TableHealth", "TokenTake", "TracedExecution",
     "TransactionPooledConnection", "VacuumHorizon", "Wait", "Written",
     # session, migrations
-    "listen", "migrate", "missing_migrations", "ping", "prepare_claiming_session", "prepare_control_session",
-    "prepare_session", "check_schema",
+    "listen", "migrate", "missing_migrations", "notifications", "ping", "prepare_claiming_session",
+    "prepare_control_session", "prepare_session", "check_schema",
     "reset_claiming_session", "try_lock", "unlock",
     # queue
     "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims",

@@ -1,12 +1,14 @@
 """The hot path: statements run straight through libpq's PQexecPrepared.
 
-The two statements of every step and every end of a run (record_steps,
-end_runs) go to libpq directly, which releases the GIL for the whole round
-trip: psycopg's execute costs ~45 us of Python per statement here (a
-cursor, parameter adaptation, generators), about a tenth of all the CPU a
-step takes, and on a small machine the workers' CPU is taken from the
-database. The parameters are text or NULL (arrays as array literals); rows
-are read from their text.
+The statements of every step and every end of a run (record_steps,
+end_runs) and the claim go to libpq directly, which releases the GIL for
+the whole round trip: psycopg's execute costs ~45 us of Python per
+statement here (a cursor, parameter adaptation, generators), about a
+tenth of all the CPU a step takes, and on a small machine the workers' CPU
+is taken from the database. The parameters are text or NULL (arrays as
+array literals); rows are read from their text. A notification that comes
+in during one of these statements waits in libpq's queue
+(session.notifications reads it).
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ _prepared: weakref.WeakKeyDictionary[psycopg.Connection, set[bytes]] = weakref.W
 def run(on: Executor, statement: Hot, values: dict[str, Any]) -> pq.abc.PGresult:
     """Execute a hot statement, preparing it on first use on this connection."""
     conn = on.connection if isinstance(on, psycopg.Cursor) else on
-    if isinstance(conn, TransactionPooledConnection):
+    # Through a transaction pooler, and on a connection that would begin a
+    # transaction first (not autocommit, none open): psycopg, which does.
+    if isinstance(conn, TransactionPooledConnection) or (
+            not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE):
         cursor = conn.cursor()
         cursor.execute(statement.query, {param: None if (value := values[param]) is None else str(value)
                                          for param in statement.params})

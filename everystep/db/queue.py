@@ -64,6 +64,12 @@ def routes_of(patterns: list[str] | tuple[str, ...] | None) -> list[str] | None:
     return like
 
 
+# On a pickup's path: libpq directly saves a claim 30 us of psycopg's Python.
+# A listening connection's notifications then wait in libpq's queue
+# (db.notifications reads it).
+_CLAIM = libpq.hot("claim")
+
+
 def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] | None = None,
           skipped: Sequence[str] = ()) -> list[ClaimedRun]:
     """Claim up to `limit` ready runs, highest priority first, then in the
@@ -72,11 +78,11 @@ def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] |
     `skipped` (workflow names the claimer cannot import). When none is
     ready, the blocked runs that have room are admitted (`unblock`) and
     claimed."""
-    params = {"runner": runner, "limit": limit, "routes": routes, "skipped": list(skipped)}
-    rows = conn.execute(queries.get("claim"), params, prepare=True).fetchall()
-    if not rows and limit > 0 and unblock(conn):
-        rows = conn.execute(queries.get("claim"), params, prepare=True).fetchall()
-    runs = [ClaimedRun(*row) for row in rows]
+    values = {"runner": runner, "limit": limit, "routes": libpq.array_literal(routes),
+              "skipped": libpq.array_literal(list(skipped))}
+    runs = libpq.claimed_runs(conn, libpq.run(conn, _CLAIM, values), first_column=0)
+    if not runs and limit > 0 and unblock(conn):
+        runs = libpq.claimed_runs(conn, libpq.run(conn, _CLAIM, values), first_column=0)
     runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
     return runs
 

@@ -93,6 +93,17 @@ def listen(conn: psycopg.Connection) -> str:
     return channel
 
 
+def notifications(conn: psycopg.Connection) -> int:
+    """How many notifications this listening connection received since the
+    last call, without waiting. Those that came in during a statement run
+    through libpq directly (the claim: everystep/db/libpq.py) wait in
+    libpq's queue, which psycopg reads only once the socket has more."""
+    received = len(list(conn.notifies(timeout=0)))
+    while conn.pgconn.notifies() is not None:
+        received += 1
+    return received
+
+
 def listen_statement(channel: str) -> sql.Composed:
     """LISTEN takes its channel as an identifier, which no statement parameter
     can be: the one statement composed in the data layer, from a channel name
