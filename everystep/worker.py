@@ -569,6 +569,8 @@ class Worker(Successors):
 
     def _wait(self, conn: psycopg.Connection, timeout: float) -> bool:
         """Wait for a notification, a freed slot or a stop; True if notified."""
+        if self._drain_notifications(conn):
+            return True  # it came in during the loop's own statements: already read off the socket
         if timeout > 0:
             readable, _, _ = select.select([conn.fileno(), self._wake_r], [], [], timeout)
             if self._wake_r in readable:

@@ -12,7 +12,9 @@ import psycopg
 import pytest
 
 import everystep
+import everystep.db
 from everystep import schedule
+from everystep.worker import Worker
 from tests.apps import workflows
 from tests.support.engine import take_lock_from
 from tests.support.processes import WorkerProcess, wait_for
@@ -62,6 +64,21 @@ def test_an_idle_worker_starts_the_run_it_claims_on_the_thread_that_claimed_it(d
     assert re.fullmatch(r"everystep-w-inline-control-[01]", db.run(held.id)["result"])
     assert re.fullmatch(r"everystep-w-inline_\d+", db.run(meanwhile.id)["result"])
     assert re.fullmatch(r"everystep-w-inline-control-[01]", db.run(after.id)["result"])
+
+
+def test_a_notification_read_during_the_loops_own_statement_ends_its_wait_at_once(db):
+    """One that came in while the control loop ran a statement of its own
+    was read off the socket into psycopg's queue (or libpq's, the claim's):
+    the loop's wait returns at once, not at its time-out."""
+    worker = Worker(db.url, "w-wait")
+    with db.connect() as conn, db.connect() as other:
+        channel = everystep.db.listen(conn)
+        other.execute("SELECT pg_notify(%s, '')", (channel,))
+        time.sleep(0.2)  # the server sends it to the idle session at once: it waits in the socket
+        everystep.db.ping(conn)  # the loop's own statement reads it off the socket
+        started = time.monotonic()
+        assert worker._wait(conn, 30.0)
+        assert time.monotonic() - started < 10
 
 
 def test_sigkill_mid_step_then_catchup_under_the_same_name(db, start_worker, marks, tmp_path):
