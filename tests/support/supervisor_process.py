@@ -175,8 +175,17 @@ def restart_workers(sup: SupervisorProcess, database_url: str, marks: str, resta
             name = wait_for(partial(_completed_by, conn, run.id), timeout=30, interval=0.005,
                             what=f"run {run.id} completed")
             executed_by = {pid for r, _, pid in workflows.marks_of(marks) if r == str(run.id)}
-            assert executed_by == {sup.workers()[name]}, executed_by
+            pid = sup.workers()[name]
+            assert executed_by == {pid}, executed_by
+            # Its title shows no run in flight once the run's execution is over,
+            # counted in its metrics: the end's commit comes a moment before.
+            wait_for(partial(_idle, pid), timeout=30, interval=0.005, what=f"{name} idle after run {run.id}")
             sup.kill_worker(name)
+
+
+def _idle(pid: int) -> bool:
+    """Whether a worker's process title shows no run in flight."""
+    return "[0/" in Path(f"/proc/{pid}/cmdline").read_text()
 
 
 def _completed_by(conn: psycopg.Connection, run_id) -> str | None:
