@@ -253,6 +253,33 @@ def test_a_run_waits_in_one_place_at_a_time_from_its_schedule_to_its_end(db):
     assert where(db, later) == []
 
 
+def trigger_calls(conn) -> int:
+    """How many times the trigger's function ran on this connection, not yet
+    flushed to the statistics (compare two readings in one transaction)."""
+    return conn.execute(
+        "SELECT coalesce(pg_stat_get_xact_function_calls('everystep_queue'::regproc), 0)").fetchone()[0]
+
+
+def test_the_trigger_leaves_a_claim_alone_and_holds_a_run_made_running_by_hand(db):
+    """A claim moves the queue rows itself, and only a claim gives a run a
+    new execution token as it makes it running: the trigger does not fire
+    at its update (0039). A run made running by hand keeps its token: the
+    trigger takes it out of the queue and holds it for its claimed_by."""
+    claimed, by_hand = db.schedule_many(workflows.quick, [("a",), ("b",)])
+    with db.connect() as conn, conn.transaction():
+        conn.execute("SET LOCAL track_functions = 'pl'")
+        before = trigger_calls(conn)
+        (run,) = everystep.db.claim(conn, "w1", 1)
+        assert run.id == claimed.id and trigger_calls(conn) == before
+        conn.execute("UPDATE everystep_workflow SET status = 'running', claimed_by = 'w2' WHERE id = %s",
+                      (by_hand.id,))
+        assert trigger_calls(conn) == before + 1
+        everystep.db.finish_run(conn, run.id, "w1", run.token, "completed", "null", None)
+        assert trigger_calls(conn) == before + 2  # the end: out of everystep_claimed
+    assert (where(db, claimed), where(db, by_hand)) == ([], ["claimed"])
+    assert db.value("SELECT claimed_by FROM everystep_claimed WHERE run_id = %s", (by_hand.id,)) == "w2"
+
+
 def promotions_in(conn) -> int:
     """How many times everystep_promote ran in this transaction so far."""
     return conn.execute(

@@ -1044,9 +1044,6 @@ BEGIN
     IF lim <= 0 THEN
         RETURN;
     END IF;
-    -- Its own updates of the run rows are not the trigger's (it moved the
-    -- queue rows itself): for the rest of this transaction.
-    PERFORM set_config('everystep.claiming', 'on', true);
     -- The timers whose time came are admitted first; a probe of the
     -- timers' index tells whether there is one (most claims: none). It
     -- locks what it finds, as the admission does: a queue table is never
@@ -1054,6 +1051,8 @@ BEGIN
     IF EXISTS (SELECT FROM everystep_timer t WHERE t.due_at <= everystep_now() FOR UPDATE SKIP LOCKED) THEN
         PERFORM everystep_promote(500);
     END IF;
+    -- It moves the queue rows itself; the trigger knows its update of the
+    -- run rows by the new execution tokens and leaves them alone.
     RETURN QUERY
     WITH candidate AS (
         SELECT r.ctid AS tid, r.run_id FROM everystep_ready r
@@ -1180,14 +1179,19 @@ CREATE TRIGGER everystep_queue_insert AFTER INSERT ON everystep_workflow
 FOR EACH ROW WHEN (NEW.status IN ('scheduled', 'waiting', 'running'))
 EXECUTE FUNCTION everystep_queue();
 
--- Not at everystep_claim's own updates (it moved the queue rows itself,
--- and says so in everystep.claiming), nor at a change the queue does not see.
-CREATE TRIGGER everystep_queue_update AFTER UPDATE OF status, due_at, priority ON everystep_workflow
-FOR EACH ROW WHEN (
-    (OLD.status IN ('scheduled', 'waiting') AND NEW.status <> 'running'
-     AND (NEW.status <> OLD.status OR NEW.due_at <> OLD.due_at OR NEW.priority <> OLD.priority))
-    OR (OLD.status IN ('scheduled', 'waiting') AND NEW.status = 'running'
-        AND current_setting('everystep.claiming', true) IS DISTINCT FROM 'on')
-    OR (OLD.status = 'running' AND NEW.status <> 'running')
-    OR (OLD.status NOT IN ('scheduled', 'waiting', 'running') AND NEW.status IN ('scheduled', 'waiting', 'running')))
+-- A change of status, but not a claim's (everystep_claim moves the queue
+-- rows itself, and only a claim gives a run a new execution token as it
+-- makes it running): a run made running by hand is held by its claimed_by.
+-- Each statement that updates these columns prepares the WHEN clauses
+-- anew, so the claim's and the end's (status) is a short one.
+CREATE TRIGGER everystep_queue_status AFTER UPDATE OF status ON everystep_workflow
+FOR EACH ROW WHEN (NEW.status <> OLD.status
+                   AND (NEW.status <> 'running' OR NEW.claim_token IS NOT DISTINCT FROM OLD.claim_token))
+EXECUTE FUNCTION everystep_queue();
+
+-- A waiting run's due time or priority changed, its status not (else the
+-- trigger above fired).
+CREATE TRIGGER everystep_queue_place AFTER UPDATE OF due_at, priority ON everystep_workflow
+FOR EACH ROW WHEN (NEW.status = OLD.status AND NEW.status IN ('scheduled', 'waiting')
+                   AND (NEW.due_at <> OLD.due_at OR NEW.priority <> OLD.priority))
 EXECUTE FUNCTION everystep_queue();
