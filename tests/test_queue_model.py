@@ -280,6 +280,32 @@ def test_the_trigger_leaves_a_claim_alone_and_holds_a_run_made_running_by_hand(d
     assert db.value("SELECT claimed_by FROM everystep_claimed WHERE run_id = %s", (by_hand.id,)) == "w2"
 
 
+def test_the_sweep_holds_the_runs_an_older_version_claimed_itself(db):
+    """A worker of a version before 0032 claims with its own statement, with a
+    new token: the trigger takes it for a claim and leaves the queue row
+    behind, at the head of the ready order, where a new worker's claim skips
+    it and takes nothing. The sweep takes such rows out, holds the running
+    run for its claimed_by (the dead-claimer recovery reads those) and lets
+    the claims through (0040)."""
+    running, ended, waiting = db.schedule_many(workflows.quick, [("a",), ("b",), ("c",)])
+    old_claim = ("UPDATE everystep_workflow SET status = 'running', claimed_by = 'old-0',"
+                 " claim_token = nextval('everystep_claim_token') WHERE id = %s")
+    with db.connect() as conn:
+        conn.execute(old_claim, (running.id,))
+        conn.execute(old_claim, (ended.id,))
+        conn.execute("UPDATE everystep_workflow SET status = 'completed', completed_at = now() WHERE id = %s",
+                     (ended.id,))
+    assert (where(db, running), where(db, ended)) == (["ready"], ["ready"])
+    with db.connect() as conn, conn.transaction():
+        assert everystep.db.claim(conn, "w1", 2) == []  # the two rows left behind stand before the third
+    with db.connect() as conn:
+        assert everystep.db.sort_lanes(conn) == 2
+    assert (where(db, running), where(db, ended), where(db, waiting)) == (["claimed"], [], ["ready"])
+    assert db.value("SELECT claimed_by FROM everystep_claimed WHERE run_id = %s", (running.id,)) == "old-0"
+    with db.connect() as conn, conn.transaction():
+        assert [run.id for run in everystep.db.claim(conn, "w1", 2)] == [waiting.id]
+
+
 def promotions_in(conn) -> int:
     """How many times everystep_promote ran in this transaction so far."""
     return conn.execute(

@@ -127,6 +127,7 @@ def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None],
 
 def sort_lanes(conn: psycopg.Connection) -> int:
     """After the limits change, and at every sweep of the maintenance child:
+    the runs a worker of a version before 0032 claimed itself are held (0040),
     the ready runs of a workflow limited since they were admitted take a
     slot or wait for one, and the blocked runs that have room are admitted
     (0032_ready.sql). Returns how many runs moved."""

@@ -1131,6 +1131,32 @@ BEGIN
     RETURN n;
 END $$;
 
+-- A run made running by a worker of a version before 0032 with its own
+-- claim (a rolling upgrade) is not seen by the status trigger (0039): the
+-- maintenance sweep removes its queue row and holds it by its claimed_by.
+CREATE FUNCTION everystep_hold_strays() RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r record;
+    n integer := 0;
+BEGIN
+    FOR r IN
+        SELECT w.id, w.name, w.status, w.claimed_by FROM everystep_workflow w
+        WHERE w.id IN (SELECT x.run_id FROM everystep_ready x
+                       UNION ALL SELECT b.run_id FROM everystep_blocked b
+                       UNION ALL SELECT t.run_id FROM everystep_timer t WHERE t.due_at <= everystep_now())
+          AND w.status NOT IN ('scheduled', 'waiting')
+        FOR UPDATE SKIP LOCKED
+    LOOP
+        PERFORM everystep_unqueue(r.id);
+        IF r.status = 'running' THEN
+            INSERT INTO everystep_claimed (run_id, name, claimed_by) VALUES (r.id, r.name, r.claimed_by)
+            ON CONFLICT (run_id) DO NOTHING;
+        END IF;
+        n := n + 1;
+    END LOOP;
+    RETURN n;
+END $$;
+
 -- A queue table whose dead rows a vacuum cannot remove is rewritten with
 -- only its live rows (0037_compact_queue.sql says when and why).
 CREATE FUNCTION everystep_compact(queue regclass, wait_ms integer) RETURNS boolean
@@ -1154,8 +1180,8 @@ EXCEPTION WHEN lock_not_available THEN
 END $$;
 
 -- The trigger: admission and release at the changes of a run's row. A run
--- made `running` other than by everystep_claim (by hand, or by a worker of
--- the previous version during a rolling upgrade) is held by its claimed_by.
+-- made `running` other than by everystep_claim by hand is held by its
+-- claimed_by (by a worker of a version before 0032: everystep_hold_strays).
 CREATE FUNCTION everystep_queue() RETURNS trigger LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     IF TG_OP = 'UPDATE' AND OLD.status IN ('scheduled', 'waiting') THEN
