@@ -93,11 +93,14 @@ class Successors:
         """A run of `workflow` is being given back: its workflow cannot be
         imported here (`why`). Claim no more of its runs."""
 
-    def reserve(self, run: db.ClaimedRun) -> bool:
-        """Asked once, as this execution of the run is about to end. True
-        obliges the caller of `Runner.execute` to take the execution's
-        `successor` (or its absence) into account once it returns or raises."""
-        return False
+    def reserve(self, run: db.ClaimedRun) -> int:
+        """Asked once, as this execution of the run is about to end (its
+        body is done; its end is to be written): how many runs the end is to
+        claim, 0, 1 for the slot it frees, or 2 with one claimed ahead. More
+        than 0 obliges the caller of `Runner.execute` to take the execution's
+        `successor` and `ahead` (or their absence) into account once it
+        returns or raises."""
+        return 0
 
 
 class Lent(NamedTuple):
@@ -177,7 +180,8 @@ class HeldRun:
         self._halt_lock = threading.Lock()
         # What the end of the execution hands back (see runner.Execution).
         self.successor: db.ClaimedRun | None = None
-        self.claim_successor: bool | None = None  # asked once, at the end
+        self.ahead: db.ClaimedRun | None = None  # a second run the end claimed, for the worker's next free slot
+        self.claim_successor: int | None = None  # asked once, at the end: how many runs to claim
         self.look_again = False
         self.asynchronous = asynchronous
         self._owner = None if asynchronous else threading.get_ident()
@@ -741,9 +745,10 @@ class HeldRun:
 
         def write_end(run: uuid.UUID, runner: str, token: int, last_step: db.StepRow | None) -> str | None:
             done = self.lent.end_writer.finish_run(run, token, status, result, error, last_step,
-                                                   self.claim_successor and self.successor is None)
+                                                   0 if self.successor is not None else self.claim_successor)
             if done.successor is not None:
                 self.successor = done.successor  # this slot's next run, whatever became of this end
+                self.ahead = done.ahead
             if done.step_exists:
                 raise psycopg.errors.UniqueViolation(f"step {last_step.step_id!r} of run {run} exists")
             return done.status

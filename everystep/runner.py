@@ -237,6 +237,7 @@ class Execution(NamedTuple):
     successor: db.ClaimedRun | None  # claimed for this slot by the statement that ended the run
     look_again: bool  # the runner may hold runs it does not know of: an answer was lost, or another
     # execution's row was found
+    ahead: db.ClaimedRun | None = None  # claimed ahead by that statement, for the worker's next free slot
 
 
 class Runner:
@@ -347,7 +348,7 @@ class Runner:
         runs, duration = _run_metrics(run.name, outcome)
         runs.inc()
         duration.observe(time.perf_counter() - started)
-        return Execution(outcome, held.successor, held.look_again)
+        return Execution(outcome, held.successor, held.look_again, held.ahead)
 
 
     @staticmethod

@@ -12,6 +12,10 @@ LISTENs for new runs and claims runs for free slots. Step writes go through a
 pool. While runs are waiting, a run that ends claims the next one for its
 slot in the statement that ends it, and its thread goes on with that one: a
 busy worker needs no claim statement of its own and no hand-off per run.
+A slot takes its next run while its end commits: the end of a short run
+claims a second run ahead (at most one per slot waits so), which the slot
+the next end frees starts on another thread of the pool at once, before
+that end's commit returns.
 
 Runs of `async def` workflows have slots of their own (`async_slots`), all
 on the runner's one event loop: a slot there is a task, not a thread. A
@@ -51,6 +55,16 @@ LOOP_END_WAIT = 10.0  # seconds an interrupted worker waits for its control loop
 # Past a waiting run's due time before claiming it (seconds): its claim's now()
 # must not be a hair before the due time.
 DUE_MARGIN = 0.002
+# A run that took less than this (seconds) claims a second run ahead as it
+# ends, when fewer than one per slot wait so: the end's commit then overlaps
+# the next run's execution. A longer run claims only its successor: a run
+# claimed ahead waits for a slot to free, and it is not worth it. A worker of
+# one slot claims none ahead: its runs start one by one in the queue's order
+# (with two ends in one batch, whichever thread woke first would go first).
+AHEAD_RUN = 0.05
+# A run claimed ahead that found no free slot in this long (the slots took
+# long runs meanwhile) is given back to the queue, for another worker.
+AHEAD_WAIT = 1.0
 
 
 def control_connection(database_url: str, name: str) -> psycopg.Connection:
@@ -180,6 +194,15 @@ class Worker(Successors):
         self._claims_landed = threading.Condition(self._lock)
         self._published_load: int | None = None
         self._backlog: list[db.ClaimedRun] = []  # held by us (claimed, with their tokens), not started yet
+        # Of the backlog, the runs claimed ahead (token -> when they came):
+        # they do not hold back a successor's claim, and go back to the queue
+        # after AHEAD_WAIT.
+        self._ahead: dict[int, float] = {}
+        self._ahead_asked: set[int] = set()  # tokens of ending runs whose statement may claim a run ahead
+        # Tokens of sync executions whose end is being written: their slot is
+        # free for the next run meanwhile (they stay in _executing: still held).
+        self._ending: set[int] = set()
+        self._began: dict[int, float] = {}  # token -> when its sync execution took its slot
         self._escaped: set[db.Claim] = set()  # executions that escaped with a BaseException
         self._reconcile = False  # look for runs held under our name that no execution of ours holds
         self._conn: psycopg.Connection | None = None
@@ -236,7 +259,8 @@ class Worker(Successors):
         self.pool.open(wait=False)
         self.runner = Runner(self.pool, self.name, self.fence, successors=self, io_threads=io_threads,
                              step_threads=self.threads, give_back_unknown=True)
-        self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix=f"everystep-{self.name}")
+        # Twice the slots: a slot lent while its run's end commits goes on on another thread.
+        self.executor = ThreadPoolExecutor(2 * self.threads, thread_name_prefix=f"everystep-{self.name}")
         metrics.POOL_SIZE.labels(self.name).set(self.threads)
         metrics.ASYNC_SLOTS.labels(self.name).set(self.async_slots)
         metrics.STARTED_AT.labels(self.name).set(time.time())
@@ -343,6 +367,7 @@ class Worker(Successors):
             fresh = set(self._executing) - self.fence.abandoned
             self.fence.abandoned |= fresh
             self._backlog.clear()
+            self._ahead.clear()
         if fresh:
             log.warning("lock not regained within %.0f s: abandoning %d runs", self.grace, len(fresh),
                         extra=self._extra)
@@ -368,6 +393,7 @@ class Worker(Successors):
                     if db.Claim(run_id, token) not in held} - self.fence.abandoned
             self.fence.abandoned |= lost
             self._backlog = [run for run in self._backlog if db.Claim(run.id, run.token) in held]
+            self._ahead = {run.token: self._ahead[run.token] for run in self._backlog if run.token in self._ahead}
             self._reconcile = True
         if lost:
             log.warning("%d runs in flight were recovered elsewhere while the lock was lost; abandoning them",
@@ -513,6 +539,7 @@ class Worker(Successors):
             skipped = self.skipped
             db.publish_route(conn, self.name, self.routes, skipped)  # for readiness and the unserved gauge
             self._skipped_published = skipped
+        self._give_back_ahead(conn)
         with self._lock:
             escaped, self._escaped = self._escaped, set()
             escaped = [claim for claim in escaped if claim.token not in self.fence.abandoned]
@@ -590,12 +617,26 @@ class Worker(Successors):
 
     # ---------------------------------------------------------------- runs
 
+    def _give_back_ahead(self, conn: psycopg.Connection) -> None:
+        """Runs claimed ahead that found no free slot within AHEAD_WAIT go
+        back to the queue (each execution ended so is recorded as `given back`)."""
+        due = time.monotonic() - AHEAD_WAIT
+        with self._lock:
+            if not self._ahead or min(self._ahead.values()) > due:
+                return
+            stale = [run for run in self._backlog if self._ahead.get(run.token, due + 1) <= due]
+            for run in stale:
+                self._backlog.remove(run)
+                del self._ahead[run.token]
+        requeued = db.requeue_held(conn, self.name, [db.Claim(run.id, run.token) for run in stale], "given back")
+        metrics.REQUEUED.labels(self.name).inc(len(requeued))
+
     def _free(self, claiming: bool = False) -> tuple[int, int]:
         """The free sync and async slots. `claiming`: only those of the kinds
         of workflow this process has (no async one: sync slots only)."""
         with self._lock:
             running_async = len(self._async)
-            free_sync = self.threads - (len(self._executing) - running_async)
+            free_sync = self.threads - (len(self._executing) - running_async - len(self._ending))
             free_async = self.async_slots - running_async
         if claiming:
             has_sync, has_async = registry.kinds()
@@ -609,12 +650,13 @@ class Worker(Successors):
         starting = []
         with self._lock:
             busy = set(self._executing.values())
-            free = {False: self.threads - (len(self._executing) - len(self._async)),
+            free = {False: self.threads - (len(self._executing) - len(self._async) - len(self._ending)),
                     True: self.async_slots - len(self._async)}
             for run in list(self._backlog):
                 kind = registry.is_async(run.name)
                 if run.id not in busy and free[kind] > 0:
                     self._backlog.remove(run)
+                    self._ahead.pop(run.token, None)
                     starting.append(run)
                     busy.add(run.id)
                     free[kind] -= 1
@@ -643,13 +685,29 @@ class Worker(Successors):
         """(Under _lock.) Whether a slot of this kind is free."""
         if asynchronous:
             return len(self._async) < self.async_slots
-        return len(self._executing) - len(self._async) < self.threads
+        return len(self._executing) - len(self._async) - len(self._ending) < self.threads
 
     def _take_slot(self, run: db.ClaimedRun, asynchronous: bool) -> None:
         """(Under _lock.) The run is executing in a slot of its kind."""
         self._executing[run.token] = run.id
         if asynchronous:
             self._async.add(run.token)
+        else:
+            self._began[run.token] = time.monotonic()
+
+    def _take_waiting(self) -> db.ClaimedRun | None:
+        """(Under _lock.) The oldest sync run of the backlog that may start
+        now, in a slot it takes, if any."""
+        if not self._backlog or not self._slot_free(False):
+            return None
+        busy = set(self._executing.values())
+        for run in self._backlog:
+            if run.id not in busy and not registry.is_async(run.name):
+                self._backlog.remove(run)
+                self._ahead.pop(run.token, None)
+                self._take_slot(run, False)
+                return run
+        return None
 
     def cannot_import(self, workflow: str, why: str) -> None:
         """(Successors.) A run of `workflow` is being given back: claim no more of them."""
@@ -665,18 +723,33 @@ class Worker(Successors):
         while self._skipped_published is not skipped and not self._stopping and time.monotonic() < deadline:
             time.sleep(0.005)
 
-    def reserve(self, run: db.ClaimedRun) -> bool:
-        """(Successors.) Whether the statement that ends a run may claim a
-        successor for its slot: not while the worker is stopping, has runs of
-        its own to start first, looks for runs it lost track of, lets an
-        abandoned execution run on (the claim could bring its run back), or is
-        not sure of its lock."""
+    def reserve(self, run: db.ClaimedRun) -> int:
+        """(Successors.) How many runs the statement that ends a run may
+        claim: none while the worker is stopping, has runs of its own to start
+        first (other than runs claimed ahead), looks for runs it lost track
+        of, lets an abandoned execution run on (the claim could bring its run
+        back), or is not sure of its lock; else a successor for its slot, and
+        a second run ahead when the worker has several slots, the run was
+        short and fewer than one per slot wait so. A sync run's slot is free while its end is written: a run
+        waiting for one starts in it on another thread."""
         with self._lock:
-            if (self._stopping or self._reconcile or self._backlog or self.fence.abandoned
+            if (self._stopping or self._reconcile or len(self._backlog) > len(self._ahead) or self.fence.abandoned
                     or not self.fence.held.is_set()):
-                return False
+                return 0
             self._claiming.add(run.token)
-            return True
+            if run.token in self._async:
+                return 1
+            claims = 1
+            began = self._began.get(run.token)
+            if (self.threads > 1 and began is not None and time.monotonic() - began < AHEAD_RUN
+                    and len(self._ahead) + len(self._ahead_asked) < self.threads):
+                self._ahead_asked.add(run.token)
+                claims = 2
+            self._ending.add(run.token)
+            waiting = self._take_waiting()
+        if waiting is not None:
+            self.executor.submit(self._serve_slot, waiting)
+        return claims
 
     def _serve_slot(self, run: db.ClaimedRun) -> None:
         """A slot's life: execute a run, then the successor claimed by the
@@ -713,6 +786,9 @@ class Worker(Successors):
         with self._lock:
             del self._executing[run.token]
             self._async.discard(run.token)
+            self._ending.discard(run.token)
+            self._began.pop(run.token, None)
+            self._ahead_asked.discard(run.token)
             if run.token in self.fence.abandoned:
                 self.fence.abandoned.discard(run.token)
                 self._reconcile = True  # still ours in the database? then replay it
@@ -728,16 +804,28 @@ class Worker(Successors):
             if successor is not None:
                 if self._stopping or successor.id in self._executing.values():
                     self._backlog.append(successor)  # requeued, or started once the old execution is gone
-                elif registry.is_async(successor.name) == asynchronous:
+                elif registry.is_async(successor.name) != asynchronous:
+                    other_kind = successor
+                elif self._slot_free(asynchronous):
                     self._take_slot(successor, asynchronous)
                     run = successor
-                else:
-                    other_kind = successor
-            wake = run is None or self._reconcile or bool(self._backlog)
-        if successor is not None:
-            self._claims_counter.inc()
+                else:  # the slot went to a run waiting for one while this end was written
+                    self._backlog.append(successor)
+                    self._ahead[successor.token] = time.monotonic()
+            if execution.ahead is not None:  # for the next slot free, this one or another
+                self._backlog.append(execution.ahead)
+                self._ahead[execution.ahead.token] = time.monotonic()
+            if run is None and not asynchronous and not self._stopping:
+                run = self._take_waiting()
+            # The control loop claims for a free slot, and starts what waits
+            # in the backlog but runs claimed ahead (the next free slot does).
+            wake = (self._reconcile or len(self._backlog) > len(self._ahead)
+                    or (run is None and (self._stopping or self._slot_free(asynchronous))))
+        claimed = (successor is not None) + (execution.ahead is not None)
+        if claimed:
+            self._claims_counter.inc(claimed)
             if self.on_claim:
-                self.on_claim(1)
+                self.on_claim(claimed)
         if other_kind is not None:
             self._start(other_kind)  # in a slot of its kind (or the backlog, until one is free)
         if wake:
@@ -761,7 +849,7 @@ class Worker(Successors):
         """The runs in flight, to the gauge and `on_load` (the process title)
         when they changed: once per turn of the control loop, which every end
         of a run wakes, rather than on the runs' threads."""
-        inflight = len(self._executing)
+        inflight = len(self._executing) - len(self._ending)  # a run whose end commits has left its slot
         if inflight == self._published_load:
             return
         self._published_load = inflight
@@ -777,6 +865,7 @@ class Worker(Successors):
         with self._lock:
             claims = [db.Claim(run.id, run.token) for run in self._backlog]
             self._backlog.clear()
+            self._ahead.clear()
         if claims and self._conn is not None:
             requeued = db.requeue_held(self._conn, self.name, claims)
             metrics.REQUEUED.labels(self.name).inc(len(requeued))
@@ -791,6 +880,7 @@ class Worker(Successors):
             self.fence.abandoned |= set(self._executing)
             claims += [db.Claim(run.id, run.token) for run in self._backlog]
             self._backlog.clear()
+            self._ahead.clear()
         if claims and self._conn is not None:
             try:
                 requeued = db.requeue_held(self._conn, self.name, claims)

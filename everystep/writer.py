@@ -92,9 +92,9 @@ class GroupWriter:
         return self._submit(db.StepWrite(run, token, row))
 
     def finish_run(self, run: uuid.UUID, token: int, status: str, result: str | None, error: str | None,
-                   last_step: db.StepRow | None, claim: bool) -> db.BatchEnd:
+                   last_step: db.StepRow | None, claim: int) -> db.BatchEnd:
         """End a held run (with its last step's row) in the next batch, and
-        claim a successor for its slot when `claim`."""
+        claim `claim` runs: a successor for its slot, and one ahead."""
         return self._submit(db.EndWrite(run, token, status, result, error, last_step, claim))
 
     def write_streams(self, run: uuid.UUID, runner: str, token: int, entries: list[db.StreamEntryRow]) -> bool:

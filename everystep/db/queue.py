@@ -302,25 +302,34 @@ def end_runs(conn: psycopg.Connection, runner: str, ends: list[EndWrite], routes
         "statuses": libpq.array_literal([e.status for e in ends]),
         "results": libpq.array_literal([e.result for e in ends]),
         "errors": libpq.array_literal([e.error for e in ends]),
-        "claims": libpq.array_literal(["t" if e.claim else "f" for e in ends]), "runner": runner,
+        "claims": libpq.array_literal([int(e.claim) for e in ends]), "runner": runner,
         "routes": libpq.array_literal(routes), "skipped": libpq.array_literal(list(skipped)),
         **_step_columns([e.last_step for e in ends])})
     successors = libpq.claimed_runs(conn, result, first_column=3)
-    receivers, statuses, exists, released = [], {}, set(), 0
+    receivers, statuses, exists, released, priorities = {}, {}, set(), 0, []
     for i in range(result.ntuples):
         kind = result.get_value(i, 0)
-        if kind == b"h":
-            receivers.append(int(result.get_value(i, 1)))
+        if kind == b"c":  # in the order of `successors`
+            # NULL: a run scheduled after the statement began (its snapshot
+            # does not see it; the claim's does), taken as of the default priority.
+            priority = result.get_value(i, 1)
+            priorities.append(0 if priority is None else int(priority))
+        elif kind == b"h":
+            receivers[int(result.get_value(i, 1))] = int(result.get_value(i, 2))
         elif kind == b"e":
             statuses[int(result.get_value(i, 1))] = result.get_value(i, 2).decode()
         elif kind == b"s":
             exists.add(int(result.get_value(i, 1)))
         elif kind == b"r":
             released = int(result.get_value(i, 1))
-    successors.sort(key=lambda r: r.id)  # UUIDv7: the oldest to the first asking
-    given = dict(zip(sorted(receivers), successors))
-    return EndedRuns([BatchEnd(statuses.get(n), n in exists, given.get(n)) for n in range(1, len(ends) + 1)],
-                     released)
+    # In the queue's order (priority, then UUIDv7: the oldest) to the first
+    # asking: a slot goes on with the first, a run claimed ahead waits.
+    successors = [run for _, run in sorted(zip(priorities, successors), key=lambda pair: (-pair[0], pair[1].id))]
+    asking = sorted(receivers)
+    given = dict(zip(asking, successors))  # one each first: every slot asking goes on
+    ahead = dict(zip([n for n in asking if receivers[n] > 1], successors[len(given):]))
+    return EndedRuns([BatchEnd(statuses.get(n), n in exists, given.get(n), ahead.get(n))
+                      for n in range(1, len(ends) + 1)], released)
 
 
 def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, row: StepRow) -> Written | bool:
@@ -334,11 +343,11 @@ def record_step(conn: psycopg.Connection, run: uuid.UUID, runner: str, token: in
 
 def finish_run(
     conn: psycopg.Connection, run: uuid.UUID, runner: str, token: int, status: str, result: str | None,
-    error: str | None, last_step: StepRow | None = None, claim: bool = False, routes: list[str] | None = None,
+    error: str | None, last_step: StepRow | None = None, claim: int = 0, routes: list[str] | None = None,
 ) -> Ended | None:
     """End one held run (completed/failed/stopped/blocked, or cancelled) with
-    the row of its last step when that is not written yet and, with `claim`,
-    claim the next run for the slot it frees: end_runs with one end.
+    the row of its last step when that is not written yet and claim `claim`
+    runs (True: one) for the slot it frees: end_runs with one end.
     Returns the end and the runs claimed, or None if the run was not held by
     this execution (nothing was written). Raises UniqueViolation (nothing
     written) if the last step's row exists already. `routes`: as for `claim`."""
@@ -348,7 +357,7 @@ def finish_run(
         raise errors.UniqueViolation(f"step {last_step.step_id!r} of run {run} exists already")
     if end.status is None:
         return None
-    return Ended(end.status, [end.successor] if end.successor else [])
+    return Ended(end.status, [run for run in (end.successor, end.ahead) if run is not None])
 
 
 # ---------------------------------------------------------------- requeues

@@ -73,13 +73,14 @@ class EndWrite(NamedTuple):
     result: str | None
     error: str | None
     last_step: StepRow | None
-    claim: bool  # claim a successor for the slot this end frees
+    claim: int  # successors to claim: 1 for the slot this end frees, 2 with one claimed ahead (a bool: 0 or 1)
 
 
 class BatchEnd(NamedTuple):
     status: str | None  # the run's end as written; None: not written (see why_not_written)
     step_exists: bool  # not written because its last step's row is there already
     successor: ClaimedRun | None  # claimed for this slot (it is this execution's to run, even if status is None)
+    ahead: ClaimedRun | None = None  # the second successor, when the end asked for two
 
 
 class EndedRuns(NamedTuple):

@@ -368,19 +368,21 @@ JOIN w ON w.id = i.run;
 -- End runs of this runner's executions, each fenced by its own token, each
 -- with the row of its last step when it has one (not ended if that row is
 -- there already), and claim one successor per ended run that asks for one
--- (everystep_claim, as `claim`). The claim runs first, before the ending
+-- (everystep_claim, as `claim`), or two: one claimed ahead, for the next slot
+-- the worker frees. The claim runs first, before the ending
 -- UPDATE can wait on a row lock: its own statements take their snapshots
 -- as they run. The room an ended run held goes to the next blocked run in
 -- this transaction (the trigger of 0032_ready.sql); children that end wake
 -- their parents; runs others depend on settle their dependents.
--- Rows: ('c', NULL, NULL, claimed run...) for the successors; ('h', n) for
--- the ends that asked for one, in order (the successors are theirs in that
--- order); ('e', n, status) for the ends written; ('s', n) for the ends whose
+-- Rows: ('c', priority, NULL, claimed run...) for the successors; ('h', n, how
+-- many) for the ends that asked for some, in order (the successors are
+-- theirs: one each in that order, then the second ones); ('e', n, status)
+-- for the ends written; ('s', n) for the ends whose
 -- last step's row exists; ('r', n) the dependents released.
 WITH i AS (
     SELECT *
     FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
-                %(errors)s::text[], %(claims)s::boolean[], %(step_id)s::text[], %(name)s::text[],
+                %(errors)s::text[], %(claims)s::integer[], %(step_id)s::text[], %(name)s::text[],
                 %(args)s::text[], %(kwargs)s::text[], %(status)s::text[], %(result)s::text[],
                 %(error)s::text[], %(started_at)s::float8[], %(finished_at)s::float8[])
         WITH ORDINALITY AS i(run, token, status, result, error, claim, step_id, step_name, args, kwargs,
@@ -395,7 +397,7 @@ WITH i AS (
 ), held AS (
     SELECT * FROM fenced WHERE NOT step_exists
 ), claimed AS MATERIALIZED (
-    SELECT * FROM everystep_claim(%(runner)s, (SELECT count(*) FROM held WHERE held.claim)::integer,
+    SELECT * FROM everystep_claim(%(runner)s, (SELECT coalesce(sum(held.claim), 0) FROM held)::integer,
                                   %(routes)s::text[], %(skipped)s::text[])
 ), ended AS (
     -- A cancel request that reached the row before the end wins over every
@@ -438,11 +440,13 @@ WITH i AS (
     FROM ended WHERE dependents
     HAVING count(*) > 0
 )
-SELECT 'c', NULL::bigint, NULL::text, claimed.* FROM claimed
+-- (The priority looked up run by run: a join could be planned as a scan.)
+SELECT 'c', (SELECT w.priority FROM everystep_workflow w WHERE w.id = claimed.id)::bigint, NULL::text, claimed.*
+FROM claimed
 UNION ALL
-SELECT 'h', n, NULL, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
-       NULL::integer, NULL::uuid
-FROM held WHERE claim
+SELECT 'h', n, claim::text, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean,
+       NULL::float8, NULL::integer, NULL::uuid
+FROM held WHERE claim > 0
 UNION ALL
 SELECT 'e', n, status, NULL::uuid, NULL::varchar, NULL::jsonb, NULL::json, NULL::bigint, NULL::boolean, NULL::float8,
        NULL::integer, NULL::uuid
