@@ -730,8 +730,9 @@ class Worker(Successors):
         of, lets an abandoned execution run on (the claim could bring its run
         back), or is not sure of its lock; else a successor for its slot, and
         a second run ahead when the worker has several slots, the run was
-        short and fewer than one per slot wait so. A sync run's slot is free while its end is written: a run
-        waiting for one starts in it on another thread."""
+        short and fewer than one per slot wait so. A sync run's slot is free
+        while its end is written: a run waiting for one starts in it on
+        another thread."""
         with self._lock:
             if (self._stopping or self._reconcile or len(self._backlog) > len(self._ahead) or self.fence.abandoned
                     or not self.fence.held.is_set()):
