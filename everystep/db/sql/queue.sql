@@ -368,17 +368,17 @@ JOIN w ON w.id = i.run;
 -- End runs of this runner's executions, each fenced by its own token, each
 -- with the row of its last step when it has one (not ended if that row is
 -- there already), and claim one successor per ended run that asks for one
--- (everystep_claim, as `claim`), or two: one claimed ahead, for the next slot
--- the worker frees. The claim runs first, before the ending
--- UPDATE can wait on a row lock: its own statements take their snapshots
--- as they run. The room an ended run held goes to the next blocked run in
--- this transaction (the trigger of 0032_ready.sql); children that end wake
--- their parents; runs others depend on settle their dependents.
--- Rows: ('c', priority, NULL, claimed run...) for the successors; ('h', n, how
--- many) for the ends that asked for some, in order (the successors are
+-- (everystep_claim, as `claim`), or two: one claimed ahead, for the next
+-- slot the worker frees. The claim runs first, before the ending UPDATE can
+-- wait on a row lock: its own statements take their snapshots as they run.
+-- The room an ended run held goes to the next blocked run in this
+-- transaction (the trigger of 0032_ready.sql); children that end wake their
+-- parents; runs others depend on settle their dependents.
+-- Rows: ('c', priority, NULL, claimed run...) for the successors; ('h', n,
+-- how many) for the ends that asked for some, in order (the successors are
 -- theirs: one each in that order, then the second ones); ('e', n, status)
--- for the ends written; ('s', n) for the ends whose
--- last step's row exists; ('r', n) the dependents released.
+-- for the ends written; ('s', n) for the ends whose last step's row exists;
+-- ('r', n) the dependents released.
 WITH i AS (
     SELECT *
     FROM unnest(%(runs)s::uuid[], %(tokens)s::bigint[], %(statuses)s::text[], %(results)s::text[],
