@@ -635,9 +635,8 @@ class Worker(Successors):
         """The free sync and async slots. `claiming`: only those of the kinds
         of workflow this process has (no async one: sync slots only)."""
         with self._lock:
-            running_async = len(self._async)
-            free_sync = self.threads - (len(self._executing) - running_async - len(self._ending))
-            free_async = self.async_slots - running_async
+            free_sync = self.threads - self._sync_slots_taken()
+            free_async = self.async_slots - len(self._async)
         if claiming:
             has_sync, has_async = registry.kinds()
             free_sync, free_async = free_sync if has_sync else 0, free_async if has_async else 0
@@ -650,7 +649,7 @@ class Worker(Successors):
         starting = []
         with self._lock:
             busy = set(self._executing.values())
-            free = {False: self.threads - (len(self._executing) - len(self._async) - len(self._ending)),
+            free = {False: self.threads - self._sync_slots_taken(),
                     True: self.async_slots - len(self._async)}
             for run in list(self._backlog):
                 kind = registry.is_async(run.name)
@@ -685,7 +684,12 @@ class Worker(Successors):
         """(Under _lock.) Whether a slot of this kind is free."""
         if asynchronous:
             return len(self._async) < self.async_slots
-        return len(self._executing) - len(self._async) - len(self._ending) < self.threads
+        return self._sync_slots_taken() < self.threads
+
+    def _sync_slots_taken(self) -> int:
+        """(Under _lock.) The sync slots taken: the sync executions but those
+        whose end is being written (their slot is lent meanwhile)."""
+        return len(self._executing) - len(self._async) - len(self._ending)
 
     def _take_slot(self, run: db.ClaimedRun, asynchronous: bool) -> None:
         """(Under _lock.) The run is executing in a slot of its kind."""
