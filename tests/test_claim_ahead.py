@@ -5,6 +5,7 @@ that finds no free slot within a second goes back to the queue."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import everystep
@@ -87,6 +88,26 @@ def test_a_run_claimed_ahead_goes_back_when_no_slot_frees_for_it(db, marks, tmp_
     (tmp_path / "busy").touch()
     wait_for(lambda: status(db, holding)[0] == "completed" and status(db, busy)[0] == "completed", 20,
              what="the held runs completed")
+
+
+def test_a_drain_puts_the_runs_claimed_ahead_back_at_once(db, marks, tmp_path, start_worker):
+    """SIGTERM: the runs executing finish (the drain waits for them); a run
+    claimed ahead, not started, goes back to the queue at once."""
+    busy, short, holding, ahead = four_runs(db, marks, tmp_path)
+    worker = start_worker("w0", threads=2, drain=30)
+    wait_for(lambda: (str(holding), "held") in tags(marks), 30, interval=0.01, what="the held run in its step")
+    assert status(db, ahead) == ("running", "w0")
+    worker.signal(signal.SIGTERM)
+    wait_for(lambda: status(db, ahead)[0] == "scheduled", 5, interval=0.01, what="the run claimed ahead put back")
+    assert (status(db, busy), status(db, holding)) == (("running", "w0"), ("running", "w0"))
+    assert db.query("SELECT claimer, outcome FROM everystep_execution WHERE run_id = %s", (ahead,)) == [
+        ("w0", "drained")]
+    (tmp_path / "release").touch()
+    (tmp_path / "busy").touch()
+    assert worker.wait(30) == 0
+    assert (status(db, busy)[0], status(db, holding)[0], status(db, ahead)[0]) == ("completed", "completed",
+                                                                                   "scheduled")
+    assert (str(ahead), "q") not in tags(marks)
 
 
 def test_a_worker_of_one_slot_claims_nothing_ahead(db, marks, start_worker):
