@@ -102,6 +102,12 @@ class Successors:
         returns or raises."""
         return 0
 
+    def ends_to_gather(self) -> int:
+        """How many run ends a batch may wait for under load (writer.LINGER):
+        as many as the slots free while their runs' ends are written; 1:
+        none waits."""
+        return 1
+
 
 class Lent(NamedTuple):
     """What a runner lends each of its executions."""

@@ -862,6 +862,17 @@ class Worker(Successors):
         if self.on_load:
             self.on_load(inflight, self.threads + (self.async_slots if registry.kinds()[1] else 0))
 
+    def ends_to_gather(self) -> int:
+        """(Successors.) How many run ends a batch may wait for: one per sync
+        slot while every slot runs a body (each is lent while its run's end
+        is written, see reserve); 1, none waits, once a slot has nothing to
+        run, or in a process that has async workflows (their slots are held
+        until their runs' ends commit)."""
+        if registry.kinds()[1]:
+            return 1
+        with self._lock:
+            return self.threads if self._sync_slots_taken() >= self.threads else 1
+
     def _lock_changed(self, held: bool) -> None:
         if self.on_lock:
             self.on_lock(held)

@@ -11,8 +11,10 @@ wait behind the heavier statement that ends runs (w3 0.28 of the limit with
 two, 0.17-0.21 with one writer for both, on 2 cores). Nothing is added to a
 lone write's latency: a batch is what arrived while the previous one was
 being written, so under load the batches grow by themselves and at rest each
-write goes alone. Nothing is acknowledged before its commit returned (the
-session's commits wait for the WAL flush, see db.prepare_session).
+write goes alone. While every run slot of the process is busy, the writer
+of run ends also waits a moment for the ends of the others (see LINGER). Nothing is acknowledged
+before its commit returned (the session's commits wait for the WAL flush,
+see db.prepare_session).
 
 A connection error fails the whole batch: every thread retries its own write
 as before (its fence decides whether it may). Any other error of a batch is
@@ -22,6 +24,7 @@ found out write by write, so that it reaches only the run it belongs to.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +37,14 @@ from everystep import db, metrics
 # Writes per transaction at most: the run slots of a process stay far below
 # it; parallel branches and late outcomes may add some.
 MAX_BATCH = 64
+# While every sync run slot of the process runs a body, the writer of run
+# ends waits up to LINGER seconds for an end from each before it writes
+# (Worker.ends_to_gather; not in a process with async workflows). The
+# statement that ends runs costs the server about the same whatever its size
+# (~0.3 ms on 2 cores: its plan's start, the claim of the successors), and
+# the slot of a run whose end is being written is lent to the next run
+# meanwhile (Worker.reserve): an end waits only while no slot is idle.
+LINGER = 0.002
 # Seconds without a write after which the thread ends and its connection goes
 # back to the pool (the next write starts it again).
 IDLE = 5.0
@@ -70,14 +81,18 @@ class _Write:
 
 class GroupWriter:
     """A writer of one runner name's step rows or run ends (a runner has one
-    of each). Its thread starts with the first write; `close` ends it."""
+    of each). Its thread starts with the first write; `close` ends it.
+    `gather`: how many writes a batch waits for under load (a writer of run
+    ends, see LINGER); None: it never waits."""
 
     def __init__(self, pool: ConnectionPool, runner: str, routes: Callable[[], list[str] | None],
-                 skipped: Callable[[], list[str]] = list):
+                 skipped: Callable[[], list[str]] = list, gather: Callable[[], int] | None = None):
         self.pool = pool
         self.runner = runner
         self.routes = routes  # the workflows a successor may be of (db.routes_of), asked at each batch
         self.skipped = skipped  # and the workflows it may not be of (the runner cannot import them)
+        self.gather = gather
+        self._lingering = False
         self._waiting: list[_Write] = []
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -116,7 +131,8 @@ class GroupWriter:
                 self._thread = threading.Thread(target=self._write_forever, name=f"everystep-writer-{self.runner}",
                                                 daemon=True)
                 self._thread.start()
-            self._changed.notify()
+            if not self._lingering or not self._lingers():
+                self._changed.notify()  # (a lingering writer is woken only when its wait is over)
 
     def _submit(self, write: db.StepWrite | db.EndWrite | db.StreamWrite) -> Any:
         waiting = _Write(write)
@@ -146,8 +162,28 @@ class GroupWriter:
                     self._give_back()
                     self._thread = None
                     return
+                if self.gather is not None:
+                    self._linger()
                 batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
             self._write(batch)
+
+    def _linger(self) -> None:
+        """(Under _changed.) Wait up to LINGER while fewer writes wait than
+        `gather` asks for (asked again at each new write)."""
+        until = time.monotonic() + LINGER
+        self._lingering = True
+        try:
+            while self._lingers():
+                left = until - time.monotonic()
+                if left <= 0:
+                    return
+                self._changed.wait(left)
+        finally:
+            self._lingering = False
+
+    def _lingers(self) -> bool:
+        """(Under _changed.) Whether the batch is to wait for more writes."""
+        return not self._closed and len(self._waiting) < min(self.gather(), MAX_BATCH)
 
     def _write(self, batch: list[_Write]) -> None:
         steps = [w for w in batch if isinstance(w.write, db.StepWrite)]

@@ -16,6 +16,7 @@ import pytest
 import everystep
 import everystep.db
 from everystep import metrics
+from everystep import writer as writer_module
 from everystep.ids import uuid7_many
 from everystep.writer import GroupWriter
 from tests.apps import workflows
@@ -126,6 +127,52 @@ def test_ends_and_successors_of_one_batch_each_go_to_their_own_run(db, writer):
     for run in waiting:
         assert db.run(run.id)["status"] == "running"
     assert db.value("SELECT count(*) FROM everystep_step WHERE step_id = 'last'") == 3
+
+
+def test_ends_wait_for_the_other_slots_only_while_every_slot_is_busy(db, monkeypatch):
+    # A wait long enough to be seen on a loaded machine; the engine's is 2 ms.
+    monkeypatch.setattr(writer_module, "LINGER", 5.0)
+    runs = claimed(db, 5)
+    busy = {"slots": True}
+    w = GroupWriter(db.pool, "w1", lambda: None, gather=lambda: 3 if busy["slots"] else 1)
+    answers: dict = {}
+
+    def end(i: int) -> threading.Thread:
+        run = runs[i]
+        thread = threading.Thread(target=lambda: answers.__setitem__(
+            i, w.finish_run(run.id, run.token, "completed", '"ok"', None, row("last"), 0)))
+        thread.start()
+        return thread
+
+    try:
+        before = batches("w1")
+        first = end(0)
+        time.sleep(0.5)
+        assert first.is_alive() and db.run(runs[0].id)["status"] == "running"  # waiting for the others' ends
+        second = end(1)
+        time.sleep(0.2)
+        assert second.is_alive()
+        third = end(2)
+        for t in (first, second, third):
+            t.join(4.0)  # all there: written at once, well before the wait's end
+            assert not t.is_alive()
+        assert [answers[i].status for i in range(3)] == ["completed"] * 3
+        after = batches("w1")
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 3)
+
+        # A slot with nothing to run: the end waiting is written at the next
+        # end's arrival, and then none waits.
+        fourth = end(3)
+        time.sleep(0.5)
+        assert fourth.is_alive()
+        busy["slots"] = False
+        fifth = end(4)
+        for t in (fourth, fifth):
+            t.join(4.0)
+            assert not t.is_alive()
+        assert [answers[i].status for i in (3, 4)] == ["completed"] * 2
+    finally:
+        w.close()
 
 
 def test_one_bad_write_fails_alone(db, writer):
