@@ -6,10 +6,14 @@ that finds no free slot within a second goes back to the queue."""
 from __future__ import annotations
 
 import signal
+import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import everystep
 import everystep.db
+from everystep import registry
+from everystep.worker import Worker
 from tests.apps.workflows import held, marks_of, quick
 from tests.support.processes import wait_for
 
@@ -117,3 +121,20 @@ def test_a_worker_of_one_slot_claims_nothing_ahead(db, marks, start_worker):
              what="every run completed")
     assert [run for run, tag in tags(marks) if tag == "q"] == [str(run.id) for run in runs]
     assert db.value("SELECT count(*) FROM everystep_execution") == 0
+
+
+def test_ends_wait_for_each_other_only_while_every_sync_slot_runs_a_body(monkeypatch):
+    # The rule the writer of ends asks (writer.LINGER); its wait is tested in test_group_commit.py.
+    monkeypatch.setattr(registry, "kinds", lambda: (True, False))  # sync workflows only
+    worker = Worker("postgresql://unused", "w0", threads=2)
+    first, second = (SimpleNamespace(token=token, id=uuid.uuid4()) for token in (1, 2))
+    assert worker.ends_to_gather() == 1  # idle slots: an end goes at once
+    worker._take_slot(first, False)
+    assert worker.ends_to_gather() == 1
+    worker._take_slot(second, False)
+    assert worker.ends_to_gather() == 2  # every slot runs a body: an end waits for the other's
+    worker._ending.add(first.token)  # its end is being written, its slot lent and taken by no run
+    assert worker.ends_to_gather() == 1
+    worker._ending.discard(first.token)
+    monkeypatch.setattr(registry, "kinds", lambda: (True, True))  # async slots are held until their end commits
+    assert worker.ends_to_gather() == 1
