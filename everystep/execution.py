@@ -103,9 +103,9 @@ class Successors:
         return 0
 
     def ends_to_gather(self) -> int:
-        """How many run ends a batch may wait for under load (writer.LINGER):
-        as many as the slots free while their runs' ends are written; 1:
-        none waits."""
+        """How many run ends a batch may wait for under load (writer.LINGER),
+        asked at each batch: at most one per slot that is lent while its
+        run's end is written. This default: 1, none waits."""
         return 1
 
 

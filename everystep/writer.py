@@ -12,9 +12,9 @@ two, 0.17-0.21 with one writer for both, on 2 cores). Nothing is added to a
 lone write's latency: a batch is what arrived while the previous one was
 being written, so under load the batches grow by themselves and at rest each
 write goes alone. While every run slot of the process is busy, the writer
-of run ends also waits a moment for the ends of the others (see LINGER). Nothing is acknowledged
-before its commit returned (the session's commits wait for the WAL flush,
-see db.prepare_session).
+of run ends also waits a moment for the ends of the others (see LINGER).
+Nothing is acknowledged before its commit returned (the session's commits
+wait for the WAL flush, see db.prepare_session).
 
 A connection error fails the whole batch: every thread retries its own write
 as before (its fence decides whether it may). Any other error of a batch is
