@@ -35,7 +35,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 from psycopg_pool import ConnectionPool
@@ -45,6 +44,7 @@ from everystep.errors import Drain, LostClaim
 from everystep.logs import first_line
 from everystep.runner import IO_THREADS, Execution, Fence, Runner, Successors
 from everystep.schema import MAX_KEY
+from everystep.slot_threads import SlotThreads
 
 log = logging.getLogger("everystep")
 
@@ -260,7 +260,7 @@ class Worker(Successors):
         self.runner = Runner(self.pool, self.name, self.fence, successors=self, io_threads=io_threads,
                              step_threads=self.threads, give_back_unknown=True)
         # Twice the slots: a slot lent while its run's end commits goes on on another thread.
-        self.executor = ThreadPoolExecutor(2 * self.threads, thread_name_prefix=f"everystep-{self.name}")
+        self.slot_threads = SlotThreads(2 * self.threads, f"everystep-{self.name}")
         metrics.POOL_SIZE.labels(self.name).set(self.threads)
         metrics.ASYNC_SLOTS.labels(self.name).set(self.async_slots)
         metrics.STARTED_AT.labels(self.name).set(time.time())
@@ -677,7 +677,7 @@ class Worker(Successors):
         elif here:
             return True
         else:
-            self.executor.submit(self._serve_slot, run)
+            self.slot_threads.submit(self._serve_slot, run)
         return False
 
     def _slot_free(self, asynchronous: bool) -> bool:
@@ -753,7 +753,7 @@ class Worker(Successors):
             self._ending.add(run.token)
             waiting = self._take_waiting()
         if waiting is not None:
-            self.executor.submit(self._serve_slot, waiting)
+            self.slot_threads.submit(self._serve_slot, waiting)
         return claims
 
     def _serve_slot(self, run: db.ClaimedRun) -> None:
@@ -912,7 +912,7 @@ class Worker(Successors):
             self.fence.abandoned |= set(self._executing)  # a straggler's writes fail instead of waiting for ever
         self.fence.held.clear()
         self._lock_changed(False)
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.slot_threads.shutdown()
         if self._conn is not None:
             try:
                 # Nothing stays claimed under a name nobody holds: whatever is
