@@ -467,10 +467,12 @@ class Worker(Successors):
             self._serve_slot(run)
 
     def _hand_over(self) -> None:
-        """The role goes to the role thread waiting for it."""
+        """The role goes to the role thread waiting for it. Every waiter is
+        woken: the main thread waits on the same condition (for the loop's
+        end), and a notify() that woke it alone left the role to nobody."""
         with self._role:
             self._role_free = True
-            self._role.notify()
+            self._role.notify_all()
 
     # ---------------------------------------------------------------- the loop
 

@@ -31,20 +31,28 @@ def tags(marks: str) -> list[tuple[str, str]]:
     return [(run, tag) for run, tag, _pid in marks_of(marks)]
 
 
-def four_runs(db, marks: str, tmp_path: Path) -> tuple:
-    """A run held in its step until `tmp_path/busy` exists, a short run, a run
-    held until `tmp_path/release` exists, and a short one, scheduled in that
-    order before a worker of two slots starts: it claims the first two; the
-    short one's end claims the third for its slot and the fourth ahead,
-    while the first keeps the other slot."""
-    return (schedule(db, held, marks, str(tmp_path / "busy")), schedule(db, quick, marks),
-            schedule(db, held, marks, str(tmp_path / "release")), schedule(db, quick, marks))
+def four_runs(db, marks: str, tmp_path: Path, start_worker, **options) -> tuple:
+    """A worker `w0` of two slots, warmed up by four short runs (marked
+    elsewhere), so that a short run of it ends well within AHEAD_RUN however
+    busy the machine; then, in one transaction, a run held in its step until
+    `tmp_path/busy` exists, a short run, a run held until
+    `tmp_path/release` exists, and a short one: the worker claims the first
+    two at once; the short one's end claims the third for its slot and the
+    fourth ahead, while the first keeps the other slot. Returns the worker
+    and the four runs."""
+    worker = start_worker("w0", threads=2, **options)
+    (tmp_path / "warm-up").mkdir()
+    warm = db.schedule_many(quick, [(str(tmp_path / "warm-up"),)] * 4)
+    wait_for(lambda: all(status(db, run.id)[0] == "completed" for run in warm), 30, what="the warm-up runs")
+    with db.connect() as conn, everystep.transaction(conn):
+        runs = (everystep.schedule(held, marks, str(tmp_path / "busy")).id, everystep.schedule(quick, marks).id,
+                everystep.schedule(held, marks, str(tmp_path / "release")).id, everystep.schedule(quick, marks).id)
+    return worker, runs
 
 
 def test_the_next_run_starts_while_the_end_of_the_last_one_commits(db, marks, tmp_path, start_worker):
     release = tmp_path / "release"
-    busy, short, holding, ahead = four_runs(db, marks, tmp_path)
-    worker = start_worker("w0", threads=2)
+    worker, (busy, short, holding, ahead) = four_runs(db, marks, tmp_path, start_worker)
     wait_for(lambda: (str(holding), "held") in tags(marks), 30, interval=0.01, what="the held run in its step")
     # The short run's end claimed the held run for its slot and the third run ahead.
     assert status(db, short)[0] == "completed"
@@ -62,7 +70,7 @@ def test_the_next_run_starts_while_the_end_of_the_last_one_commits(db, marks, tm
                  what="the run claimed ahead executing while the end before it waits")
         assert status(db, holding) == ("running", "w0")
         blocker.rollback()
-    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 3, 20,
+    wait_for(lambda: [status(db, run)[0] for run in (short, holding, ahead)] == ["completed"] * 3, 20,
              what="the three runs completed")
     # The slot ran one body at a time; the other slot's run is still held.
     mine = [entry for entry in tags(marks) if entry[0] != str(busy)]
@@ -75,8 +83,7 @@ def test_the_next_run_starts_while_the_end_of_the_last_one_commits(db, marks, tm
 
 
 def test_a_run_claimed_ahead_goes_back_when_no_slot_frees_for_it(db, marks, tmp_path, start_worker):
-    busy, short, holding, ahead = four_runs(db, marks, tmp_path)
-    start_worker("w0", threads=2)
+    _, (busy, short, holding, ahead) = four_runs(db, marks, tmp_path, start_worker)
     wait_for(lambda: (str(holding), "held") in tags(marks), 30, interval=0.01, what="the held run in its step")
     assert status(db, ahead) == ("running", "w0")
     # Its slot stays taken: the run claimed ahead goes back to the queue,
@@ -97,8 +104,7 @@ def test_a_run_claimed_ahead_goes_back_when_no_slot_frees_for_it(db, marks, tmp_
 def test_a_drain_puts_the_runs_claimed_ahead_back_at_once(db, marks, tmp_path, start_worker):
     """SIGTERM: the runs executing finish (the drain waits for them); a run
     claimed ahead, not started, goes back to the queue at once."""
-    busy, short, holding, ahead = four_runs(db, marks, tmp_path)
-    worker = start_worker("w0", threads=2, drain=30)
+    worker, (busy, short, holding, ahead) = four_runs(db, marks, tmp_path, start_worker, drain=30)
     wait_for(lambda: (str(holding), "held") in tags(marks), 30, interval=0.01, what="the held run in its step")
     assert status(db, ahead) == ("running", "w0")
     worker.signal(signal.SIGTERM)
