@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import psycopg
 import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 
 import everystep
 from supervisor import state_file
@@ -168,6 +171,7 @@ def restart_workers(sup: SupervisorProcess, database_url: str, marks: str, resta
     """SIGKILL worker children of `sup` `restarts` times, each time the one
     that has just completed a run: a child that claimed work is not
     crash-looping, so the supervisor restarts it at once, without back-off."""
+    counted = _runs_counted(sup)
     with psycopg.connect(database_url, autocommit=True) as conn:
         for _ in range(restarts):
             with everystep.transaction(conn):
@@ -177,10 +181,27 @@ def restart_workers(sup: SupervisorProcess, database_url: str, marks: str, resta
             executed_by = {pid for r, _, pid in workflows.marks_of(marks) if r == str(run.id)}
             pid = sup.workers()[name]
             assert executed_by == {pid}, executed_by
-            # Its title shows no run in flight once the run's execution is over,
-            # counted in its metrics: the end's commit comes a moment before.
+            # Its title shows no run in flight, and its metrics count the run:
+            # its execution is over (the slot is free from the moment the
+            # run's end is being written, the run counted once that commits).
             wait_for(partial(_idle, pid), timeout=30, interval=0.005, what=f"{name} idle after run {run.id}")
+            counted += 1
+            wait_for(lambda: _runs_counted(sup) >= counted, timeout=30, interval=0.005,  # noqa: B023 (called here)
+                     what=f"run {run.id} counted in {name}'s metrics")
             sup.kill_worker(name)
+
+
+def _runs_counted(sup: SupervisorProcess) -> float:
+    """The runs the supervisor's processes have counted (everystep_workflow_runs),
+    read from its metrics folder as its HTTP child reads it (-1 while a file
+    being created there cannot be read yet)."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(sup.metrics_folder))
+    try:
+        return sum(sample.value for metric in registry.collect() if metric.name == "everystep_workflow_runs"
+                   for sample in metric.samples if sample.name == "everystep_workflow_runs_total")
+    except (OSError, struct.error):
+        return -1
 
 
 def _idle(pid: int) -> bool:
