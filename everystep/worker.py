@@ -217,6 +217,7 @@ class Worker(Successors):
         self._role_free = True  # no thread holds the role
         self._role_waiting = 0  # role threads waiting to take it
         self._loop_over = False
+        self._loop_ended = threading.Event()  # what the main thread waits for (not on _role: see _hand_over)
         self._loop_error: BaseException | None = None
         self._last_query = 0.0  # when the loop last queried its connection
         self._drain_deadline: float | None = None
@@ -429,16 +430,14 @@ class Worker(Successors):
         for n in range(2):
             threading.Thread(target=self._take_role, name=f"everystep-{self.name}-control-{n}", daemon=True).start()
         try:
-            with self._role:
-                while not self._loop_over:
-                    self._role.wait(1.0)
+            while not self._loop_ended.wait(1.0):
+                pass
         except BaseException:
             # Interrupted here (a KeyboardInterrupt where no signal handler
             # stops the worker): the loop ends as at a fast stop before the
             # shutdown closes its connection.
             self.stop(fast=True)
-            with self._role:
-                self._role.wait_for(lambda: self._loop_over, LOOP_END_WAIT)
+            self._loop_ended.wait(LOOP_END_WAIT)
             raise
         if self._loop_error is not None:
             raise self._loop_error
@@ -463,16 +462,18 @@ class Worker(Successors):
                 with self._role:
                     self._loop_over = True
                     self._role.notify_all()
+                self._loop_ended.set()
                 return
             self._serve_slot(run)
 
     def _hand_over(self) -> None:
-        """The role goes to the role thread waiting for it. Every waiter is
-        woken: the main thread waits on the same condition (for the loop's
-        end), and a notify() that woke it alone left the role to nobody."""
+        """The role goes to the role thread waiting for it, the one thread
+        waiting on _role then (the main thread waits for the loop's end on an
+        event of its own: a notify() that woke it instead left the role to
+        nobody until this thread had served its run)."""
         with self._role:
             self._role_free = True
-            self._role.notify_all()
+            self._role.notify()
 
     # ---------------------------------------------------------------- the loop
 
