@@ -191,17 +191,21 @@ def restart_workers(sup: SupervisorProcess, database_url: str, marks: str, resta
             sup.kill_worker(name)
 
 
-def _runs_counted(sup: SupervisorProcess) -> float:
+def _runs_counted(sup: SupervisorProcess, timeout: float = 30.0) -> float:
     """The runs the supervisor's processes have counted (everystep_workflow_runs),
-    read from its metrics folder as its HTTP child reads it (-1 while a file
-    being created there cannot be read yet)."""
+    read from its metrics folder as its HTTP child reads it (again while a
+    file being created there cannot be read yet)."""
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(sup.metrics_folder))
-    try:
-        return sum(sample.value for metric in registry.collect() if metric.name == "everystep_workflow_runs"
-                   for sample in metric.samples if sample.name == "everystep_workflow_runs_total")
-    except (OSError, struct.error):
-        return -1
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return sum(sample.value for metric in registry.collect() if metric.name == "everystep_workflow_runs"
+                       for sample in metric.samples if sample.name == "everystep_workflow_runs_total")
+        except (OSError, struct.error):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _idle(pid: int) -> bool:
