@@ -388,12 +388,18 @@ class Worker(Successors):
         perhaps claimed again) are abandoned before any of their writes goes
         on; so are backlog entries. Runs held under this name that no
         execution of ours holds are claimed again and replayed."""
+        # Only what was known before the read is judged by it: a run's end
+        # may claim a successor meanwhile (the writers reconnect on their own),
+        # whose claim the read may not see.
+        with self._lock:
+            known = set(self._executing) | {run.token for run in self._backlog}
         held = set(db.held_claims(conn, self.name))
         with self._lock:
             lost = {token for token, run_id in self._executing.items()
-                    if db.Claim(run_id, token) not in held} - self.fence.abandoned
+                    if token in known and db.Claim(run_id, token) not in held} - self.fence.abandoned
             self.fence.abandoned |= lost
-            self._backlog = [run for run in self._backlog if db.Claim(run.id, run.token) in held]
+            self._backlog = [run for run in self._backlog
+                             if run.token not in known or db.Claim(run.id, run.token) in held]
             self._ahead = {run.token: self._ahead[run.token] for run in self._backlog if run.token in self._ahead}
             self._reconcile = True
         if lost:
