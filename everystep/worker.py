@@ -216,8 +216,7 @@ class Worker(Successors):
         self._role = threading.Condition()
         self._role_free = True  # no thread holds the role
         self._role_waiting = 0  # role threads waiting to take it
-        self._loop_over = False
-        self._loop_ended = threading.Event()  # what the main thread waits for (not on _role: see _hand_over)
+        self._loop_ended = threading.Event()  # set once the loop ended (the main thread waits on it, not on _role)
         self._loop_error: BaseException | None = None
         self._last_query = 0.0  # when the loop last queried its connection
         self._drain_deadline: float | None = None
@@ -454,10 +453,10 @@ class Worker(Successors):
         while True:
             with self._role:
                 self._role_waiting += 1
-                while not self._role_free and not self._loop_over:
+                while not self._role_free and not self._loop_ended.is_set():
                     self._role.wait()
                 self._role_waiting -= 1
-                if self._loop_over:
+                if self._loop_ended.is_set():
                     return
                 self._role_free = False
             try:
@@ -466,9 +465,8 @@ class Worker(Successors):
                 run, self._loop_error = None, exc
             if run is None:
                 with self._role:
-                    self._loop_over = True
+                    self._loop_ended.set()
                     self._role.notify_all()
-                self._loop_ended.set()
                 return
             self._serve_slot(run)
 
