@@ -212,6 +212,12 @@ class Worker(Successors):
         self._extra = {"runner": name}
         # Counted at every run a slot goes on with: the labelled child looked up once.
         self._claims_counter = metrics.CLAIMS.labels(name)
+        # Notifications read, not yet counted in everystep_worker_notifications:
+        # counted once per turn of the loop (_publish_load), after the claim
+        # they lead to, not on a pickup's path (about 25 us of it at rest on a
+        # slow machine, docs/performance.md).
+        self._notified = 0
+        self._notified_counter = metrics.WAKEUPS.labels(name)
         # The control role (see _control), and the loop's state that passes with it.
         self._role = threading.Condition()
         self._role_free = True  # no thread holds the role
@@ -613,8 +619,7 @@ class Worker(Successors):
 
     def _drain_notifications(self, conn: psycopg.Connection) -> bool:
         received = db.notifications(conn)
-        if received:
-            metrics.WAKEUPS.labels(self.name).inc(received)
+        self._notified += received
         return received > 0
 
     def _sleep(self, seconds: float) -> None:
@@ -860,7 +865,11 @@ class Worker(Successors):
     def _publish_load(self) -> None:
         """The runs in flight, to the gauge and `on_load` (the process title)
         when they changed: once per turn of the control loop, which every end
-        of a run wakes, rather than on the runs' threads."""
+        of a run wakes, rather than on the runs' threads; and the
+        notifications read since the last turn."""
+        if self._notified:
+            self._notified_counter.inc(self._notified)
+            self._notified = 0
         inflight = len(self._executing) - len(self._ending)  # a run whose end commits has left its slot
         if inflight == self._published_load:
             return

@@ -344,6 +344,26 @@ def test_a_notification_that_comes_in_during_a_claim_is_counted_after_it(db):
         assert everystep.db.notifications(listener) == 0
 
 
+def test_notifications_are_counted_once_whichever_reader_takes_them_off_the_socket(db):
+    """Before the first count, psycopg keeps what its statements read; after
+    it, they are counted by a handler; the rest wait in libpq or on the
+    socket. Each notification is counted once."""
+    with db.connect() as listener, db.connect() as other:
+        channel = everystep.db.listen(listener)
+        notify = lambda: other.execute("SELECT pg_notify(%s, '')", (channel,))  # noqa: E731
+        notify()
+        time.sleep(0.2)
+        listener.execute("SELECT 1")  # psycopg reads it, and keeps it
+        assert everystep.db.notifications(listener) == 1
+        notify()
+        time.sleep(0.2)
+        listener.execute("SELECT 1")  # psycopg reads it: the handler counts it
+        notify()
+        time.sleep(0.2)  # on the socket
+        assert everystep.db.notifications(listener) == 2
+        assert everystep.db.notifications(listener) == 0
+
+
 def test_a_claim_on_a_connection_outside_autocommit_is_in_its_transaction(db):
     with db.connect() as conn, everystep.transaction(conn):
         run = everystep.schedule(workflows.quick, "unused")

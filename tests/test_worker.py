@@ -81,6 +81,28 @@ def test_a_notification_read_during_the_loops_own_statement_ends_its_wait_at_onc
         assert time.monotonic() - started < 10
 
 
+def test_the_notifications_a_wait_reads_are_counted_at_the_end_of_the_loops_turn(db):
+    """everystep_worker_notifications counts what the loop's waits read, once
+    per turn of the loop (_publish_load, after the claim they lead to), so
+    that a pickup does not wait for the metric."""
+    from prometheus_client import REGISTRY  # noqa: PLC0415
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("everystep_worker_notifications_total", {"runner": "w-count"}) or 0.0
+
+    worker = Worker(db.url, "w-count")
+    with db.connect() as conn, db.connect() as other:
+        channel = everystep.db.listen(conn)
+        before = counted()
+        for _ in range(2):
+            other.execute("SELECT pg_notify(%s, '')", (channel,))
+        time.sleep(0.2)
+        assert worker._wait(conn, 5.0)
+        assert counted() == before
+        worker._publish_load()
+        assert counted() == before + 2
+
+
 def test_sigkill_mid_step_then_catchup_under_the_same_name(db, start_worker, marks, tmp_path):
     (run,) = db.schedule_many(workflows.three_steps_held, [(marks, str(tmp_path / "never"))])
     first = start_worker("w-1")
