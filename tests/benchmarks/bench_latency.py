@@ -1,8 +1,8 @@
 """latency: idle workers (2 processes x 8 threads); runs scheduled one by one
 ~20 ms apart, each in its own transaction. For each, the time from the
 schedule's commit (when commit() returned) to its first step starting (the
-step returns time.time(), the same host's clock). Targets: p50 <= 2 ms,
-p99 <= 5 ms.
+step returns time.time(), the same host's clock). Targets: p50 <= 1 ms,
+p99 <= 2 ms.
 
 python -m tests.benchmarks.bench_latency [--runs N] [--gap S] [--quick]
 Prints one JSON line."""
