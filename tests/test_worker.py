@@ -103,6 +103,37 @@ def test_the_notifications_a_wait_reads_are_counted_at_the_end_of_the_loops_turn
         assert counted() == before + 2
 
 
+def test_after_a_lock_loss_only_the_executions_known_before_the_read_of_its_claims_are_judged(db, monkeypatch):
+    """Back with its lock, the worker abandons the executions whose claim the
+    database no longer shows under its name. A run's end may claim a
+    successor while that read runs (the writers reconnect on their own): its
+    execution, not yet known when the claims were read, is not judged by
+    that read, so it is not abandoned and its step is not run twice."""
+    held, recovered, successor = db.schedule_many(workflows.quick, [("a",), ("b",), ("c",)])
+    with db.connect() as conn:
+        (mine,) = everystep.db.claim(conn, "w-relock", 1)
+        (elsewhere,) = everystep.db.claim(conn, "w-other", 1)  # recovered by another worker meanwhile
+    assert (mine.id, elsewhere.id) == (held.id, recovered.id)
+    worker = Worker(db.url, "w-relock")
+    worker._executing = {mine.token: mine.id, elsewhere.token: elsewhere.id}
+    read = everystep.db.held_claims
+    claimed = []
+
+    def read_while_an_end_claims_a_successor(conn, runner):
+        claims = read(conn, runner)
+        with db.connect() as other:
+            (run,) = everystep.db.claim(other, "w-relock", 1)
+        claimed.append(run)
+        worker._executing[run.token] = run.id
+        return claims
+
+    monkeypatch.setattr(everystep.db, "held_claims", read_while_an_end_claims_a_successor)
+    with db.connect() as conn:
+        worker._after_relock(conn)
+    assert claimed[0].id == successor.id
+    assert worker.fence.abandoned == {elsewhere.token}
+
+
 def test_sigkill_mid_step_then_catchup_under_the_same_name(db, start_worker, marks, tmp_path):
     (run,) = db.schedule_many(workflows.three_steps_held, [(marks, str(tmp_path / "never"))])
     first = start_worker("w-1")
