@@ -439,8 +439,8 @@ class HeldRun:
 
     def _count(self, step: Pending) -> None:
         runs, duration = _step_metrics(self.claim.name, step.row.name, step.row.status)
-        runs.inc()
-        duration.observe(time.perf_counter() - step.started)
+        metrics.TALLY.count(runs)
+        metrics.TALLY.observe(duration, time.perf_counter() - step.started)
 
     def _cancel_known(self, written: Any) -> None:
         if getattr(written, "cancel_requested", False):

@@ -274,11 +274,14 @@ class Runner:
             return self._loop
 
     def close(self) -> None:
-        """Stop the writers (once no execution writes any more), and the loop."""
+        """Stop the writers (once no execution writes any more), and the loop;
+        apply the figures the runs counted (a worker applies them at every
+        turn of its loop too)."""
         if self._loop is not None:
             self._loop.close()
         self.step_writer.close()
         self.end_writer.close()
+        metrics.TALLY.flush()
 
     def execute(self, run: db.ClaimedRun) -> Execution:
         """Replay one held run to an end and say what happened: how it ended,
@@ -347,8 +350,8 @@ class Runner:
                 replay.stop_tasks()
         observe.run_ended(replay, outcome)
         runs, duration = _run_metrics(run.name, outcome)
-        runs.inc()
-        duration.observe(time.perf_counter() - started)
+        metrics.TALLY.count(runs)
+        metrics.TALLY.observe(duration, time.perf_counter() - started)
         return Execution(outcome, held.successor, held.look_again, held.ahead)
 
 

@@ -840,7 +840,7 @@ class Worker(Successors):
                     or (run is None and (self._stopping or self._slot_free(asynchronous))))
         claimed = (successor is not None) + (execution.ahead is not None)
         if claimed:
-            self._claims_counter.inc(claimed)
+            metrics.TALLY.count(self._claims_counter, claimed)
             if self.on_claim:
                 self.on_claim(claimed)
         if other_kind is not None:
@@ -865,8 +865,10 @@ class Worker(Successors):
     def _publish_load(self) -> None:
         """The runs in flight, to the gauge and `on_load` (the process title)
         when they changed: once per turn of the control loop, which every end
-        of a run wakes, rather than on the runs' threads; and the
-        notifications read since the last turn."""
+        of a run that leaves a slot free wakes, rather than on the runs'
+        threads; the notifications read since the last turn; and the figures
+        the runs' threads counted (metrics.Tally)."""
+        metrics.TALLY.flush()
         if self._notified:
             self._notified_counter.inc(self._notified)
             self._notified = 0

@@ -222,7 +222,7 @@ class GroupWriter:
                 for waiting in batch:
                     self._write([waiting])
             return
-        self._batch_sizes.observe(len(batch))
+        metrics.TALLY.observe(self._batch_sizes, len(batch))
         for waiting, answer in zip(steps, written):
             waiting.finish(answer)
         for waiting, answer in zip(ends, finished):

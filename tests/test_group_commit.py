@@ -38,6 +38,7 @@ def row(step_id: str, args: str = "[]") -> everystep.db.StepRow:
 
 def batches(runner: str) -> tuple[float, float]:
     """(batches, writes) the group commit of `runner` observed so far."""
+    metrics.TALLY.flush()  # the writers' figures wait there for the worker's next turn
     samples = {s.name: s.value for m in metrics.WRITE_BATCH.collect() for s in m.samples
                if s.labels.get("runner") == runner}
     return samples.get("everystep_write_batch_size_count", 0.0), samples.get("everystep_write_batch_size_sum", 0.0)

@@ -589,3 +589,60 @@ def test_a_real_prometheus_scrapes_the_server(db, folders, start, tmp_path):
         assert all(r["health"] == "ok" for r in rules), rules
     finally:
         prometheus.stop()
+
+
+# ---------------------------------------------------------------- the tally
+
+def test_observe_all_leaves_a_histogram_as_observe_one_by_one_does():
+    """metrics.observe_all changes a histogram's sum and buckets once per
+    batch; the exposition must be the one observe() gives, values on a
+    bucket's bound and past the last one included."""
+    from prometheus_client import CollectorRegistry, Histogram  # noqa: PLC0415
+
+    from everystep import metrics  # noqa: PLC0415
+
+    values = [0.0, 0.001, 0.0010001, 0.004, 0.0025, 0.3, 1, 59.9, 60, 61, 5000, 0.001]
+    exposed = []
+    for bulk in (False, True):
+        registry = CollectorRegistry()
+        histogram = Histogram("h_seconds", "h", ["workflow"], registry=registry,
+                              buckets=(0.001, 0.0025, 0.005, 0.3, 1, 60))
+        child = histogram.labels("w")
+        if bulk:
+            metrics.observe_all(child, values)
+        else:
+            for v in values:
+                child.observe(v)
+        exposed.append({(s.name, tuple(sorted(s.labels.items()))): s.value
+                        for family in registry.collect() for s in family.samples if not s.name.endswith("_created")})
+    assert exposed[0] == exposed[1]
+    assert exposed[1][("h_seconds_count", (("workflow", "w"),))] == len(values)
+
+
+def test_a_flush_applies_what_many_threads_counted_and_observed_once():
+    from prometheus_client import CollectorRegistry, Counter, Histogram  # noqa: PLC0415
+
+    from everystep import metrics  # noqa: PLC0415
+
+    registry = CollectorRegistry()
+    counter = Counter("c", "c", ["k"], registry=registry).labels("x")
+    histogram = Histogram("d_seconds", "d", ["k"], registry=registry).labels("x")
+    tally = metrics.Tally()
+
+    def add() -> None:
+        for _ in range(1000):
+            tally.count(counter)
+            tally.observe(histogram, 0.5)
+            tally.count(counter, 2)
+
+    threads = [threading.Thread(target=add) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    tally.flush()  # while they add: what comes after waits for the next flush
+    for thread in threads:
+        thread.join()
+    tally.flush()
+    tally.flush()  # nothing left: changes nothing
+    assert registry.get_sample_value("c_total", {"k": "x"}) == 8 * 3000
+    assert registry.get_sample_value("d_seconds_count", {"k": "x"}) == 8000
+    assert registry.get_sample_value("d_seconds_sum", {"k": "x"}) == 4000

@@ -371,3 +371,41 @@ def test_a_worker_whose_lock_is_held_elsewhere_past_the_grace_abandons_its_runs(
     wait_for(lambda: db.run(run.id)["status"] == "completed", what="the run completed")
     assert [tag for _, tag, _ in workflows.marks_of(marks)] == ["held", "held:end", "held", "held:end"]
     assert worker.alive()
+
+
+def test_a_workers_step_and_run_figures_reach_its_metrics_while_it_runs(db, marks):
+    """The runs' threads count their steps and ends in metrics.TALLY; the
+    control loop applies them at its turns, so the metrics show a run's
+    figures soon after it ends, not only once the worker stops."""
+    import threading  # noqa: PLC0415
+
+    from prometheus_client import REGISTRY  # noqa: PLC0415
+
+    def figures() -> tuple[float, float, float]:
+        steps = runs = observed = 0.0
+        for family in REGISTRY.collect():
+            for sample in family.samples:
+                if not sample.labels.get("workflow", "").endswith("two_steps"):
+                    continue
+                if sample.name == "everystep_step_runs_total" and sample.labels["status"] == "done":
+                    steps += sample.value
+                elif sample.name == "everystep_workflow_runs_total" and sample.labels["status"] == "completed":
+                    runs += sample.value
+                elif sample.name == "everystep_step_duration_seconds_count":
+                    observed += sample.value
+        return steps, runs, observed
+
+    before = figures()
+    locked = threading.Event()
+    worker = Worker(db.url, "w-tally", threads=2, poll=0.05, on_lock=lambda held: held and locked.set())
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        assert locked.wait(10)
+        (run,) = db.schedule_many(workflows.two_steps, [(marks,)])
+        wait_for(lambda: db.run(run.id)["status"] == "completed", 10, what="the run completed")
+        wait_for(lambda: figures() == (before[0] + 2, before[1] + 1, before[2] + 2), 5,
+                 what="the run's figures in the metrics")
+    finally:
+        worker.stop()
+        thread.join(20)

@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import psycopg
 
-from everystep import db, faults, liveness, scheduler
+from everystep import db, faults, liveness, metrics, scheduler
 from everystep.errors import Drain
 from everystep.runner import Fence, Runner
 from everystep.testing import server
@@ -140,7 +140,9 @@ def drain_database(database: server.Database, *, timeout: float = 10, scheduled:
     finally:
         executor.shutdown(wait=not in_flight)
         if not in_flight:
-            runner.close()
+            runner.close()  # (and the runs' figures to their metrics)
+        else:
+            metrics.TALLY.flush()  # the figures of the runs that ended
     return Drained({run_id: statuses[run_id] for run_id in touched if run_id in statuses}, executions, crashed)
 
 
