@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import os
 from collections.abc import Iterator
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -152,6 +153,12 @@ class Tally:
     def __init__(self) -> None:
         self._counted: collections.deque = collections.deque()  # (counter, amount)
         self._observed: collections.deque = collections.deque()  # (histogram, value)
+        # A forked child starts with none: its parent applies its own figures.
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._counted.clear()
+        self._observed.clear()
 
     def count(self, counter: Counter, amount: float = 1.0) -> None:
         self._counted.append((counter, amount))

@@ -646,3 +646,16 @@ def test_a_flush_applies_what_many_threads_counted_and_observed_once():
     assert registry.get_sample_value("c_total", {"k": "x"}) == 8 * 3000
     assert registry.get_sample_value("d_seconds_count", {"k": "x"}) == 8000
     assert registry.get_sample_value("d_seconds_sum", {"k": "x"}) == 4000
+
+
+def test_a_forked_child_does_not_apply_its_parents_figures():
+    from everystep import metrics  # noqa: PLC0415
+
+    tally = metrics.Tally()
+    tally.count(object())  # (never applied: the child must not even try)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not tally._counted and not tally._observed else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(tally._counted) == 1
