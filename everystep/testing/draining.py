@@ -140,7 +140,7 @@ def drain_database(database: server.Database, *, timeout: float = 10, scheduled:
     finally:
         executor.shutdown(wait=not in_flight)
         if not in_flight:
-            runner.close()  # (and the runs' figures to their metrics)
+            runner.close()  # (which applies the runs' figures to their metrics)
         else:
             metrics.TALLY.flush()  # the figures of the runs that ended
     return Drained({run_id: statuses[run_id] for run_id in touched if run_id in statuses}, executions, crashed)
