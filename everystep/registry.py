@@ -114,9 +114,18 @@ def timeout_of(name: str) -> float | None:
 
 def is_async(name: str) -> bool:
     """Whether the workflow of a stored name is an `async def` one (False
-    when the name resolves to nothing: the sync path reports it)."""
+    when the name resolves to nothing: the sync path reports it). Asked
+    three times per run: found once per function."""
     fn = _found(name)
-    return fn is not None and inspect.iscoroutinefunction(fn)
+    if fn is None:
+        return False
+    answer = _asynchronous.get(fn)
+    if answer is None:
+        answer = _asynchronous[fn] = inspect.iscoroutinefunction(fn)
+    return answer
+
+
+_asynchronous: dict[Callable, bool] = {}  # is_async's answer by workflow function
 
 
 def kinds() -> tuple[bool, bool]:

@@ -187,6 +187,10 @@ class Worker(Successors):
         # The live executions, by token (-> run id); what the slots are doing.
         # Guarded by _lock, like the backlog, _escaped, _claiming and _reconcile.
         self._executing: dict[int, uuid.UUID] = {}
+        # Its run ids, each with its number of executions (an abandoned one
+        # may still run beside a new claim's): whether a run is executing, in
+        # one look-up rather than a scan of _executing at every end of a run.
+        self._executing_runs: dict[uuid.UUID, int] = {}
         self._async: set[int] = set()  # the tokens of _executing that are async runs'
         self._cancels_checked = 0.0  # when the async runs' cancel requests were last looked for
         self._lock = threading.Lock()
@@ -660,7 +664,7 @@ class Worker(Successors):
         still executing waits there until that execution is gone."""
         starting = []
         with self._lock:
-            busy = set(self._executing.values())
+            busy = set(self._executing_runs)
             free = {False: self.threads - self._sync_slots_taken(),
                     True: self.async_slots - len(self._async)}
             for run in list(self._backlog):
@@ -680,7 +684,7 @@ class Worker(Successors):
         but left to the caller to serve on its own (True when it is)."""
         asynchronous = registry.is_async(run.name)
         with self._lock:
-            if run.id in self._executing.values() or not self._slot_free(asynchronous):
+            if run.id in self._executing_runs or not self._slot_free(asynchronous):
                 self._backlog.append(run)  # claimed: started once the old execution is gone, or a slot is free
                 return False
             self._take_slot(run, asynchronous)
@@ -706,6 +710,7 @@ class Worker(Successors):
     def _take_slot(self, run: db.ClaimedRun, asynchronous: bool) -> None:
         """(Under _lock.) The run is executing in a slot of its kind."""
         self._executing[run.token] = run.id
+        self._executing_runs[run.id] = self._executing_runs.get(run.id, 0) + 1
         if asynchronous:
             self._async.add(run.token)
         else:
@@ -716,9 +721,8 @@ class Worker(Successors):
         now, in a slot it takes, if any."""
         if not self._backlog or not self._slot_free(False):
             return None
-        busy = set(self._executing.values())
         for run in self._backlog:
-            if run.id not in busy and not registry.is_async(run.name):
+            if run.id not in self._executing_runs and not registry.is_async(run.name):
                 self._backlog.remove(run)
                 self._ahead.pop(run.token, None)
                 self._take_slot(run, False)
@@ -802,6 +806,10 @@ class Worker(Successors):
         with (its successor, when it is of the same kind and may start now)."""
         with self._lock:
             del self._executing[run.token]
+            if self._executing_runs[run.id] > 1:
+                self._executing_runs[run.id] -= 1
+            else:
+                del self._executing_runs[run.id]
             self._async.discard(run.token)
             self._ending.discard(run.token)
             self._began.pop(run.token, None)
@@ -819,7 +827,7 @@ class Worker(Successors):
             successor = execution.successor
             run = other_kind = None
             if successor is not None:
-                if self._stopping or successor.id in self._executing.values():
+                if self._stopping or successor.id in self._executing_runs:
                     self._backlog.append(successor)  # requeued, or started once the old execution is gone
                 elif registry.is_async(successor.name) != asynchronous:
                     other_kind = successor
