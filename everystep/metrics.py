@@ -138,8 +138,8 @@ def declare_runner(runner: str) -> None:
 
 
 class Tally:
-    """The figures counted at every step and every end of a run, kept in the
-    process and applied to their metrics in bulk by `flush` (a worker's
+    """The figures counted at every step and every end of a run (and the
+    notifications a worker reads), kept in the process and applied to their metrics in bulk by `flush` (a worker's
     control loop, once per turn: at least every poll interval, and at every
     end of a run that leaves a slot free).
 

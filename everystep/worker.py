@@ -187,10 +187,11 @@ class Worker(Successors):
         # The live executions, by token (-> run id); what the slots are doing.
         # Guarded by _lock, like the backlog, _escaped, _claiming and _reconcile.
         self._executing: dict[int, uuid.UUID] = {}
-        # Its run ids, each with its number of executions (an abandoned one
-        # may still run beside a new claim's): whether a run is executing, in
-        # one look-up rather than a scan of _executing at every end of a run.
-        self._executing_runs: dict[uuid.UUID, int] = {}
+        # Its run ids: a run executes at most once at a time here (every slot
+        # taken asks this first; a new claim of a run whose abandoned
+        # execution still runs waits in the backlog), looked up at every end
+        # of a run rather than searched for in _executing.
+        self._executing_runs: set[uuid.UUID] = set()
         self._async: set[int] = set()  # the tokens of _executing that are async runs'
         self._cancels_checked = 0.0  # when the async runs' cancel requests were last looked for
         self._lock = threading.Lock()
@@ -216,11 +217,10 @@ class Worker(Successors):
         self._extra = {"runner": name}
         # Counted at every run a slot goes on with: the labelled child looked up once.
         self._claims_counter = metrics.CLAIMS.labels(name)
-        # Notifications read, not yet counted in everystep_worker_notifications:
-        # counted once per turn of the loop (_publish_load), after the claim
-        # they lead to, not on a pickup's path (about 25 us of it at rest on a
-        # slow machine, docs/performance.md).
-        self._notified = 0
+        # Notifications read are counted through metrics.TALLY, applied once
+        # per turn of the loop (_publish_load), after the claim they lead to,
+        # not on a pickup's path (about 25 us of it at rest on a slow machine,
+        # docs/performance.md).
         self._notified_counter = metrics.WAKEUPS.labels(name)
         # The control role (see _control), and the loop's state that passes with it.
         self._role = threading.Condition()
@@ -623,7 +623,8 @@ class Worker(Successors):
 
     def _drain_notifications(self, conn: psycopg.Connection) -> bool:
         received = db.notifications(conn)
-        self._notified += received
+        if received:
+            metrics.TALLY.count(self._notified_counter, received)
         return received > 0
 
     def _sleep(self, seconds: float) -> None:
@@ -664,7 +665,7 @@ class Worker(Successors):
         still executing waits there until that execution is gone."""
         starting = []
         with self._lock:
-            busy = set(self._executing_runs)
+            busy = set(self._executing_runs)  # and the runs started here
             free = {False: self.threads - self._sync_slots_taken(),
                     True: self.async_slots - len(self._async)}
             for run in list(self._backlog):
@@ -710,7 +711,7 @@ class Worker(Successors):
     def _take_slot(self, run: db.ClaimedRun, asynchronous: bool) -> None:
         """(Under _lock.) The run is executing in a slot of its kind."""
         self._executing[run.token] = run.id
-        self._executing_runs[run.id] = self._executing_runs.get(run.id, 0) + 1
+        self._executing_runs.add(run.id)
         if asynchronous:
             self._async.add(run.token)
         else:
@@ -806,10 +807,7 @@ class Worker(Successors):
         with (its successor, when it is of the same kind and may start now)."""
         with self._lock:
             del self._executing[run.token]
-            if self._executing_runs[run.id] > 1:
-                self._executing_runs[run.id] -= 1
-            else:
-                del self._executing_runs[run.id]
+            self._executing_runs.remove(run.id)
             self._async.discard(run.token)
             self._ending.discard(run.token)
             self._began.pop(run.token, None)
@@ -874,12 +872,9 @@ class Worker(Successors):
         """The runs in flight, to the gauge and `on_load` (the process title)
         when they changed: once per turn of the control loop, which every end
         of a run that leaves a slot free wakes, rather than on the runs'
-        threads; the notifications read since the last turn; and the figures
-        the runs' threads counted (metrics.Tally)."""
+        threads; and the figures counted since the last turn (metrics.Tally:
+        the runs' threads', the notifications read)."""
         metrics.TALLY.flush()
-        if self._notified:
-            self._notified_counter.inc(self._notified)
-            self._notified = 0
         inflight = len(self._executing) - len(self._ending)  # a run whose end commits has left its slot
         if inflight == self._published_load:
             return
