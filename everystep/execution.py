@@ -660,7 +660,7 @@ class HeldRun:
             self._stream_buffer, self._stream_sending, self._stream_failed = entries + self._stream_buffer, None, True
 
     def _streams_sent(self, held: bool, error: BaseException | None) -> None:
-        """(The writer's thread.) A batch of entries is written, or not."""
+        """(The thread that wrote the batch.) A batch of entries is written, or not."""
         with self._stream_lock:
             entries, self._stream_sending = self._stream_sending, None
             if error is not None or not held:

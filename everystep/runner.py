@@ -283,6 +283,12 @@ class Runner:
         self.end_writer.close()
         metrics.TALLY.flush()
 
+    def give_back_idle(self) -> None:
+        """The connections of the writers that wrote nothing for a while go
+        back to the pool (writer.IDLE)."""
+        self.step_writer.give_back_if_idle()
+        self.end_writer.give_back_if_idle()
+
     def execute(self, run: db.ClaimedRun) -> Execution:
         """Replay one held run to an end and say what happened: how it ended,
         and the run its end claimed for this slot, if any. An async workflow's
@@ -290,8 +296,9 @@ class Runner:
 
         The run's life crosses these threads: this one (the worker's slot
         thread) runs the workflow body and the steps it calls; the runner's
-        writer threads commit its step rows and its end with other runs'
-        (this thread waits for each answer); the late-outcome thread writes
+        writers commit its step rows and its end with other runs', each
+        batch written by the thread of one of its writes (this one, or one
+        that this one waits for); the late-outcome thread writes
         a step's outcome that waited OUTCOME_DELAY (everystep.execution);
         each `parallel` branch but the last runs on a thread of its own,
         writing through a connection borrowed for each write. The HeldRun

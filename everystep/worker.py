@@ -528,6 +528,7 @@ class Worker(Successors):
                         return mine
                 if not self._stopping:
                     self._look_for_cancels(conn)
+                    self.runner.give_back_idle()
                     if not more and any(self._free()):
                         # Idle slots: wake when the next waiting run becomes due.
                         next_due = db.next_due_in(conn)

@@ -1,20 +1,27 @@
 """Group commit: the step rows, stream entries and run ends of every run
 executing in one process share statements and commits.
 
-A run's thread hands its write to one of the runner's writers and waits.
-The writer's thread takes every write that is waiting (at most MAX_BATCH),
-writes them in one statement and one commit — step rows (db.record_steps)
-or run ends with their successors' claims (db.end_runs), each row fenced
-by its own execution's token —, and wakes each thread with its own answer. A runner has
-two writers, one for step rows and one for run ends, so that step rows do not
-wait behind the heavier statement that ends runs (w3 0.28 of the limit with
-two, 0.17-0.21 with one writer for both, on 2 cores). Nothing is added to a
-lone write's latency: a batch is what arrived while the previous one was
-being written, so under load the batches grow by themselves and at rest each
-write goes alone. While every run slot of the process is busy, the writer
-of run ends also waits a moment for the ends of the others (see LINGER).
-Nothing is acknowledged before its commit returned (the session's commits
-wait for the WAL flush, see db.prepare_session).
+A run's thread hands its write to one of the runner's writers. If no batch
+is being written, the thread leads: it takes every write that is waiting
+(at most MAX_BATCH, its own among them), writes them in one statement and one
+commit — step rows (db.record_steps) or run ends with their successors'
+claims (db.end_runs), each row fenced by its own execution's token —, and
+wakes each other thread with its own answer. Otherwise it waits, and is
+woken with its answer, or to lead the next batch: the leader, once its own
+write is in, hands the lead to the first thread still waiting (it wakes
+that thread then, as it would for its answer). So a lone write costs no
+hand-off between threads, and under load the next batch starts once the
+woken thread runs, with what arrived meanwhile: fewer, larger batches than
+a writer thread of its own wrote (docs/performance.md). A runner
+has two writers, one for step rows and one for run ends, so that step rows
+do not wait behind the heavier statement that ends runs (w3 0.28 of the
+limit with two, 0.17-0.21 with one writer for both, on 2 cores). Nothing is
+added to a lone write's latency: a batch is what arrived while the previous
+one was being written, so under load the batches grow by themselves and at
+rest each write goes alone. While every run slot of the process is busy,
+the leader of run ends also waits a moment for the ends of the others (see
+LINGER). Nothing is acknowledged before its commit returned (the session's
+commits wait for the WAL flush, see db.prepare_session).
 
 A connection error fails the whole batch: every thread retries its own write
 as before (its fence decides whether it may). Any other error of a batch is
@@ -23,6 +30,7 @@ found out write by write, so that it reaches only the run it belongs to.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -33,6 +41,8 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from everystep import db, metrics
+
+log = logging.getLogger("everystep")
 
 # Writes per transaction at most: the run slots of a process stay far below
 # it; parallel branches and late outcomes may add some.
@@ -45,20 +55,21 @@ MAX_BATCH = 64
 # the slot of a run whose end is being written is lent to the next run
 # meanwhile (Worker.reserve): an end waits only while no slot is idle.
 LINGER = 0.002
-# Seconds without a write after which the thread ends and its connection goes
-# back to the pool (the next write starts it again).
+# Seconds without a batch after which a writer gives its connection back to
+# the pool (Runner.give_back_idle, at each turn of the worker's loop; the
+# next write takes one again).
 IDLE = 5.0
 
 
 class _Write:
     """One write waiting for its batch's commit (or, with `then`, not
-    waited for: `then(answer, error)` is called from the writer's thread).
-    `done` is a bare lock held until the answer is in, which the run's
-    thread waits for by acquiring it: one is made and waited on at every
-    write, and an Event (a Condition, a waiter lock per wait) costs several
-    times as much."""
+    waited for: `then(answer, error)` is called by whichever thread wrote
+    its batch). `done` is a bare lock held until the answer is in, or until
+    the write's thread is to lead (`lead`), which the run's thread waits for
+    by acquiring it: one is made and waited on at every write, and an Event
+    (a Condition, a waiter lock per wait) costs several times as much."""
 
-    __slots__ = ("write", "done", "answer", "error", "then")
+    __slots__ = ("write", "done", "answer", "error", "then", "finished", "lead")
 
     def __init__(self, write: db.StepWrite | db.EndWrite | db.StreamWrite,
                  then: Callable[[Any, BaseException | None], None] | None = None):
@@ -70,20 +81,25 @@ class _Write:
         self.answer: Any = None
         self.error: BaseException | None = None
         self.then = then
+        self.finished = False
+        self.lead = False
 
     def finish(self, answer: Any = None, error: BaseException | None = None) -> None:
-        self.answer, self.error = answer, error
+        self.answer, self.error, self.finished = answer, error, True
         if self.done is not None:
             self.done.release()
         if self.then is not None:
-            self.then(answer, error)
+            try:
+                self.then(answer, error)
+            except Exception:  # the other writes of the batch still get their answers
+                log.exception("a callback of the group commit failed")
 
 
 class GroupWriter:
     """A writer of one runner name's step rows or run ends (a runner has one
-    of each). Its thread starts with the first write; `close` ends it.
-    `gather`: how many writes a batch waits for under load (a writer of run
-    ends, see LINGER); None: it never waits."""
+    of each). `gather`: how many writes a batch waits for under load (a
+    writer of run ends, see LINGER); None: it never waits. `close` writes
+    what is waiting and gives its connection back."""
 
     def __init__(self, pool: ConnectionPool, runner: str, routes: Callable[[], list[str] | None],
                  skipped: Callable[[], list[str]] = list, gather: Callable[[], int] | None = None):
@@ -94,9 +110,10 @@ class GroupWriter:
         self.gather = gather
         self._lingering = False
         self._waiting: list[_Write] = []
+        self._leading = False  # a thread writes the batches (and holds the connection)
         self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
+        self._written_at = time.monotonic()  # when the last batch was written
         self._closed = False
         self._batch_sizes = metrics.WRITE_BATCH.labels(runner)  # observed at every batch: looked up once
 
@@ -119,53 +136,96 @@ class GroupWriter:
 
     def send_streams(self, write: db.StreamWrite, then: Callable[[Any, BaseException | None], None]) -> None:
         """Stream entries in the next batch, not waited for: `then(held,
-        error)` is called from the writer's thread once the batch is done."""
-        self._enqueue(_Write(write, then))
+        error)` is called once the batch is done (by a thread of the pool
+        when no batch is being written)."""
+        if self._enqueue(_Write(write, then)):
+            threading.Thread(target=self._lead, name=f"everystep-writer-{self.runner}", daemon=True).start()
 
-    def _enqueue(self, waiting: _Write) -> None:
+    def _enqueue(self, waiting: _Write) -> bool:
+        """Queue a write: whether its thread is to lead (no batch is being written)."""
         with self._changed:
             if self._closed:
                 raise psycopg.OperationalError("the runner's writer is closed")
             self._waiting.append(waiting)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._write_forever, name=f"everystep-writer-{self.runner}",
-                                                daemon=True)
-                self._thread.start()
-            if not self._lingering or not self._lingers():
-                self._changed.notify()  # (a lingering writer is woken only when its wait is over)
+            if not self._leading:
+                self._leading = True
+                return True
+            if self._lingering and not self._lingers():
+                self._changed.notify()  # the leader's wait is over
+            return False
 
     def _submit(self, write: db.StepWrite | db.EndWrite | db.StreamWrite) -> Any:
         waiting = _Write(write)
-        self._enqueue(waiting)
-        waiting.done.acquire()
+        lead = self._enqueue(waiting)
+        while True:
+            if lead:
+                self._lead(waiting)
+            waiting.done.acquire()
+            if not waiting.lead:
+                break
+            waiting.lead, lead = False, True  # handed the lead by the thread that wrote the last batch
         if waiting.error is not None:
             raise waiting.error
         return waiting.answer
 
     def close(self) -> None:
-        """Write what is waiting, then stop the thread and give back its connection."""
+        """Wait for the batches being written, then give back the connection."""
         with self._changed:
             self._closed = True
-            self._changed.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout=5.0)
+            self._changed.notify()  # a leader waiting for more writes writes at once
+            self._changed.wait_for(lambda: not self._leading, timeout=5.0)
+            if not self._leading:
+                self._give_back()
 
-    # ------------------------------------------------------------ the writer's side
+    def give_back_if_idle(self) -> None:
+        """Give the connection back to the pool if no batch was written for
+        IDLE seconds (the next leader takes one again)."""
+        if self._conn is None or time.monotonic() - self._written_at < IDLE:
+            return  # (read without the lock: the common case costs nothing)
+        with self._changed:
+            if not self._leading and time.monotonic() - self._written_at >= IDLE:
+                self._give_back()
 
-    def _write_forever(self) -> None:
-        while True:
+    # ------------------------------------------------------------ the leader's side
+
+    def _lead(self, own: _Write | None = None) -> None:
+        """Write batches until `own` is written (None: until none waits),
+        then hand the lead on (see _hand_over)."""
+        try:
+            while True:
+                with self._changed:
+                    if not self._waiting or (own is not None and own.finished):
+                        if self._hand_over():
+                            return
+                        own = None  # only writes nobody waits for are left: written here too
+                    if self.gather is not None:
+                        self._linger()
+                    batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
+                self._write(batch)
+        except BaseException:  # (a bug) this thread's write fails; the others must not wait for a leader that is gone
             with self._changed:
-                if not self._waiting and not self._closed:
-                    self._changed.wait(IDLE)
-                if not self._waiting:  # idle or closed: the next write starts a thread again
-                    self._give_back()
-                    self._thread = None
-                    return
-                if self.gather is not None:
-                    self._linger()
-                batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
-            self._write(batch)
+                if own is not None and own in self._waiting:
+                    self._waiting.remove(own)
+                if not self._hand_over():
+                    self._leading = False
+                    self._changed.notify_all()
+            raise
+
+    def _hand_over(self) -> bool:
+        """(Under _changed.) Give the lead to the thread of the first write
+        still waiting, woken as it would be for its answer, or end it when
+        none waits: whether this thread is done leading (False: only writes
+        nobody waits for are left)."""
+        successor = next((w for w in self._waiting if w.done is not None), None)
+        if successor is not None:
+            successor.lead = True
+            successor.done.release()
+            return True
+        if self._waiting:
+            return False
+        self._leading = False
+        self._changed.notify_all()  # (close waits for it)
+        return True
 
     def _linger(self) -> None:
         """(Under _changed.) Wait up to LINGER while fewer writes wait than
@@ -222,6 +282,7 @@ class GroupWriter:
                 for waiting in batch:
                     self._write([waiting])
             return
+        self._written_at = time.monotonic()
         metrics.TALLY.observe(self._batch_sizes, len(batch))
         for waiting, answer in zip(steps, written):
             waiting.finish(answer)

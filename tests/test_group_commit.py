@@ -98,15 +98,99 @@ class Write:
         return self.fn(*self.args)
 
 
-def test_writes_waiting_together_share_one_commit(db, writer):
+@pytest.fixture
+def writing_threads(monkeypatch) -> list[tuple[int, int]]:
+    """(thread ident, rows) of every step-row statement the writers run, in order."""
+    seen: list[tuple[int, int]] = []
+    record_steps = everystep.db.record_steps
+
+    def recorded(conn, runner, writes):
+        seen.append((threading.get_ident(), len(writes)))
+        return record_steps(conn, runner, writes)
+
+    monkeypatch.setattr(everystep.db, "record_steps", recorded)
+    return seen
+
+
+def test_writes_waiting_together_share_one_commit(db, writer, writing_threads):
     runs = claimed(db, 9)
     w = writer("w1")
     before = batches("w1")
-    answers = write_together(db, w, [Write(w.record_step, r.id, r.id, "w1", r.token, row("1")) for r in runs])
+    submitted: list[int] = []
+    writes = [Write(lambda r=r: submitted.append(threading.get_ident()) or w.record_step(r.id, "w1", r.token, row("1")),
+                    r.id) for r in runs]
+    answers = write_together(db, w, writes)
     assert answers == [everystep.db.Written(False)] * 9
     count, total = batches("w1")
     assert (count - before[0], total - before[1]) == (2, 9)  # the first alone, then the eight others at once
     assert db.value("SELECT count(*) FROM everystep_step") == 9
+    # No thread of the writer's own: the first write's thread wrote it, and
+    # one of the eight threads waiting meanwhile wrote theirs, handed the lead.
+    (first, alone), (second, together) = writing_threads
+    assert (first, alone) == (submitted[0], 1)
+    assert second in submitted[1:] and together == 8
+
+
+def test_a_lone_write_costs_no_hand_off_between_threads(db, writer, writing_threads):
+    (run,) = claimed(db, 1)
+    w = writer("w1")
+    assert w.record_step(run.id, "w1", run.token, row("1")) == everystep.db.Written(False)
+    assert writing_threads == [(threading.get_ident(), 1)]
+    assert not [t for t in threading.enumerate() if t.name.startswith("everystep-writer")]
+
+
+def test_entries_nobody_waits_for_are_written_by_a_thread_of_their_own(db, writer):
+    (run,) = claimed(db, 1)
+    w = writer("w1")
+    answered = threading.Event()
+    got: list = []
+
+    def then(held, error):
+        got.append((held, error, threading.current_thread().name))
+        answered.set()
+
+    entries = [everystep.db.StreamEntryRow("out", 0, '"hello"', None, None)]
+    w.send_streams(everystep.db.StreamWrite(run.id, run.token, entries), then)
+    assert answered.wait(10)
+    assert got == [(True, None, "everystep-writer-w1")]
+    assert db.value("SELECT value FROM everystep_stream WHERE run_id = %s", (run.id,)) == "hello"
+
+
+def test_a_writer_idle_for_a_while_gives_its_connection_back(db, writer, monkeypatch):
+    monkeypatch.setattr(writer_module, "IDLE", 0.2)
+    first, second = claimed(db, 2)
+    w = writer("w1")
+    w.record_step(first.id, "w1", first.token, row("1"))
+    w.give_back_if_idle()
+    assert w._conn is not None  # written a moment ago: kept
+    time.sleep(0.3)
+    w.give_back_if_idle()
+    assert w._conn is None
+    assert w.record_step(second.id, "w1", second.token, row("1")) == everystep.db.Written(False)
+
+
+def test_a_leader_that_fails_leaves_the_next_write_a_writer(db):
+    first, second = claimed(db, 2)
+    asked = []
+
+    def gather() -> int:
+        asked.append(1)
+        if len(asked) == 1:
+            raise RuntimeError("a bug while waiting for more writes")
+        return 1
+
+    w = GroupWriter(db.pool, "w1", lambda: None, gather=gather)
+    try:
+        with pytest.raises(RuntimeError):
+            w.record_step(first.id, "w1", first.token, row("1"))
+        done = threading.Thread(target=lambda: w.record_step(second.id, "w1", second.token, row("1")))
+        done.start()
+        done.join(10)
+        assert not done.is_alive()
+        # The failed write was taken out: only the second was written.
+        assert db.value("SELECT array_agg(workflow_id) FROM everystep_step") == [second.id]
+    finally:
+        w.close()
 
 
 def test_ends_and_successors_of_one_batch_each_go_to_their_own_run(db, writer):

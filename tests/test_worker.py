@@ -4,8 +4,10 @@ processes (`everystep worker`) against a real PostgreSQL."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 import signal
+import threading
 import time
 
 import psycopg
@@ -377,8 +379,6 @@ def test_a_workers_step_and_run_figures_reach_its_metrics_while_it_runs(db, mark
     """The runs' threads count their steps and ends in metrics.TALLY; the
     control loop applies them at its turns, so the metrics show a run's
     figures soon after it ends, not only once the worker stops."""
-    import threading  # noqa: PLC0415
-
     from prometheus_client import REGISTRY  # noqa: PLC0415
 
     def figures() -> tuple[float, float, float]:
@@ -396,16 +396,37 @@ def test_a_workers_step_and_run_figures_reach_its_metrics_while_it_runs(db, mark
         return steps, runs, observed
 
     before = figures()
-    locked = threading.Event()
-    worker = Worker(db.url, "w-tally", threads=2, poll=0.05, on_lock=lambda held: held and locked.set())
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
-        assert locked.wait(10)
+    with worker_in_this_process(db, "w-tally"):
         (run,) = db.schedule_many(workflows.two_steps, [(marks,)])
         wait_for(lambda: db.run(run.id)["status"] == "completed", 10, what="the run completed")
         wait_for(lambda: figures() == (before[0] + 2, before[1] + 1, before[2] + 2), 5,
                  what="the run's figures in the metrics")
+
+
+def test_a_workers_writers_give_their_connections_back_once_idle(db, marks, monkeypatch):
+    """A writer keeps its connection while it writes batches; once none was
+    written for writer.IDLE, the worker's loop gives it back to the pool."""
+    from everystep import writer  # noqa: PLC0415
+
+    monkeypatch.setattr(writer, "IDLE", 1.0)
+    with worker_in_this_process(db, "w-idle") as worker:
+        (run,) = db.schedule_many(workflows.two_steps, [(marks,)])
+        wait_for(lambda: db.run(run.id)["status"] == "completed", 10, what="the run completed")
+        writers = (worker.runner.step_writer, worker.runner.end_writer)
+        assert all(w._conn is not None for w in writers)  # (kept for the next batch, a moment ago)
+        wait_for(lambda: all(w._conn is None for w in writers), 10, what="the idle writers' connections given back")
+
+
+@contextlib.contextmanager
+def worker_in_this_process(db, name: str):
+    """A Worker of 2 slots running on a thread of the test's process, holding its lock."""
+    locked = threading.Event()
+    worker = Worker(db.url, name, threads=2, poll=0.05, on_lock=lambda held: held and locked.set())
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        assert locked.wait(10)
+        yield worker
     finally:
         worker.stop()
         thread.join(20)
