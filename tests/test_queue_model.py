@@ -472,3 +472,22 @@ def test_compactions_among_producers_and_claimers_lose_no_run(db):
     assert db.value("SELECT count(*) FROM everystep_ready") + db.value("SELECT count(*) FROM everystep_timer") == 0
     assert {"everystep_ready", "everystep_timer", "everystep_blocked"} <= set(rewrites)
     assert 0 < max(seen) <= limit
+
+
+def test_the_sweeps_readmission_reads_no_queue_without_a_limit_and_admits_again_with_one(db):
+    runs = db.schedule_many(workflows.quick, [("ready",)] * 3)
+
+    def scans_of_the_ready_runs(conn) -> int:
+        return conn.execute("SELECT pg_stat_get_xact_numscans('everystep_ready'::regclass)"
+                            " + pg_stat_get_xact_numscans('everystep_workflow'::regclass)").fetchone()[0]
+
+    with db.connect() as conn, conn.transaction():
+        assert conn.execute("SELECT everystep_readmit()").fetchone()[0] == 0
+        assert scans_of_the_ready_runs(conn) == 0  # no limit anywhere: not a row read (0041)
+    # A limit set after the runs became ready: they take its slot, or wait for it.
+    name = runs[0].name
+    with db.connect() as conn:
+        everystep.db.apply_limits(conn, {name: 1})
+    placed = db.query("SELECT (SELECT count(*) FROM everystep_ready WHERE slot IS NOT NULL),"
+                      " (SELECT count(*) FROM everystep_blocked)")
+    assert placed == [(1, 2)]

@@ -1108,12 +1108,16 @@ END $$;
 
 -- The ready runs that hold no room but whose workflow has a limit now (set
 -- after they were admitted) are admitted again: they take a slot or wait
--- for one. Run where the limits are written, and by the maintenance sweep.
+-- for one. Run where the limits are written, and by the maintenance sweep;
+-- with no limit at all it returns at once (0041).
 CREATE FUNCTION everystep_readmit() RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     r everystep_workflow;
     n integer := 0;
 BEGIN
+    IF NOT EXISTS (SELECT FROM everystep_limit) AND NOT EXISTS (SELECT FROM everystep_key_limit) THEN
+        RETURN 0;
+    END IF;
     FOR r IN
         SELECT w.*
         FROM everystep_ready x JOIN everystep_workflow w ON w.id = x.run_id
