@@ -55,9 +55,9 @@ SELECT * FROM everystep_claim(%(runner)s, %(limit)s, %(routes)s, %(skipped)s);
 -- runs that a worker of a version before 0032 made running with its own
 -- claim are held (0040), the timers whose time came are admitted (a claim
 -- does it too, but none may run), the ready runs of a workflow limited since
--- they were admitted take a slot or wait for one, and every workflow with
--- blocked runs admits what its room allows (0032_ready.sql). How many runs
--- moved.
+-- they were admitted take a slot or wait for one (read only where some
+-- workflow has a limit, 0041), and every workflow with blocked runs admits
+-- what its room allows (0032_ready.sql). How many runs moved.
 SELECT everystep_hold_strays() + everystep_promote(10000) + everystep_readmit() + everystep_unblock();
 
 -- name: unblock
