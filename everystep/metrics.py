@@ -139,9 +139,10 @@ def declare_runner(runner: str) -> None:
 
 class Tally:
     """The figures counted at every step and every end of a run (and the
-    notifications a worker reads), kept in the process and applied to their metrics in bulk by `flush` (a worker's
-    control loop, once per turn: at least every poll interval, and at every
-    end of a run that leaves a slot free).
+    notifications a worker reads), kept in the process and applied to their
+    metrics in bulk by `flush` (a worker's control loop, once per turn: at
+    least every poll interval, and at every end of a run that leaves a slot
+    free).
 
     Each value a metric keeps in multiprocess mode costs, at every change, a
     process-wide lock, a getpid() and a write into a shared file: about 5 µs

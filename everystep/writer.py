@@ -207,8 +207,7 @@ class GroupWriter:
                 if own is not None and own in self._waiting:
                     self._waiting.remove(own)
                 if not self._hand_over():
-                    self._leading = False
-                    self._changed.notify_all()
+                    self._stop_leading()  # (what nobody waits for goes with the next write's batch)
             raise
 
     def _hand_over(self) -> bool:
@@ -223,9 +222,13 @@ class GroupWriter:
             return True
         if self._waiting:
             return False
+        self._stop_leading()
+        return True
+
+    def _stop_leading(self) -> None:
+        """(Under _changed.) No batch is being written now."""
         self._leading = False
         self._changed.notify_all()  # (close waits for it)
-        return True
 
     def _linger(self) -> None:
         """(Under _changed.) Wait up to LINGER while fewer writes wait than

@@ -155,6 +155,31 @@ def test_entries_nobody_waits_for_are_written_by_a_thread_of_their_own(db, write
     assert db.value("SELECT value FROM everystep_stream WHERE run_id = %s", (run.id,)) == "hello"
 
 
+
+def test_a_callback_that_fails_leaves_the_other_writes_of_its_batch_their_answers(db, writer, caplog):
+    first, sent, waited = claimed(db, 3)
+    w = writer("w1")
+
+    def entries(value: str) -> list:
+        return [everystep.db.StreamEntryRow("out", 0, json.dumps(value), None, None)]
+
+    def failing(held, error):
+        raise RuntimeError("a bug in a callback")
+
+    def send() -> None:
+        w.send_streams(everystep.db.StreamWrite(sent.id, sent.token, entries("sent")), failing)
+
+    # The entries sent ahead and the waited ones queue behind the first
+    # write's batch, and go in the next one, written by the waited write's thread.
+    answers = write_together(db, w, [
+        Write(lambda: w.record_step(first.id, "w1", first.token, row("1")), first.id),
+        Write(send, sent.id),
+        Write(lambda: w.write_streams(waited.id, "w1", waited.token, entries("waited")), waited.id),
+    ])
+    assert answers == [everystep.db.Written(False), None, True]
+    assert "a callback of the group commit failed" in caplog.text
+    assert db.value("SELECT count(*) FROM everystep_stream") == 2
+
 def test_a_writer_idle_for_a_while_gives_its_connection_back(db, writer, monkeypatch):
     monkeypatch.setattr(writer_module, "IDLE", 1.0)
     first, second = claimed(db, 2)
