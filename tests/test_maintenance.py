@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,38 @@ def test_the_sweep_vacuums_the_queue_tables_once_claims_left_dead_rows(db):
         loop.stop()
         thread.join(10)
         holder.close()
+
+
+def test_the_sweep_looks_at_the_head_of_the_queue_for_strays_and_at_all_of_it_now_and_then(db, monkeypatch):
+    """The strays a worker of a version before 0032 leaves in the queue are
+    looked for at every sweep among the first runs of the ready order, and
+    in the whole queue at the first sweep and every STRAYS_INTERVAL (0042)."""
+    from everystep import maintenance  # noqa: PLC0415
+
+    monkeypatch.setattr(everystep.db.queue, "STRAYS_HEAD", 5)
+    monkeypatch.setattr(maintenance, "STRAYS_INTERVAL", 6.0)
+    db.schedule_many(workflows.quick, [(str(i),) for i in range(20)])
+    order = [row[0] for row in db.query("SELECT run_id FROM everystep_ready ORDER BY priority DESC, ready_at, run_id")]
+    old_claim = ("UPDATE everystep_workflow SET status = 'running', claimed_by = 'old-0',"
+                 " claim_token = nextval('everystep_claim_token') WHERE id = %s")
+    held = "SELECT count(*) FROM everystep_claimed WHERE run_id = %s"
+    with db.connect() as conn:
+        conn.execute(old_claim, (order[15],))  # far from the head: found by the first sweep, which reads it all
+    loop = Maintenance(db.url, interval=0.1, grace=600)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        wait_for(lambda: db.value(held, (order[15],)) == 1, timeout=30,
+                 what="the first sweep's look at the whole queue")
+        first_look = time.monotonic()
+        with db.connect() as conn:
+            conn.execute(old_claim, (order[0],))
+            conn.execute(old_claim, (order[12],))
+        wait_for(lambda: db.value(held, (order[0],)) == 1, timeout=30, what="the stray at the head held")
+        if time.monotonic() - first_look < maintenance.STRAYS_INTERVAL:
+            assert db.value(held, (order[12],)) == 0  # not looked for yet
+        wait_for(lambda: db.value(held, (order[12],)) == 1, timeout=30, what="the next look at the whole queue")
+        assert time.monotonic() - first_look >= maintenance.STRAYS_INTERVAL - 0.5
+    finally:
+        loop.stop()
+        thread.join(10)

@@ -23,7 +23,7 @@ from tests.support.migrations import migrated_before, previous_release
 from tests.support.processes import ROOT, WorkerProcess, wait_for
 
 # The first migration the previous version did not have.
-FIRST_NEW = "0041"
+FIRST_NEW = "0042"
 HISTORY = 100_000
 
 

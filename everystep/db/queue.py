@@ -30,6 +30,11 @@ from everystep.db.rows import (
 )
 from everystep.db.session import Executor
 
+# How many runs at the head of the queue the maintenance sweep looks at for
+# the strays of a version before 0032 between its looks at the whole queue
+# (sort_lanes; everystep.maintenance.STRAYS_INTERVAL).
+STRAYS_HEAD = 1000
+
 # ---------------------------------------------------------------- waiting for runs
 
 
@@ -125,14 +130,16 @@ def apply_limits(conn: psycopg.Connection, limits: dict[str, int | None],
         sort_lanes(conn)
 
 
-def sort_lanes(conn: psycopg.Connection) -> int:
+def sort_lanes(conn: psycopg.Connection, whole_queue: bool = False) -> int:
     """After the limits change, and at every sweep of the maintenance child:
-    the runs a worker of a version before 0032 claimed itself are held (0040),
-    the ready runs of a workflow limited since they were admitted take a
-    slot or wait for one, and the blocked runs that have room are admitted
+    the runs a worker of a version before 0032 claimed itself are held (0040;
+    looked for among the first STRAYS_HEAD runs of the ready order and of the
+    due timers, where the claims meet them, or in the whole queue), the
+    ready runs of a workflow limited since they were admitted take a slot or
+    wait for one, and the blocked runs that have room are admitted
     (0032_ready.sql). Returns how many runs moved."""
     with conn.transaction():
-        return conn.execute(queries.get("resort"), {}).fetchone()[0]
+        return conn.execute(queries.get("resort"), {"head": None if whole_queue else STRAYS_HEAD}).fetchone()[0]
 
 
 def sweep_keys(conn: psycopg.Connection) -> int:

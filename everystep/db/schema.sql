@@ -1109,7 +1109,8 @@ END $$;
 -- The ready runs that hold no room but whose workflow has a limit now (set
 -- after they were admitted) are admitted again: they take a slot or wait
 -- for one. Run where the limits are written, and by the maintenance sweep;
--- with no limit at all it returns at once (0041).
+-- with no limit at all it returns at once (0041), else it reads the ready
+-- rows of the limited workflows alone, and only their records (0042).
 CREATE FUNCTION everystep_readmit() RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     r everystep_workflow;
@@ -1121,10 +1122,12 @@ BEGIN
     FOR r IN
         SELECT w.*
         FROM everystep_ready x JOIN everystep_workflow w ON w.id = x.run_id
-        WHERE x.slot IS NULL
-          AND (EXISTS (SELECT FROM everystep_limit l WHERE l.name = x.name)
-               OR (w.concurrency_key IS NOT NULL
-                   AND EXISTS (SELECT FROM everystep_key_limit kl WHERE kl.name = x.name)))
+        WHERE x.run_id = ANY(ARRAY(SELECT y.run_id FROM everystep_ready y
+                                   WHERE y.slot IS NULL
+                                     AND y.name IN (SELECT l.name FROM everystep_limit l
+                                                    UNION ALL SELECT kl.name FROM everystep_key_limit kl)))
+          AND x.slot IS NULL
+          AND (EXISTS (SELECT FROM everystep_limit l WHERE l.name = x.name) OR w.concurrency_key IS NOT NULL)
         ORDER BY x.ready_at, x.run_id
         FOR UPDATE SKIP LOCKED
     LOOP
@@ -1138,28 +1141,62 @@ END $$;
 -- A run made running by a worker of a version before 0032 with its own
 -- claim (a rolling upgrade) is not seen by the status trigger (0039): the
 -- maintenance sweep removes its queue row and holds it by its claimed_by.
-CREATE FUNCTION everystep_hold_strays() RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
+-- `head`: only the first `head` runs of the ready order and the `head`
+-- earliest due timers are looked at, where the claims meet a stray (the
+-- sweep's look between its looks at the whole queue, 0042); NULL: the whole
+-- queue, blocked runs included. everystep_hold_stray: one of them.
+CREATE FUNCTION everystep_hold_stray(run uuid, wf varchar, run_status varchar, claimer varchar) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM everystep_unqueue(run);
+    IF run_status = 'running' THEN
+        INSERT INTO everystep_claimed (run_id, name, claimed_by) VALUES (run, wf, claimer)
+        ON CONFLICT (run_id) DO NOTHING;
+    END IF;
+    RETURN 1;
+END $$;
+
+CREATE FUNCTION everystep_hold_strays(head integer) RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     r record;
     n integer := 0;
+    seqscan text := current_setting('enable_seqscan');
 BEGIN
+    IF head IS NULL THEN
+        FOR r IN
+            SELECT w.id, w.name, w.status, w.claimed_by FROM everystep_workflow w
+            WHERE w.id IN (SELECT x.run_id FROM everystep_ready x
+                           UNION ALL SELECT b.run_id FROM everystep_blocked b
+                           UNION ALL SELECT t.run_id FROM everystep_timer t WHERE t.due_at <= everystep_now())
+              AND w.status NOT IN ('scheduled', 'waiting')
+            FOR UPDATE SKIP LOCKED
+        LOOP
+            n := n + everystep_hold_stray(r.id, r.name, r.status, r.claimed_by);
+        END LOOP;
+        RETURN n;
+    END IF;
+    -- The head's records by key, whatever the statistics say of the tables
+    -- (a plan made while they were small would read them all).
+    PERFORM set_config('enable_seqscan', 'off', true);
     FOR r IN
         SELECT w.id, w.name, w.status, w.claimed_by FROM everystep_workflow w
-        WHERE w.id IN (SELECT x.run_id FROM everystep_ready x
-                       UNION ALL SELECT b.run_id FROM everystep_blocked b
-                       UNION ALL SELECT t.run_id FROM everystep_timer t WHERE t.due_at <= everystep_now())
+        WHERE w.id IN ((SELECT x.run_id FROM everystep_ready x ORDER BY x.priority DESC, x.ready_at, x.run_id
+                        LIMIT head)
+                       UNION ALL (SELECT t.run_id FROM everystep_timer t WHERE t.due_at <= everystep_now()
+                                  ORDER BY t.due_at LIMIT head))
           AND w.status NOT IN ('scheduled', 'waiting')
         FOR UPDATE SKIP LOCKED
     LOOP
-        PERFORM everystep_unqueue(r.id);
-        IF r.status = 'running' THEN
-            INSERT INTO everystep_claimed (run_id, name, claimed_by) VALUES (r.id, r.name, r.claimed_by)
-            ON CONFLICT (run_id) DO NOTHING;
-        END IF;
-        n := n + 1;
+        n := n + everystep_hold_stray(r.id, r.name, r.status, r.claimed_by);
     END LOOP;
+    PERFORM set_config('enable_seqscan', seqscan, true);
     RETURN n;
 END $$;
+
+-- The whole queue (what the maintenance sweep of a version before 0042 calls).
+CREATE FUNCTION everystep_hold_strays() RETURNS integer LANGUAGE sql VOLATILE AS $$
+    SELECT everystep_hold_strays(NULL::integer);
+$$;
 
 -- A queue table whose dead rows a vacuum cannot remove is rewritten with
 -- only its live rows (0037_compact_queue.sql says when and why).

@@ -53,12 +53,15 @@ SELECT * FROM everystep_claim(%(runner)s, %(limit)s, %(routes)s, %(skipped)s);
 -- name: resort
 -- After the limits changed, and at every sweep of the maintenance child: the
 -- runs that a worker of a version before 0032 made running with its own
--- claim are held (0040), the timers whose time came are admitted (a claim
--- does it too, but none may run), the ready runs of a workflow limited since
--- they were admitted take a slot or wait for one (read only where some
--- workflow has a limit, 0041), and every workflow with blocked runs admits
--- what its room allows (0032_ready.sql). How many runs moved.
-SELECT everystep_hold_strays() + everystep_promote(10000) + everystep_readmit() + everystep_unblock();
+-- claim are held (0040; looked for among the first %(head)s runs of the
+-- queue, or in all of it when NULL, 0042), the timers whose time came are
+-- admitted (a claim does it too, but none may run), the ready runs of a
+-- workflow limited since they were admitted take a slot or wait for one
+-- (read only where some workflow has a limit, 0041, and then only that
+-- workflow's, 0042), and every workflow with blocked runs admits what its
+-- room allows (0032_ready.sql). How many runs moved.
+SELECT everystep_hold_strays(%(head)s::integer) + everystep_promote(10000) + everystep_readmit()
+       + everystep_unblock();
 
 -- name: unblock
 -- Blocked runs admitted where there is room (everystep_unblock): a claim
