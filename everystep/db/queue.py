@@ -34,6 +34,8 @@ from everystep.db.session import Executor
 # the strays of a version before 0032 between its looks at the whole queue
 # (sort_lanes; everystep.maintenance.STRAYS_INTERVAL).
 STRAYS_HEAD = 1000
+# The queue tables a compaction rewrites, in its order.
+QUEUE_TABLES = ("everystep_ready", "everystep_timer", "everystep_blocked")
 
 # ---------------------------------------------------------------- waiting for runs
 
@@ -176,10 +178,17 @@ def compact_queue(conn: psycopg.Connection, dead: int, live: int, wait_ms: int) 
     """The queue tables that hold `dead` dead row versions or more and `live`
     live ones at most, rewritten with their live rows alone, each waiting at
     most `wait_ms` for its lock (queue.sql, compact_queue, says when it
-    matters). Returns the tables rewritten."""
-    with conn.transaction():
-        return [name for (name,) in conn.execute(queries.get("compact_queue"),
-                                                 {"dead": dead, "live": live, "wait_ms": wait_ms}).fetchall()]
+    matters). Each in a transaction of its own: a claim locks the timers,
+    then the ready runs, so a rewrite of the timers that came after the
+    ready table's in one transaction waited for claims that waited for
+    that transaction, and gave up. Returns the tables rewritten."""
+    rewritten = []
+    for queue in QUEUE_TABLES:
+        with conn.transaction():
+            if conn.execute(queries.get("compact_queue"),
+                            {"queue": queue, "dead": dead, "live": live, "wait_ms": wait_ms}).fetchone():
+                rewritten.append(queue)
+    return rewritten
 
 
 def limits(conn: psycopg.Connection) -> dict[str, int]:

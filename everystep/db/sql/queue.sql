@@ -95,20 +95,20 @@ WHERE c.oid IN ('everystep_ready'::regclass, 'everystep_claimed'::regclass, 'eve
 VACUUM (SKIP_LOCKED) everystep_ready, everystep_claimed, everystep_timer;
 
 -- name: compact_queue
--- After the vacuum: the queue tables that still hold `dead` dead rows (a
--- snapshot held open kept the vacuum from removing them) and at most `live`
--- live ones are rewritten with their live rows alone (everystep_compact,
+-- After the vacuum: queue table %(queue)s, if it still holds `dead` dead
+-- rows (a snapshot held open kept the vacuum from removing them) and at most
+-- `live` live ones, is rewritten with its live rows alone (everystep_compact,
 -- 0037_compact_queue.sql); the claims step over every dead entry at the
 -- front of their order. Not one another vacuum is at (the vacuum skipped
 -- it: autovacuum's, say), nor one a reader holds: the queue's statements
 -- take stronger locks, a reader's may last (a pg_dump holds every table it
 -- dumps to its end), and claims would queue behind the rewrite's lock for
--- `wait_ms` at every sweep, in vain. Those it rewrote (not one whose lock it
--- did not get within `wait_ms`).
--- (The candidates are MATERIALIZED: the planner would order the checks by
+-- `wait_ms` at every sweep, in vain. A row if it rewrote it (not if it did
+-- not get its lock within `wait_ms`).
+-- (The candidate is MATERIALIZED: the planner would order the checks by
 -- cost and could call everystep_compact first.)
 WITH candidate AS MATERIALIZED (
-    SELECT q FROM unnest('{everystep_ready,everystep_timer,everystep_blocked}'::regclass[]) AS q
+    SELECT q FROM (SELECT %(queue)s::regclass AS q) t
     WHERE pg_stat_get_dead_tuples(q) >= %(dead)s AND pg_stat_get_live_tuples(q) <= %(live)s
       AND NOT EXISTS (SELECT FROM pg_stat_progress_vacuum v WHERE v.relid = q)
       AND NOT EXISTS (SELECT FROM pg_locks l
