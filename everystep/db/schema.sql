@@ -1115,18 +1115,22 @@ CREATE FUNCTION everystep_readmit() RETURNS integer LANGUAGE plpgsql VOLATILE AS
 DECLARE
     r everystep_workflow;
     n integer := 0;
+    candidates uuid[];
 BEGIN
     IF NOT EXISTS (SELECT FROM everystep_limit) AND NOT EXISTS (SELECT FROM everystep_key_limit) THEN
         RETURN 0;
     END IF;
+    candidates := ARRAY(SELECT y.run_id FROM everystep_ready y
+                        WHERE y.slot IS NULL
+                          AND y.name IN (SELECT l.name FROM everystep_limit l
+                                         UNION ALL SELECT kl.name FROM everystep_key_limit kl));
+    IF cardinality(candidates) = 0 THEN
+        RETURN 0;  -- (nearly always: no record is read)
+    END IF;
     FOR r IN
         SELECT w.*
         FROM everystep_ready x JOIN everystep_workflow w ON w.id = x.run_id
-        WHERE x.run_id = ANY(ARRAY(SELECT y.run_id FROM everystep_ready y
-                                   WHERE y.slot IS NULL
-                                     AND y.name IN (SELECT l.name FROM everystep_limit l
-                                                    UNION ALL SELECT kl.name FROM everystep_key_limit kl)))
-          AND x.slot IS NULL
+        WHERE x.run_id = ANY(candidates) AND x.slot IS NULL
           AND (EXISTS (SELECT FROM everystep_limit l WHERE l.name = x.name) OR w.concurrency_key IS NOT NULL)
         ORDER BY x.ready_at, x.run_id
         FOR UPDATE SKIP LOCKED
