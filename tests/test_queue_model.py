@@ -349,21 +349,33 @@ def in_ready_order(db) -> list:
         "SELECT run_id FROM everystep_ready ORDER BY priority DESC, ready_at, run_id")]
 
 
+def records_read(conn) -> int:
+    """Run records read in this transaction so far."""
+    return conn.execute("SELECT seq_tup_read + idx_tup_fetch FROM pg_stat_xact_user_tables"
+                        " WHERE relid = 'everystep_workflow'::regclass").fetchone()[0]
+
+
 def test_between_its_looks_at_the_whole_queue_the_sweep_reads_its_head_for_strays(db):
     """The look for strays among the first runs of the ready order reads
     their records alone, not the queue's: a stray further back waits for
-    the look at the whole queue (0042)."""
-    db.schedule_many(workflows.quick, [(str(i),) for i in range(500)])
-    order = in_ready_order(db)
-    head, deep = order[0], order[20]
+    the look at the whole queue. The readmission reads no record while no
+    limited workflow has a ready run without its room. Both whatever the
+    plans the session made while the tables were empty (0042)."""
     with db.connect() as conn:
+        everystep.db.apply_limits(conn, {BOUNDED: 1})
+        for _ in range(8):  # the session's plans, made on empty tables
+            conn.execute("SELECT everystep_hold_strays(10), everystep_readmit()")
+        db.schedule_many(workflows.quick, [(str(i),) for i in range(500)])
+        order = in_ready_order(db)
+        head, deep = order[0], order[20]
         conn.execute(OLD_CLAIM, (head,))
         conn.execute(OLD_CLAIM, (deep,))
         with conn.transaction():
             assert conn.execute("SELECT everystep_hold_strays(10)").fetchone()[0] == 1
-            read = conn.execute("SELECT seq_tup_read + idx_tup_fetch FROM pg_stat_xact_user_tables"
-                                " WHERE relid = 'everystep_workflow'::regclass").fetchone()[0]
-        assert read < 20  # the head's 10 records and the stray's again; the whole-queue look reads 500
+            read = records_read(conn)
+            assert read < 20  # the head's 10 records and the stray's again; the whole-queue look reads 500
+            assert conn.execute("SELECT everystep_readmit()").fetchone()[0] == 0
+            assert records_read(conn) == read
         assert in_ready_order(db) == [run for run in order if run != head]
         assert db.value("SELECT claimed_by FROM everystep_claimed WHERE run_id = %s", (head,)) == "old-0"
         assert everystep.db.sort_lanes(conn, whole_queue=True) == 1

@@ -1120,10 +1120,11 @@ BEGIN
     IF NOT EXISTS (SELECT FROM everystep_limit) AND NOT EXISTS (SELECT FROM everystep_key_limit) THEN
         RETURN 0;
     END IF;
+    -- (A scan of the ready rows whatever the plan: the names are an array.)
     candidates := ARRAY(SELECT y.run_id FROM everystep_ready y
                         WHERE y.slot IS NULL
-                          AND y.name IN (SELECT l.name FROM everystep_limit l
-                                         UNION ALL SELECT kl.name FROM everystep_key_limit kl));
+                          AND y.name = ANY(ARRAY(SELECT l.name FROM everystep_limit l
+                                                 UNION ALL SELECT kl.name FROM everystep_key_limit kl)));
     IF cardinality(candidates) = 0 THEN
         RETURN 0;  -- (nearly always: no record is read)
     END IF;
@@ -1164,6 +1165,7 @@ CREATE FUNCTION everystep_hold_strays(head integer) RETURNS integer LANGUAGE plp
 DECLARE
     r record;
     n integer := 0;
+    head_runs uuid[];
     seqscan text := current_setting('enable_seqscan');
 BEGIN
     IF head IS NULL THEN
@@ -1179,16 +1181,17 @@ BEGIN
         END LOOP;
         RETURN n;
     END IF;
-    -- The head's records by key, whatever the statistics say of the tables
-    -- (a plan made while they were small would read them all).
+    -- The head in the queue's orders and its records by key, whatever the
+    -- statistics say of the tables (a plan made while they were small would
+    -- read them all).
     PERFORM set_config('enable_seqscan', 'off', true);
-    FOR r IN
-        SELECT w.id, w.name, w.status, w.claimed_by FROM everystep_workflow w
-        WHERE w.id IN ((SELECT x.run_id FROM everystep_ready x ORDER BY x.priority DESC, x.ready_at, x.run_id
+    head_runs := ARRAY((SELECT x.run_id FROM everystep_ready x ORDER BY x.priority DESC, x.ready_at, x.run_id
                         LIMIT head)
                        UNION ALL (SELECT t.run_id FROM everystep_timer t WHERE t.due_at <= everystep_now()
-                                  ORDER BY t.due_at LIMIT head))
-          AND w.status NOT IN ('scheduled', 'waiting')
+                                  ORDER BY t.due_at LIMIT head));
+    FOR r IN
+        SELECT w.id, w.name, w.status, w.claimed_by FROM everystep_workflow w
+        WHERE w.id = ANY(head_runs) AND w.status NOT IN ('scheduled', 'waiting')
         FOR UPDATE SKIP LOCKED
     LOOP
         n := n + everystep_hold_stray(r.id, r.name, r.status, r.claimed_by);

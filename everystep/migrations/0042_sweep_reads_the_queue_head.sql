@@ -4,9 +4,9 @@
 --
 -- * The readmission (a ready run admitted before its workflow got a limit
 --   takes a slot or waits for one), wherever some workflow has a limit,
---   read every ready run's record to test its key. It now reads the ready
---   rows of the limited workflows alone (by their name, on the narrow
---   ready table) and only their records.
+--   read every ready run's record to test its key. It now finds the ready
+--   rows of the limited workflows that hold no room by their name, on the
+--   narrow ready table, and reads records only when there are some.
 -- * The stray check (the queue rows a worker of a version before 0032 left
 --   behind when it claimed a run itself) read every queued run's record.
 --   It can now read only the head of the queue: the first `head` runs of
@@ -35,6 +35,7 @@ CREATE FUNCTION everystep_hold_strays(head integer) RETURNS integer LANGUAGE plp
 DECLARE
     r record;
     n integer := 0;
+    head_runs uuid[];
     seqscan text := current_setting('enable_seqscan');
 BEGIN
     IF head IS NULL THEN
@@ -50,16 +51,17 @@ BEGIN
         END LOOP;
         RETURN n;
     END IF;
-    -- The head's records by key, whatever the statistics say of the tables
-    -- (a plan made while they were small would read them all).
+    -- The head in the queue's orders and its records by key, whatever the
+    -- statistics say of the tables (a plan made while they were small would
+    -- read them all).
     PERFORM set_config('enable_seqscan', 'off', true);
-    FOR r IN
-        SELECT w.id, w.name, w.status, w.claimed_by FROM everystep_workflow w
-        WHERE w.id IN ((SELECT x.run_id FROM everystep_ready x ORDER BY x.priority DESC, x.ready_at, x.run_id
+    head_runs := ARRAY((SELECT x.run_id FROM everystep_ready x ORDER BY x.priority DESC, x.ready_at, x.run_id
                         LIMIT head)
                        UNION ALL (SELECT t.run_id FROM everystep_timer t WHERE t.due_at <= everystep_now()
-                                  ORDER BY t.due_at LIMIT head))
-          AND w.status NOT IN ('scheduled', 'waiting')
+                                  ORDER BY t.due_at LIMIT head));
+    FOR r IN
+        SELECT w.id, w.name, w.status, w.claimed_by FROM everystep_workflow w
+        WHERE w.id = ANY(head_runs) AND w.status NOT IN ('scheduled', 'waiting')
         FOR UPDATE SKIP LOCKED
     LOOP
         n := n + everystep_hold_stray(r.id, r.name, r.status, r.claimed_by);
@@ -87,10 +89,11 @@ BEGIN
     IF NOT EXISTS (SELECT FROM everystep_limit) AND NOT EXISTS (SELECT FROM everystep_key_limit) THEN
         RETURN 0;
     END IF;
+    -- (A scan of the ready rows whatever the plan: the names are an array.)
     candidates := ARRAY(SELECT y.run_id FROM everystep_ready y
                         WHERE y.slot IS NULL
-                          AND y.name IN (SELECT l.name FROM everystep_limit l
-                                         UNION ALL SELECT kl.name FROM everystep_key_limit kl));
+                          AND y.name = ANY(ARRAY(SELECT l.name FROM everystep_limit l
+                                                 UNION ALL SELECT kl.name FROM everystep_key_limit kl)));
     IF cardinality(candidates) = 0 THEN
         RETURN 0;  -- (nearly always: no record is read)
     END IF;
