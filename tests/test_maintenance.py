@@ -22,6 +22,7 @@ from everystep.scheduler import Schedule
 from tests.apps import workflows
 from tests.apps.cli_workflows import greet
 from tests.support.concurrency import hold_a_snapshot
+from tests.support.engine import OLD_CLAIM, in_ready_order
 from tests.support.processes import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,12 +213,10 @@ def test_the_sweep_looks_at_the_head_of_the_queue_for_strays_and_at_all_of_it_no
     monkeypatch.setattr(everystep.db.queue, "STRAYS_HEAD", 5)
     monkeypatch.setattr(maintenance, "STRAYS_INTERVAL", 6.0)
     db.schedule_many(workflows.quick, [(str(i),) for i in range(20)])
-    order = [row[0] for row in db.query("SELECT run_id FROM everystep_ready ORDER BY priority DESC, ready_at, run_id")]
-    old_claim = ("UPDATE everystep_workflow SET status = 'running', claimed_by = 'old-0',"
-                 " claim_token = nextval('everystep_claim_token') WHERE id = %s")
+    order = in_ready_order(db)
     held = "SELECT count(*) FROM everystep_claimed WHERE run_id = %s"
     with db.connect() as conn:
-        conn.execute(old_claim, (order[15],))  # far from the head: found by the first sweep, which reads it all
+        conn.execute(OLD_CLAIM, (order[15],))  # far from the head: found by the first sweep, which reads it all
     loop = Maintenance(db.url, interval=0.1, grace=600)
     thread = threading.Thread(target=loop.run)
     thread.start()
@@ -226,8 +225,8 @@ def test_the_sweep_looks_at_the_head_of_the_queue_for_strays_and_at_all_of_it_no
                  what="the first sweep's look at the whole queue")
         first_look = time.monotonic()
         with db.connect() as conn:
-            conn.execute(old_claim, (order[0],))
-            conn.execute(old_claim, (order[12],))
+            conn.execute(OLD_CLAIM, (order[0],))
+            conn.execute(OLD_CLAIM, (order[12],))
         wait_for(lambda: db.value(held, (order[0],)) == 1, timeout=30, what="the stray at the head held")
         if time.monotonic() - first_look < maintenance.STRAYS_INTERVAL:
             assert db.value(held, (order[12],)) == 0  # not looked for yet

@@ -19,6 +19,7 @@ from everystep.testing import advance
 from tests.apps import workflows
 from tests.apps.priority_workflows import tenant_job_bounded
 from tests.support.concurrency import hold_a_snapshot, reporting_thread
+from tests.support.engine import OLD_CLAIM, in_ready_order
 from tests.support.plans import record_plans
 from tests.support.processes import wait_for
 
@@ -322,11 +323,9 @@ def test_the_sweep_holds_the_runs_an_older_version_claimed_itself(db):
     run for its claimed_by (the dead-claimer recovery reads those) and lets
     the claims through (0040)."""
     running, ended, waiting = db.schedule_many(workflows.quick, [("a",), ("b",), ("c",)])
-    old_claim = ("UPDATE everystep_workflow SET status = 'running', claimed_by = 'old-0',"
-                 " claim_token = nextval('everystep_claim_token') WHERE id = %s")
     with db.connect() as conn:
-        conn.execute(old_claim, (running.id,))
-        conn.execute(old_claim, (ended.id,))
+        conn.execute(OLD_CLAIM, (running.id,))
+        conn.execute(OLD_CLAIM, (ended.id,))
         conn.execute("UPDATE everystep_workflow SET status = 'completed', completed_at = now() WHERE id = %s",
                      (ended.id,))
     assert (where(db, running), where(db, ended)) == (["ready"], ["ready"])
@@ -338,15 +337,6 @@ def test_the_sweep_holds_the_runs_an_older_version_claimed_itself(db):
     assert db.value("SELECT claimed_by FROM everystep_claimed WHERE run_id = %s", (running.id,)) == "old-0"
     with db.connect() as conn, conn.transaction():
         assert [run.id for run in everystep.db.claim(conn, "w1", 2)] == [waiting.id]
-
-
-OLD_CLAIM = ("UPDATE everystep_workflow SET status = 'running', claimed_by = 'old-0',"
-             " claim_token = nextval('everystep_claim_token') WHERE id = %s")
-
-
-def in_ready_order(db) -> list:
-    return [row[0] for row in db.query(
-        "SELECT run_id FROM everystep_ready ORDER BY priority DESC, ready_at, run_id")]
 
 
 def records_read(conn) -> int:

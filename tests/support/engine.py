@@ -10,6 +10,18 @@ import everystep
 import everystep.db
 from everystep import schedule
 
+# How a worker of a version before 0032 claims a run: with its own
+# statement, which makes it running under a new token and leaves its queue
+# row behind (the sweep's strays, 0040 and 0042).
+OLD_CLAIM = ("UPDATE everystep_workflow SET status = 'running', claimed_by = 'old-0',"
+             " claim_token = nextval('everystep_claim_token') WHERE id = %s")
+
+
+def in_ready_order(db) -> list:
+    """The ready runs' ids in the order the claims take them."""
+    return [row[0] for row in db.query(
+        "SELECT run_id FROM everystep_ready ORDER BY priority DESC, ready_at, run_id")]
+
 
 def schedule_one(db, fn, *args, **kw):
     with db.connect() as conn, everystep.transaction(conn):
