@@ -144,14 +144,15 @@ def step(fn: F) -> F: ...
 def step(*, unsafe_to_repeat: bool = False, retries: int = 0, backoff: float | Backoff | None = None,
          retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
          timeout: float | datetime.timedelta | None = None,
-         rate_limit: str | None = None, transactional: bool = False) -> Callable[[F], F]: ...
+         rate_limit: str | None = None, transactional: bool = False,
+         write_behind: bool = False) -> Callable[[F], F]: ...
 
 
 def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries: int = 0,
          backoff: float | Backoff | None = None,
          retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
          timeout: float | datetime.timedelta | None = None,
-         rate_limit: str | None = None, transactional: bool = False) -> Any:
+         rate_limit: str | None = None, transactional: bool = False, write_behind: bool = False) -> Any:
     """Mark a unit of durable work. Inside a running workflow each call is
     recorded (or served from the record on replay); outside, a plain call.
 
@@ -183,9 +184,18 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     commit together or not at all, fenced by the run's claim like every
     write about it. A failed attempt's writes are rolled back. The step
     holds a connection for its whole length (docs/concepts.md,
-    "Transactional steps")."""
+    "Transactional steps").
+
+    `write_behind=True`: while every slot of the worker process runs a body,
+    the outcome of a call that returned within 2 ms may be written after the
+    next step has started (with the run's end, or within 50 ms), so that a
+    run of short steps commits once. A worker lost meanwhile runs the call
+    again on replay, after steps that followed it may have run: for steps
+    whose result no later effect depends on (docs/concepts.md, "Write-behind
+    steps"). Sync workflows only; an async run writes as without it."""
     retry = _retry_policy(retries, backoff, retry_on)
     _check_transactional(transactional, unsafe_to_repeat, timeout)
+    _check_write_behind(write_behind, unsafe_to_repeat, transactional)
     timeout = None if timeout is None else _timeout("@step(timeout=...)", timeout)
     if rate_limit is not None and (not isinstance(rate_limit, str) or not rate_limit or len(rate_limit) > MAX_KEY):
         raise EverystepError(f"rate_limit must be the name of a rate limit (1 to {MAX_KEY} characters), "
@@ -193,7 +203,7 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
     if fn is None:
         return functools.partial(step, unsafe_to_repeat=unsafe_to_repeat, retries=retries, backoff=backoff,
                                  retry_on=retry_on, timeout=timeout, rate_limit=rate_limit,
-                                 transactional=transactional)
+                                 transactional=transactional, write_behind=write_behind)
     name = registry.qualified_name(fn)
     if len(name) > MAX_NAME:
         raise EverystepError(f"step name {name[:60]}... is longer than {MAX_NAME} characters")
@@ -203,11 +213,12 @@ def step(fn: Callable | None = None, *, unsafe_to_repeat: bool = False, retries:
         scope = current_scope.get()
         if scope is None:
             return fn(*args, **kwargs)
-        if rate_limit is None and not transactional:
+        if rate_limit is None and not transactional and not write_behind:
             return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry,
                                          timeout)
         return scope.run.replay.step(scope, fn, name, unsafe_to_repeat, args, kwargs, everystep_id, retry,
-                                     timeout, rate_limit=rate_limit, transactional=transactional)
+                                     timeout, rate_limit=rate_limit, transactional=transactional,
+                                     write_behind=write_behind)
 
     if inspect.iscoroutinefunction(fn) and hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+
         inspect.markcoroutinefunction(call)
@@ -230,6 +241,17 @@ def _check_transactional(transactional: Any, unsafe_to_repeat: bool, timeout: An
         raise EverystepError("@step(transactional=True) takes no timeout=: an attempt abandoned at its timeout "
                              "would still hold its transaction; bound its statements with statement_timeout "
                              "(SET LOCAL on step_connection()) instead")
+
+
+def _check_write_behind(write_behind: Any, unsafe_to_repeat: bool, transactional: bool) -> None:
+    if type(write_behind) is not bool:
+        raise EverystepError(f"write_behind must be True or False, not {write_behind!r}")
+    if write_behind and unsafe_to_repeat:
+        raise EverystepError("@step(unsafe_to_repeat=True) writes its outcome before anything else happens; it "
+                             "cannot be write_behind=True")
+    if write_behind and transactional:
+        raise EverystepError("@step(transactional=True) commits its outcome with its own writes; it cannot be "
+                             "write_behind=True")
 
 
 def _retry_policy(retries: Any, backoff: Any, retry_on: Any) -> RetryPolicy | None:

@@ -12,6 +12,8 @@ answer was lost), the claim is lost, or another execution wrote the row.
 A step's outcome, on the run's own thread (or any step's of an async run),
 waits for the next step or the end of the run to be written with it, but
 never longer than OUTCOME_DELAY: the late-outcome thread writes it then.
+While every slot of the process is busy, a short write-behind step's
+outcome may wait past the next step's start, for the end (HeldRun.carries).
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ log = logging.getLogger("everystep")
 # end of the run to be written with it, but never longer than this (seconds):
 # a body that sleeps or computes between two steps does not leave it unwritten.
 OUTCOME_DELAY = 0.05
+# While every slot of the process runs a body, the outcome of a
+# @step(write_behind=True) call shorter than CARRY_UNDER seconds is carried
+# past the next step's start (at most CARRY_MAX of a run): a run of such
+# steps then commits once, at its end (HeldRun.carries; docs/concepts.md,
+# "Write-behind steps").
+CARRY_UNDER = 0.002
+CARRY_MAX = 16
 # Stream entries of one run per commit at most: a burst of writes commits in
 # several batches, so that its readers get the first entries while the later
 # ones commit (a reader's work per commit, and so its latency, grows with the
@@ -124,6 +133,7 @@ class Pending(NamedTuple):
     row: db.StepRow
     started: float  # perf_counter when the step started
     since: float  # perf_counter when it began to wait
+    behind: bool = False  # of a @step(write_behind=True): it may wait past the next step's start
 
 
 class StepTransaction(NamedTuple):
@@ -252,11 +262,35 @@ class HeldRun:
                 return False
         return self.lent.fence.clear(self.claim)
 
-    def boundary(self) -> None:
+    def boundary(self, carry: bool = False) -> None:
         """Before a new step starts: the fence's check, then the outcomes
-        waiting to be written."""
+        waiting to be written, unless the step is a plain one (`carry`) and
+        they may wait past its start (see carries)."""
         self.check()
-        self.flush()
+        if not (carry and self.carries()):
+            self.flush()
+
+    def carries(self) -> bool:
+        """Whether the outcomes waiting to be written may wait past the start
+        of the next step (@step(write_behind=True)): while every slot of the
+        process runs a body (their commit would then cost the run a wait on
+        a batch of its own), outcomes of write-behind steps of the run's own
+        thread, each shorter than CARRY_UNDER, at most CARRY_MAX of them, of
+        a run that writes no stream. They go with the run's end then (in its
+        transaction), or with the next outcome that is not carried, or the
+        late-outcome thread writes them after OUTCOME_DELAY. What that
+        changes: a worker lost meanwhile runs those steps again, after the
+        steps that followed them, and a cancel request their answer would
+        have told of is known at that write (or honoured by the end). At
+        rest (a slot free), nothing waits past the next step's start."""
+        if self.asynchronous or self.streams is not None or not self.on_own_thread():
+            return False
+        with self._pending_lock:
+            if not self._pending or len(self._pending) >= CARRY_MAX:
+                return False
+            if not all(step.behind and step.since - step.started < CARRY_UNDER for step in self._pending):
+                return False
+        return self.lent.successors.ends_to_gather() > 1
 
     # -------------------------------------------------------------- the connection
 
@@ -362,7 +396,8 @@ class HeldRun:
     # -------------------------------------------------------------- step rows
 
     def record_step(self, step_id: str, name: str, args: str, kwargs: str, status: str, result: Any,
-                    error: dict | None, update: bool, started: tuple[float, float]) -> None:
+                    error: dict | None, update: bool, started: tuple[float, float],
+                    write_behind: bool = False) -> None:
         """Write a step's row; `result` and `error` are plain JSON data.
 
         The outcome of a step of the run's own thread is written a little
@@ -372,14 +407,16 @@ class HeldRun:
         the worker in between only means the step runs again. The `started`
         mark of an unsafe step, and its outcome, are written at once.
         `update`: the step has a row already (`retrying`, or `started`).
-        `started`: (perf_counter, time) when the step started."""
+        `started`: (perf_counter, time) when the step started.
+        `write_behind`: the outcome may wait past the next step's start (see
+        carries)."""
         row = db.StepRow(step_id, name, args, kwargs, status,
                             None if status != StepStatus.DONE else serde.dump_data(result),
                             None if error is None else serde.dump_data(error),
                             started[1], None if status == StepStatus.STARTED else time.time())
         if self.defers(status, update):
             with self._pending_lock:
-                self._pending.append(Pending(row, started[0], time.perf_counter()))
+                self._pending.append(Pending(row, started[0], time.perf_counter(), write_behind))
         else:
             self._write_step(Pending(row, started[0], 0.0), update)
 
@@ -743,15 +780,15 @@ class HeldRun:
         if self.streams is not None:
             self.flush_streams()  # a run's entries commit before its end: a reader that sees the end has them all
         *before, last = self._ending() or [None]
-        for step in before:
-            self._write_step(step, update=False)
+        earlier = tuple(step.row for step in before)  # written in the end's transaction, before it
         row = None if last is None else last.row
         if self.claim_successor is None:
             self.claim_successor = self.lent.successors.reserve(self.claim)
 
         def write_end(run: uuid.UUID, runner: str, token: int, last_step: db.StepRow | None) -> str | None:
             done = self.lent.end_writer.finish_run(run, token, status, result, error, last_step,
-                                                   0 if self.successor is not None else self.claim_successor)
+                                                   0 if self.successor is not None else self.claim_successor,
+                                                   earlier)
             if done.successor is not None:
                 self.successor = done.successor  # this slot's next run, whatever became of this end
                 self.ahead = done.ahead
@@ -774,6 +811,8 @@ class HeldRun:
             ended = self._fenced(write_end, (None,), None, status, "ending the run", grouped=True)
         # None: an earlier attempt ended it, and its claim, if any, is found
         # by the worker looking again (look_again is set by the retry).
+        for step in before:
+            self._count(step)
         if last is not None:
             self._count(last)
         self._streams_ended()

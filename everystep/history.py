@@ -260,9 +260,10 @@ class _Checking(Replay):
 
     def step(self, scope: Scope, fn: Any, name: str, unsafe: bool, args: tuple, kwargs: dict,
              everystep_id: str | None, retry: Any = None, timeout: float | None = None,
-             rate_limit: str | None = None, transactional: bool = False) -> Any:
-        # A check of the recorded history takes no token (rate_limit unused)
-        # and runs no step (a transactional one opens no transaction).
+             rate_limit: str | None = None, transactional: bool = False, write_behind: bool = False) -> Any:
+        # A check of the recorded history takes no token (rate_limit unused),
+        # runs no step (a transactional one opens no transaction) and writes
+        # nothing (write_behind unused).
         self._call.what = (name, serde.encode(list(args)), serde.encode(kwargs))
 
         def never(*_args: Any, **_kwargs: Any) -> Any:
@@ -308,7 +309,8 @@ class _History(HeldRun):
         pass
 
     def record_step(self, step_id: str, name: str, args: str, kwargs: str, status: str, result: Any,
-                    error: dict | None, update: bool, started: tuple[float, float]) -> None:
+                    error: dict | None, update: bool, started: tuple[float, float],
+                    write_behind: bool = False) -> None:
         if name != PATCH_STEP or status != StepStatus.DONE:
             self._past()
         self.patches.append(Patch(step_id, bool(result)))

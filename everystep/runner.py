@@ -669,10 +669,10 @@ class Replay:
 
     def step(self, scope: Scope, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
              everystep_id: str | None, retry: RetryPolicy | None = None, timeout: float | None = None,
-             rate_limit: str | None = None, transactional: bool = False) -> Any:
+             rate_limit: str | None = None, transactional: bool = False, write_behind: bool = False) -> Any:
         step_id = self._next_id(scope, everystep_id)
         rules = self._step(scope, step_id, fn, name, unsafe, args, kwargs, retry, timeout, rate_limit,
-                           transactional)
+                           transactional, write_behind)
         if self.loop is None:
             return drive(rules)
         # The body must await what this returns: until it does, the call is
@@ -708,7 +708,7 @@ class Replay:
 
     def _step(self, scope: Scope, step_id: str, fn: Callable, name: str, unsafe: bool, args: tuple, kwargs: dict,
               retry: RetryPolicy | None, timeout: float | None = None, rate_limit: str | None = None,
-              transactional: bool = False) -> Rules:
+              transactional: bool = False, write_behind: bool = False) -> Rules:
         recorded = self.recorded.get(step_id)
         rerun_started = False
         attempts: list = []
@@ -732,7 +732,10 @@ class Replay:
             # `started` of a step no longer unsafe (run it again), or `retrying`: the row is updated in place.
             rerun_started = True
 
-        yield from self._boundary(step_id, name, rerun_started)
+        # A plain step's (no `started` mark, retry or transaction of its own)
+        # may leave the outcomes before it waiting (HeldRun.carries).
+        carry = not (unsafe or attempts or rerun_started or transactional)
+        yield from self._boundary(step_id, name, rerun_started, carry)
         if attempts:  # retrying: the back-off recorded with the last failed attempt comes first
             yield from self._wait(scope, attempts[-1]["retry_at"], self.claimed_at)
         args_json = serde.dumps(list(args))
@@ -787,7 +790,7 @@ class Replay:
                     self._know(step_id, name, StepStatus.DONE, result, None)  # committed with the step's writes
                 else:
                     yield from self._record(step_id, name, args_json, kwargs_json, StepStatus.DONE, result, None,
-                                            rerun_started, started)
+                                            rerun_started, started, write_behind)
                 if faults.ARMED:
                     yield from self._fault(faults.AFTER_STEP, step_id, name)
                 return value
@@ -832,14 +835,16 @@ class Replay:
             yield from self._deliver_cancel(step_id, name, update=step_id in self.recorded)
 
     def _record(self, step_id: str, name: str, args: str, kwargs: str, status: str,
-                result: Any, error: dict | None, update: bool, started: tuple[float, float]) -> Rules:
+                result: Any, error: dict | None, update: bool, started: tuple[float, float],
+                write_behind: bool = False) -> Rules:
         """Record a step's outcome (or an unsafe step's `started` mark): as
         this execution knows it now, and in its row (see HeldRun.record_step;
-        an outcome that waits for the next write needs no I/O now)."""
+        an outcome that waits for the next write needs no I/O now).
+        `write_behind`: a done outcome of a @step(write_behind=True)."""
         self._know(step_id, name, status, result, error)
         row = (step_id, name, args, kwargs, status, result, error, update, started)
         if self.held.defers(status, update):
-            self.held.record_step(*row)
+            self.held.record_step(*row, write_behind=write_behind)
         else:  # a `started` mark, or the outcome that ends one's uncertainty
             yield _Io(self.held.record_step, row, outcome=status != StepStatus.STARTED)
 
@@ -859,16 +864,17 @@ class Replay:
             yield _Io(self.held.flush)
         raise self.held.stop_with(faults.crash(self.held.claim.token, self.run_id, step_id, where))
 
-    def _boundary(self, step_id: str, name: str, update: bool = False) -> Rules:
+    def _boundary(self, step_id: str, name: str, update: bool = False, carry: bool = False) -> Rules:
         """Before a new step (or sleep) starts: stop here for a drain or a
         lost claim, write the previous step's outcome (its answer tells of a
         cancel request), and deliver a known cancel request. `update`: the
         step has a row already (`retrying`, or `started` by a step no longer
-        unsafe)."""
+        unsafe). `carry`: a plain step, before which the outcomes waiting may
+        go on waiting (HeldRun.carries)."""
         if self.asynchronous and self.held.nothing_to_write():
             self.held.check()  # at once: no outcome waits, and the fence has no reason to wait
         else:
-            yield _Io(self.held.boundary)  # the previous step's outcome is written before this step starts
+            yield _Io(self.held.boundary, (carry,))  # the previous step's outcome is written before this step starts
         yield from self._deliver_cancel(step_id, name, update)
 
     def _deliver_cancel(self, step_id: str, name: str, update: bool) -> Rules:

@@ -124,10 +124,11 @@ class GroupWriter:
         return self._submit(db.StepWrite(run, token, row))
 
     def finish_run(self, run: uuid.UUID, token: int, status: str, result: str | None, error: str | None,
-                   last_step: db.StepRow | None, claim: int) -> db.BatchEnd:
-        """End a held run (with its last step's row) in the next batch, and
-        claim `claim` runs: a successor for its slot, and one ahead."""
-        return self._submit(db.EndWrite(run, token, status, result, error, last_step, claim))
+                   last_step: db.StepRow | None, claim: int, earlier: tuple[db.StepRow, ...] = ()) -> db.BatchEnd:
+        """End a held run (with its last step's row, and the rows of its
+        `earlier` steps not written yet) in the next batch, and claim `claim`
+        runs: a successor for its slot, and one ahead."""
+        return self._submit(db.EndWrite(run, token, status, result, error, last_step, claim, earlier))
 
     def write_streams(self, run: uuid.UUID, runner: str, token: int, entries: list[db.StreamEntryRow]) -> bool:
         """Stream entries of a held run in the next batch: whether its
@@ -268,8 +269,7 @@ class GroupWriter:
                 written = db.record_steps(self._conn, self.runner, [w.write for w in steps]) if steps else []
             finished = []
             if ends:
-                ended = db.end_runs(self._conn, self.runner, [w.write for w in ends], self.routes(),
-                                    self.skipped())
+                ended = self._end_runs([w.write for w in ends])
                 finished = ended.finished
                 if ended.released:
                     metrics.DAG_RELEASES.inc(ended.released)
@@ -293,6 +293,21 @@ class GroupWriter:
             waiting.finish(answer)
         for waiting in streams:
             waiting.finish(waiting.write.run in held_runs)
+
+    def _end_runs(self, ends: list[db.EndWrite]) -> db.EndedRuns:
+        """The ends, after the rows of their earlier steps not written yet,
+        in the same transaction (through PgBouncer, a commit before). A row
+        its fence refuses leaves its run's end unwritten too (the same
+        fence), which the run's thread explains."""
+        earlier = [db.StepWrite(end.run, end.token, row) for end in ends for row in end.earlier]
+        if not earlier:
+            return db.end_runs(self._conn, self.runner, ends, self.routes(), self.skipped())
+        if isinstance(self._conn, db.TransactionPooledConnection):
+            db.record_steps(self._conn, self.runner, earlier)
+            return db.end_runs(self._conn, self.runner, ends, self.routes(), self.skipped())
+        with self._conn.transaction():
+            db.record_steps(self._conn, self.runner, earlier)
+            return db.end_runs(self._conn, self.runner, ends, self.routes(), self.skipped())
 
     def _give_back(self) -> None:
         if self._conn is not None:

@@ -19,6 +19,8 @@ FIGURES = {
            "worker_cpu_us_per_run", "not_completed"},
     "w3": {"runs_per_s", "steps_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "db_cpu_us_per_run",
            "worker_cpu_us_per_run", "not_completed"},
+    "w3_write_behind": {"runs_per_s", "steps_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target",
+                        "db_cpu_us_per_run", "worker_cpu_us_per_run", "not_completed"},
     "w1_async": {"runs_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target", "db_cpu_us_per_run",
                  "worker_cpu_us_per_run", "not_completed"},
     "w3_async": {"runs_per_s", "steps_per_s", "limit_commits_per_s", "limit_driver", "ratio", "target",

@@ -321,6 +321,82 @@ def test_a_worker_commits_many_runs_together(db, start_worker, marks):
     assert transactions < 200, "no two runs' ends shared a commit"
 
 
+def step_rows_in_the_ends_transaction(db) -> tuple[int, int]:
+    """(runs whose every step row was committed by the transaction that
+    ended the run, runs) among the completed runs."""
+    (row,) = db.query("""
+        SELECT count(*) FILTER (WHERE carried), count(*) FROM (
+            SELECT bool_and(s.xmin::text = w.xmin::text) AS carried
+            FROM everystep_workflow w JOIN everystep_step s ON s.workflow_id = w.id
+            WHERE w.status = 'completed' GROUP BY w.id) runs""")
+    return tuple(row)
+
+
+def test_write_behind_is_refused_where_an_outcome_must_be_written_at_once():
+    with pytest.raises(everystep.EverystepError, match="write_behind must be True or False"):
+        everystep.step(write_behind="yes")
+    with pytest.raises(everystep.EverystepError, match="unsafe_to_repeat=True.*cannot be write_behind=True"):
+        everystep.step(write_behind=True, unsafe_to_repeat=True)
+    with pytest.raises(everystep.EverystepError, match="transactional=True.*cannot be write_behind=True"):
+        everystep.step(write_behind=True, transactional=True)
+    assert everystep.step(write_behind=True)(len)("abc") == 3  # outside a run: the plain function
+
+
+def test_under_load_write_behind_steps_commit_with_their_runs_end(db, start_worker, marks):
+    """While every slot runs a body, the outcome of a short write-behind
+    step waits past the next step's start: a run of them commits its step
+    rows in the transaction of its end. Every row is there, and every step
+    ran once."""
+    with db.connect() as conn, everystep.transaction(conn):
+        runs = everystep.schedule_many(workflows.two_steps_behind, [(marks,)] * 200)
+    start_worker("carrying", threads=4)
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 200, 60,
+             what="every run completed")
+    assert db.value("SELECT count(*) FROM everystep_step") == 2 * 200
+    assert len(marks_of(marks)) == 2 * 2 * 200  # each step ran once (a mark as it starts, one as it ends)
+    carried, ended = step_rows_in_the_ends_transaction(db)
+    assert ended == len(runs) and carried > 0, "no run's first step row waited for its end"
+
+
+def test_under_load_a_plain_steps_row_commits_before_the_next_step_starts(db, start_worker, marks):
+    """Without write_behind, under the same load, no step row waits for its
+    run's end: a step's outcome is durable before the next step starts."""
+    with db.connect() as conn, everystep.transaction(conn):
+        everystep.schedule_many(workflows.two_steps, [(marks,)] * 200)
+    start_worker("plain", threads=4)
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 200, 60,
+             what="every run completed")
+    assert step_rows_in_the_ends_transaction(db) == (0, 200)
+
+
+def test_at_rest_a_write_behind_steps_row_commits_before_the_next_step_starts(db, start_worker, marks):
+    """With a slot free, nothing is carried: the first step's row commits on
+    its own, before the second step starts."""
+    start_worker("at-rest", threads=4)
+    for _ in range(3):
+        with db.connect() as conn, everystep.transaction(conn):
+            run = everystep.schedule(workflows.two_steps_behind, marks)
+        wait_for(lambda run=run: db.run(run.id)["status"] == "completed", 20, what="the run completed")
+    assert step_rows_in_the_ends_transaction(db) == (0, 3)
+
+
+def test_an_outcome_carried_under_load_is_written_while_the_next_step_runs(db, start_worker, marks, tmp_path):
+    """A carried outcome waits at most for the late-outcome thread: with
+    both slots held by runs blocked in their second step, their first
+    steps' rows are written meanwhile."""
+    release = str(tmp_path / "release")
+    with db.connect() as conn, everystep.transaction(conn):
+        runs = everystep.schedule_many(workflows.behind_then_held, [(marks, release)] * 2)
+    start_worker("carrying", threads=2)
+    wait_for(lambda: sum(1 for m in marks_of(marks) if m[1] == "two") == 2, 30, what="both runs in their second step")
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_step WHERE step_id = '1'") == 2, 5,
+             what="the first steps' rows written while the second steps run")
+    assert db.value("SELECT count(*) FROM everystep_step WHERE step_id = '2'") == 0
+    open(release, "w").close()
+    wait_for(lambda: {db.run(r.id)["status"] for r in runs} == {"completed"}, 30, what="both runs completed")
+    assert sorted(tag for _, tag, _ in marks_of(marks) if tag in ("one", "three")) == ["one"] * 2 + ["three"] * 2
+
+
 def test_limited_runs_are_not_starved_by_an_unlimited_backlog(db, start_worker, marks):
     """Ends claim successors among unlimited workflows only until a batch
     finds a limited workflow with runs to claim: then the whole claim (slots

@@ -74,6 +74,9 @@ class EndWrite(NamedTuple):
     error: str | None
     last_step: StepRow | None
     claim: int  # successors to claim: 1 for the slot this end frees, 2 with one claimed ahead (a bool: 0 or 1)
+    # Outcomes of its earlier steps not written yet (HeldRun.boundary carried
+    # them): written in the end's transaction, before it.
+    earlier: tuple[StepRow, ...] = ()
 
 
 class BatchEnd(NamedTuple):

@@ -103,6 +103,25 @@ def two_steps(marks: str) -> str:
     return "ok"
 
 
+@step(write_behind=True)
+def work_behind(marks: str, tag: str) -> str:
+    mark(marks, tag)
+    mark(marks, tag + ":end")
+    return tag
+
+
+@workflow
+def two_steps_behind(marks: str) -> str:
+    work_behind(marks, "a")
+    work_behind(marks, "b")
+    return "ok"
+
+
+@workflow
+def behind_then_held(marks: str, release: str) -> list:
+    return [work_behind(marks, "one"), hold_first_time(marks, "two", release), work(marks, "three")]
+
+
 @workflow
 def three_steps_held(marks: str, release: str) -> list:
     return [work(marks, "one"), hold_first_time(marks, "two", release), work(marks, "three")]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = (
-    "limit", "w1", "w3", "w1_async", "w3_async", "latency", "enqueue", "fleet", "growth", "recovery", "memory",
-    "scrape", "supervisor_scrape", "ui", "sleep", "flow", "claim_cost", "priority", "fairness", "rate_limit",
-    "charts", "history", "held_back", "write_cost", "sustained", "stream", "attributes", "bulk", "dag",
+    "limit", "w1", "w3", "w3_write_behind", "w1_async", "w3_async", "latency", "enqueue", "fleet", "growth",
+    "recovery", "memory", "scrape", "supervisor_scrape", "ui", "sleep", "flow", "claim_cost", "priority", "fairness",
+    "rate_limit", "charts", "history", "held_back", "write_cost", "sustained", "stream", "attributes", "bulk", "dag",
 )
 
 

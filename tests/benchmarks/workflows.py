@@ -25,6 +25,16 @@ def three_steps(i: int) -> int:
     return noop(i) + noop(i + 1) + noop(i + 2)
 
 
+@step(write_behind=True)
+def noop_behind(i: int) -> int:
+    return i
+
+
+@workflow
+def three_steps_behind(i: int) -> int:
+    return noop_behind(i) + noop_behind(i + 1) + noop_behind(i + 2)
+
+
 @step
 def started_at() -> float:
     """The moment the step's function starts, on this host's clock."""
