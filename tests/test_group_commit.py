@@ -4,6 +4,7 @@ answer (and each error) reaching only its own run."""
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -395,6 +396,24 @@ def test_an_outcome_carried_under_load_is_written_while_the_next_step_runs(db, s
     open(release, "w").close()
     wait_for(lambda: {db.run(r.id)["status"] for r in runs} == {"completed"}, 30, what="both runs completed")
     assert sorted(tag for _, tag, _ in marks_of(marks) if tag in ("one", "three")) == ["one"] * 2 + ["three"] * 2
+
+
+def test_a_worker_killed_while_outcomes_wait_loses_no_run_and_no_step_row(db, start_worker, marks):
+    """SIGKILL of a worker draining write-behind runs under load: its
+    catchup finishes every run, each with all its step rows; a step whose
+    outcome was carried ran again (at least once), none was skipped."""
+    runs = db.schedule_many(workflows.two_steps_behind, [(marks,)] * 3000)
+    first = start_worker("w-behind", threads=4)
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") >= 300, 60,
+             what="some runs completed")
+    first.kill()
+    assert db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'running'") > 0, "killed with no run held"
+    start_worker("w-behind", threads=4)
+    wait_for(lambda: db.value("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'") == 3000, 120,
+             what="every run completed after the catchup")
+    assert db.value("SELECT count(*) FROM everystep_step") == 2 * 3000
+    ran = collections.Counter((run, tag) for run, tag, _ in marks_of(marks) if tag in ("a", "b"))
+    assert set(ran) == {(str(r.id), tag) for r in runs for tag in ("a", "b")}  # every step ran, at least once
 
 
 def test_limited_runs_are_not_starved_by_an_unlimited_backlog(db, start_worker, marks):
