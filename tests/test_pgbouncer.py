@@ -21,7 +21,7 @@ from psycopg import conninfo
 import everystep
 import everystep.db
 from everystep.config import ConfigError, load
-from tests.apps.workflows import held, marks_of, quick, timed_steps
+from tests.apps.workflows import held, marks_of, quick, timed_steps, two_steps_behind
 from tests.support.processes import WorkerProcess, wait_for
 from tests.support.supervisor_process import config
 
@@ -122,11 +122,12 @@ def test_a_workload_runs_through_pgbouncer_in_transaction_mode(db, pgbouncer, po
     with db.connect() as conn, everystep.transaction(conn):
         runs = everystep.schedule_many(quick, [(marks,)] * 60)
         runs += [everystep.schedule(timed_steps, marks, 3, 0.0) for _ in range(20)]
+        runs += [everystep.schedule(two_steps_behind, marks) for _ in range(40)]  # carried rows: with the end
     wait_for(lambda: all(db.run(run.id)["status"] in everystep.db.TERMINAL for run in runs), 60,
              what="every run ended")
     assert {db.run(run.id)["status"] for run in runs} == {"completed"}, worker.output()
-    assert db.value("SELECT count(*) FROM everystep_step") == 60 + 20 * 3
-    assert len(marks_of(marks)) == 2 * (60 + 20 * 3)  # each step ran once
+    assert db.value("SELECT count(*) FROM everystep_step") == 60 + 20 * 3 + 40 * 2
+    assert len(marks_of(marks)) == 2 * (60 + 20 * 3 + 40 * 2)  # each step ran once
     # Step rows and run ends went through PgBouncer: the worker's pool has no other URL. Group
     # commit writes many runs' rows per transaction, so there are fewer transactions than runs,
     # but some (PgBouncer's totals lag by its stats_period).
