@@ -111,10 +111,10 @@ class Successors:
         returns or raises."""
         return 0
 
-    def ends_to_gather(self) -> int:
-        """How many run ends a batch may wait for under load (writer.LINGER),
-        asked at each batch: at most one per slot that is lent while its
-        run's end is written. This default: 1, none waits."""
+    def writes_to_gather(self) -> int:
+        """How many writes a batch of step rows, or of run ends, may wait for
+        under load (writer.LINGER), asked at each batch: at most one per
+        slot. This default: 1, none waits."""
         return 1
 
 
@@ -290,7 +290,7 @@ class HeldRun:
                 return False
             if not all(step.behind and step.since - step.started < CARRY_UNDER for step in self._pending):
                 return False
-        return self.lent.successors.ends_to_gather() > 1
+        return self.lent.successors.writes_to_gather() > 1
 
     # -------------------------------------------------------------- the connection
 

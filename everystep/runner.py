@@ -255,10 +255,11 @@ class Runner:
         self.successors = successors or Successors()
         # Step rows and run ends of all this runner's executions share commits:
         # step rows in batches of their own, so that none waits behind the
-        # heavier statement that ends runs and claims their successors.
-        self.step_writer = GroupWriter(pool, name, lambda: None)
+        # heavier statement that ends runs and claims their successors. Both
+        # gather while every slot runs a body (writer.LINGER).
+        self.step_writer = GroupWriter(pool, name, lambda: None, gather=self.successors.writes_to_gather)
         self.end_writer = GroupWriter(pool, name, lambda: self.successors.routes, lambda: self.successors.skipped,
-                                      gather=self.successors.ends_to_gather)
+                                      gather=self.successors.writes_to_gather)
         self._lent = Lent(pool, name, self.fence, self.successors, self.step_writer, self.end_writer)
         self._io_threads, self._step_threads = io_threads, step_threads
         self._loop: aio.Loop | None = None

@@ -884,12 +884,12 @@ class Worker(Successors):
         if self.on_load:
             self.on_load(inflight, self.threads + (self.async_slots if registry.kinds()[1] else 0))
 
-    def ends_to_gather(self) -> int:
-        """(Successors.) How many run ends a batch may wait for: one per sync
-        slot while every slot runs a body (each is lent while its run's end
-        is written, see reserve); 1, none waits, once a slot has nothing to
-        run, or in a process that has async workflows (their slots are held
-        until their runs' ends commit)."""
+    def writes_to_gather(self) -> int:
+        """(Successors.) How many writes a batch of step rows, or of run
+        ends, may wait for: one per sync slot while every slot runs a body
+        (each is lent while its run's end is written, see reserve); 1, none
+        waits, once a slot has nothing to run, or in a process that has async
+        workflows (their slots are held until their runs' ends commit)."""
         if registry.kinds()[1]:
             return 1
         with self._lock:

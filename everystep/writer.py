@@ -19,7 +19,7 @@ limit with two, 0.17-0.21 with one writer for both, on 2 cores). Nothing is
 added to a lone write's latency: a batch is what arrived while the previous
 one was being written, so under load the batches grow by themselves and at
 rest each write goes alone. While every run slot of the process is busy,
-the leader of run ends also waits a moment for the ends of the others (see
+a leader also waits a moment for the writes of the other slots (see
 LINGER). Nothing is acknowledged before its commit returned (the session's
 commits wait for the WAL flush, see db.prepare_session).
 
@@ -47,13 +47,16 @@ log = logging.getLogger("everystep")
 # Writes per transaction at most: the run slots of a process stay far below
 # it; parallel branches and late outcomes may add some.
 MAX_BATCH = 64
-# While every sync run slot of the process runs a body, the writer of run
-# ends waits up to LINGER seconds for an end from each before it writes
-# (Worker.ends_to_gather; not in a process with async workflows). The
-# statement that ends runs costs the server about the same whatever its size
-# (~0.3 ms on 2 cores: its plan's start, the claim of the successors), and
-# the slot of a run whose end is being written is lent to the next run
-# meanwhile (Worker.reserve): an end waits only while no slot is idle.
+# While every sync run slot of the process runs a body, the writers of run
+# ends and of step rows wait up to LINGER seconds for a write from each slot
+# before they write (Worker.writes_to_gather; not in a process with async
+# workflows). The statement that ends runs costs the server about the same
+# whatever its size (~0.3 ms on 2 cores: its plan's start, the claim of the
+# successors), and the slot of a run whose end is being written is lent to
+# the next run meanwhile (Worker.reserve): an end waits only while no slot
+# is idle. A step row's batch has a fixed cost too (its statement's start,
+# its commit): fewer, larger batches cost the server and the worker less a
+# step than the wait costs the run (docs/performance.md).
 LINGER = 0.002
 # Seconds without a batch after which a writer gives its connection back to
 # the pool (Runner.give_back_idle, at each turn of the worker's loop; the

@@ -134,13 +134,13 @@ def test_ends_wait_for_each_other_only_while_every_sync_slot_runs_a_body(monkeyp
     monkeypatch.setattr(registry, "kinds", lambda: (True, False))  # sync workflows only
     worker = Worker("postgresql://unused", "w0", threads=2)
     first, second = (SimpleNamespace(token=token, id=uuid.uuid4()) for token in (1, 2))
-    assert worker.ends_to_gather() == 1  # idle slots: an end goes at once
+    assert worker.writes_to_gather() == 1  # idle slots: an end goes at once
     worker._take_slot(first, False)
-    assert worker.ends_to_gather() == 1
+    assert worker.writes_to_gather() == 1
     worker._take_slot(second, False)
-    assert worker.ends_to_gather() == 2  # every slot runs a body: an end waits for the other's
+    assert worker.writes_to_gather() == 2  # every slot runs a body: an end waits for the other's
     worker._ending.add(first.token)  # its end is being written, its slot lent and taken by no run
-    assert worker.ends_to_gather() == 1
+    assert worker.writes_to_gather() == 1
     worker._ending.discard(first.token)
     monkeypatch.setattr(registry, "kinds", lambda: (True, True))  # async slots are held until their end commits
-    assert worker.ends_to_gather() == 1
+    assert worker.writes_to_gather() == 1

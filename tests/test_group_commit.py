@@ -18,7 +18,9 @@ import everystep
 import everystep.db
 from everystep import metrics
 from everystep import writer as writer_module
+from everystep.execution import Successors
 from everystep.ids import uuid7_many
+from everystep.runner import Runner
 from everystep.writer import GroupWriter
 from tests.apps import workflows
 from tests.apps.workflows import marks_of
@@ -283,6 +285,46 @@ def test_ends_wait_for_the_other_slots_only_while_every_slot_is_busy(db, monkeyp
         assert [answers[i].status for i in (3, 4)] == ["completed"] * 2
     finally:
         w.close()
+
+
+def test_step_rows_wait_for_the_other_slots_only_while_every_slot_is_busy(db, monkeypatch):
+    """A runner's writer of step rows gathers as its writer of ends does:
+    while every slot runs a body, a batch waits for a write from each."""
+    monkeypatch.setattr(writer_module, "LINGER", 5.0)  # long enough to be seen on a loaded machine
+
+    class Slots(Successors):
+        busy = True
+
+        def writes_to_gather(self) -> int:
+            return 3 if self.busy else 1
+
+    slots = Slots()
+    runner = Runner(db.pool, "w1", successors=slots)
+    runs = claimed(db, 4)
+    answers: dict = {}
+
+    def write(i: int) -> threading.Thread:
+        run = runs[i]
+        thread = threading.Thread(target=lambda: answers.__setitem__(
+            i, runner.step_writer.record_step(run.id, "w1", run.token, row("1"))))
+        thread.start()
+        return thread
+
+    try:
+        first = write(0)
+        time.sleep(0.5)
+        assert first.is_alive() and db.value("SELECT count(*) FROM everystep_step") == 0  # waiting for the others
+        others = [write(1), write(2)]
+        for t in (first, *others):
+            t.join(4.0)  # all there: written at once, well before the wait's end
+            assert not t.is_alive()
+        assert [answers[i] for i in range(3)] == [everystep.db.Written(False)] * 3
+        slots.busy = False
+        alone = write(3)
+        alone.join(4.0)  # a slot is free: nothing waits
+        assert not alone.is_alive() and answers[3] == everystep.db.Written(False)
+    finally:
+        runner.close()
 
 
 def test_one_bad_write_fails_alone(db, writer):
