@@ -458,6 +458,37 @@ def test_a_worker_killed_while_outcomes_wait_loses_no_run_and_no_step_row(db, st
     assert set(ran) == {(str(r.id), tag) for r in runs for tag in ("a", "b")}  # every step ran, at least once
 
 
+def test_write_behind_runs_across_a_server_crash_lose_no_step_row(private_server, tmp_path, marks):
+    """A crash of the server (WAL not flushed lost, sessions asked to commit
+    without waiting for it) while a worker drains write-behind runs under
+    load: the batches it broke are written again once the server is back,
+    and every run ends with all its step rows, every step run at least once."""
+    from tests.support.processes import WorkerProcess  # noqa: PLC0415
+
+    private_server.lose_unflushed_commits()
+    with psycopg.connect(private_server.url, autocommit=True) as conn, everystep.transaction(conn):
+        runs = everystep.schedule_many(workflows.two_steps_behind, [(marks,)] * 3000)
+
+    def completed() -> int:
+        with psycopg.connect(private_server.url, autocommit=True) as conn:
+            return conn.execute("SELECT count(*) FROM everystep_workflow WHERE status = 'completed'").fetchone()[0]
+
+    worker = WorkerProcess(private_server.url, "w-behind", tmp_path / "logs", threads=4)
+    try:
+        wait_for(lambda: completed() >= 300, 60, what="some runs completed")
+        before = completed()
+        private_server.crash()
+        assert before < 3000, "crashed after the drain"
+        wait_for(lambda: completed() == 3000, 120, what="every run completed after the crash")
+        with psycopg.connect(private_server.url, autocommit=True) as conn:
+            assert conn.execute("SELECT count(*) FROM everystep_step").fetchone()[0] == 2 * 3000
+        ran = {(run, tag) for run, tag, _ in marks_of(marks) if tag in ("a", "b")}
+        assert ran == {(str(r.id), tag) for r in runs for tag in ("a", "b")}
+        assert worker.alive(), worker.output()
+    finally:
+        worker.close()
+
+
 def test_limited_runs_are_not_starved_by_an_unlimited_backlog(db, start_worker, marks):
     """Ends claim successors among unlimited workflows only until a batch
     finds a limited workflow with runs to claim: then the whole claim (slots
