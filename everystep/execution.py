@@ -74,7 +74,13 @@ class Fence:
 
     def before_write(self, run: db.ClaimedRun) -> None:
         """Before every write about the run: block while the claim is
-        uncertain, raise `LostClaim` once it is gone."""
+        uncertain or not committed yet (`committed`), raise `LostClaim` once
+        it is gone."""
+
+    def committed(self, run: db.ClaimedRun) -> None:
+        """Before the execution's first read or write about its run: block
+        until the claim's commit returned (a run may start while it is on its
+        way, see db.claim_before_commit)."""
 
     def clear(self, run: db.ClaimedRun) -> bool:
         """Whether `check` and `before_write` would return (or raise) at once,
@@ -285,6 +291,8 @@ class HeldRun:
         rest (a slot free), nothing waits past the next step's start."""
         if self.asynchronous or self.streams is not None or not self.on_own_thread():
             return False
+        if not self.lent.fence.clear(self.claim):  # its claim's commit still on its way, say
+            return False
         with self._pending_lock:
             if not self._pending or len(self._pending) >= CARRY_MAX:
                 return False
@@ -297,6 +305,7 @@ class HeldRun:
     @contextmanager
     def cursor(self) -> Iterator[psycopg.Cursor]:
         """A cursor for one write or read (see the class)."""
+        self.lent.fence.committed(self.claim)
         if not self.on_own_thread():
             with self.lent.pool.connection() as conn:
                 yield conn.cursor()

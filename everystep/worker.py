@@ -88,20 +88,32 @@ class WorkerFence(Fence):
         self.held = threading.Event()
         self.draining = False
         self.abandoned: set[int] = set()  # tokens of executions that must not write any more
+        # The tokens of claims whose commit has not returned yet, each with
+        # the event set once it has (Worker._confirm_claim).
+        self.uncommitted: dict[int, threading.Event] = {}
 
     def check(self, run: db.ClaimedRun) -> None:
+        # Not `before_write`: a run's first step starts while its claim commits.
         if self.draining:
             raise Drain()
-        self.before_write(run)
+        self._held(run)
 
     def before_write(self, run: db.ClaimedRun) -> None:
+        self.committed(run)
+        self._held(run)
+
+    def committed(self, run: db.ClaimedRun) -> None:
+        if (commit := self.uncommitted.get(run.token)) is not None:
+            commit.wait()
+
+    def _held(self, run: db.ClaimedRun) -> None:
         while not self.held.is_set() and run.token not in self.abandoned:
             self.held.wait(0.5)
         if run.token in self.abandoned:
             raise LostClaim(f"run {run.id} was abandoned: the worker lost its lock, or the run was taken away")
 
     def clear(self, run: db.ClaimedRun) -> bool:
-        return self.held.is_set() or run.token in self.abandoned
+        return (self.held.is_set() or run.token in self.abandoned) and run.token not in self.uncommitted
 
     def wait_after_error(self, run: db.ClaimedRun, attempt: int, error: Exception) -> None:
         # Retried until it goes through or the execution is abandoned; meanwhile
@@ -231,6 +243,10 @@ class Worker(Successors):
         self._last_query = 0.0  # when the loop last queried its connection
         self._drain_deadline: float | None = None
         self._claimed: tuple[int, int] | None = None  # the last holder's claim: (runs, free slots), to count
+        # The last claim's commit, still on its way, and the tokens it claimed
+        # (its runs start meanwhile): confirmed before the control connection
+        # runs anything else.
+        self._uncommitted: tuple[Callable[[], None], list[int]] | None = None
 
     # ---------------------------------------------------------------- control
 
@@ -496,6 +512,11 @@ class Worker(Successors):
         None once it ended; a claimed run when it handed the role over to
         start that run on this thread."""
         while True:
+            if self._uncommitted is not None:
+                try:
+                    self._confirm_claim()
+                except db.CONNECTION_ERRORS as exc:
+                    self._lost_lock(exc)
             if self._stopping:
                 if self._fast:
                     self._requeue_everything("fast stop")
@@ -591,15 +612,50 @@ class Worker(Successors):
         if not self._waiting:
             db.wait_for_runs(conn, self.name)  # before the claim: no run scheduled meanwhile is missed
             self._waiting = True
-        runs = db.claim(conn, self.name, free, self.routes, skipped=self.skipped)
+        # The runs start as the claim's rows arrive; their executions read and
+        # write once its commit returned (WorkerFence.committed).
+        runs, confirm = db.claim_before_commit(conn, self.name, free, self.routes, skipped=self.skipped)
+        if runs:
+            commit = threading.Event()
+            for run in runs:
+                self.fence.uncommitted[run.token] = commit
+            self._uncommitted = (confirm, [run.token for run in runs])
         mine = None
         for run in runs:
             if self._start(run, here=mine is None and self._role_waiting > 0):
                 mine = run
         if mine is not None:
-            self._claimed = (len(runs), free)  # counted by the next holder of the role, after the hand-over
+            # Confirmed and counted by the next holder of the role, after the hand-over.
+            self._claimed = (len(runs), free)
             return False, mine
+        if runs:
+            self._confirm_claim()
         return self._after_claim(conn, len(runs), free), None
+
+    def _confirm_claim(self) -> None:
+        """Wait for the last claim's commit, then let its executions read and
+        write. If the connection broke meanwhile, their writes wait for the
+        lock to be taken again, which abandons those whose claim did not
+        commit (_after_relock); if the commit failed, nothing was claimed:
+        they are abandoned at once."""
+        (confirm, tokens), self._uncommitted = self._uncommitted, None
+        try:
+            confirm()
+        except db.CONNECTION_ERRORS:
+            self.fence.held.clear()
+            raise
+        except psycopg.Error as exc:
+            log.warning("the commit of a claim of %d runs failed (%s); their executions stop", len(tokens),
+                        first_line(exc), extra=self._extra)
+            with self._lock:
+                self.fence.abandoned.update(token for token in tokens if token in self._executing)
+                self._backlog = [run for run in self._backlog if run.token not in tokens]
+        finally:
+            commit = self.fence.uncommitted.get(tokens[0])
+            for token in tokens:
+                self.fence.uncommitted.pop(token, None)
+            if commit is not None:
+                commit.set()
 
     def _after_claim(self, conn: psycopg.Connection, claimed: int, free: int) -> bool:
         """Count a claim of `claimed` runs for `free` slots; whether to claim

@@ -117,6 +117,7 @@ from everystep.db.queue import (
     apply_limits,
     cancel_requests,
     claim,
+    claim_before_commit,
     compact_queue,
     count_crashes,
     end_runs,
@@ -278,7 +279,8 @@ __all__ = [
     "prepare_control_session", "prepare_session", "check_schema",
     "reset_claiming_session", "try_lock", "unlock",
     # queue
-    "apply_limits", "cancel_requests", "claim", "count_crashes", "end_runs", "finish_run", "held_claims",
+    "apply_limits", "cancel_requests", "claim", "claim_before_commit", "count_crashes", "end_runs", "finish_run",
+    "held_claims",
     "limits", "next_due_in", "reclaim_held", "record_step", "record_steps", "requeue_claimer",
     "requeue_from_dead_claimers", "requeue_held", "routes_of", "running_claimers", "sort_lanes", "stop_waiting",
     "wait_for_runs", "key_limits", "priorities", "put_rate_limits", "rate_limits", "sweep_keys", "take_token",

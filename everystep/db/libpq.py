@@ -14,8 +14,10 @@ in during one of these statements waits in libpq's queue
 from __future__ import annotations
 
 import json
+import select
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import psycopg
@@ -67,6 +69,79 @@ def run(on: Executor, statement: Hot, values: dict[str, Any]) -> pq.abc.PGresult
         prepared.clear()
         return run(on, statement, values)
     return check(conn, result)
+
+
+def run_before_commit(on: Executor, statement: Hot,
+                      values: dict[str, Any]) -> tuple[pq.abc.PGresult, Callable[[], None]]:
+    """Execute a hot statement in a transaction of its own and return its rows
+    as soon as it ran, before its commit: the server flushes them at a Flush
+    message sent after it, then commits at the Sync that follows (pipeline
+    mode). `confirm()` waits for the commit and raises what it raised; it
+    must be called before anything else runs on the connection. Where no
+    pipeline can be used (a transaction pooler, a transaction open, a libpq
+    before 14): `run`, and a confirm that returns at once."""
+    conn = on.connection if isinstance(on, psycopg.Cursor) else on
+    if isinstance(conn, TransactionPooledConnection) or not conn.autocommit or pq.version() < 140000:
+        return run(on, statement, values), committed
+    pgconn = conn.pgconn
+    prepared = _prepared.setdefault(conn, set())
+    if statement.name not in prepared:
+        check(conn, pgconn.prepare(statement.name, statement.sql))
+        prepared.add(statement.name)
+    params = [None if (value := values[param]) is None else str(value).encode() for param in statement.params]
+    pgconn.enter_pipeline_mode()
+    try:
+        pgconn.send_query_prepared(statement.name, params)
+        pgconn.send_flush_request()
+        pgconn.pipeline_sync()
+        while pgconn.flush():
+            select.select([], [pgconn.socket], [])
+        result = _next_result(pgconn)
+    except BaseException:
+        conn.close()  # where the pipeline stands is not known: no statement may follow on it
+        raise
+    if result.status != pq.ExecStatus.TUPLES_OK:
+        _to_sync(conn)  # an error: the rest of the pipeline is skipped, up to its sync
+        if result.error_field(pq.DiagnosticField.SQLSTATE) == b"26000":  # deallocated (see run)
+            prepared.clear()
+            return run_before_commit(on, statement, values)
+        return check(conn, result), committed
+
+    def confirm() -> None:
+        error = _to_sync(conn)
+        if error is not None:
+            check(conn, error)
+
+    return result, confirm
+
+
+def committed() -> None:
+    """The confirm of a statement whose commit returned with its rows."""
+
+
+def _next_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
+    """The next result of a pipeline, waiting for the server (the GIL is
+    released meanwhile); None: the end of one statement's results."""
+    while True:
+        pgconn.consume_input()
+        if not pgconn.is_busy():
+            return pgconn.get_result()
+        select.select([pgconn.socket], [], [])
+
+
+def _to_sync(conn: psycopg.Connection) -> pq.abc.PGresult | None:
+    """Read a pipeline's results up to its sync (the commit of its implicit
+    transaction) and leave pipeline mode; the first error among them, if any."""
+    pgconn, error = conn.pgconn, None
+    try:
+        while (result := _next_result(conn.pgconn)) is None or result.status != pq.ExecStatus.PIPELINE_SYNC:
+            if result is not None and result.status == pq.ExecStatus.FATAL_ERROR and error is None:
+                error = result
+        pgconn.exit_pipeline_mode()
+    except BaseException:
+        conn.close()
+        raise
+    return error
 
 
 def check(conn: psycopg.Connection, result: pq.abc.PGresult) -> pq.abc.PGresult:

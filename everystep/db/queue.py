@@ -10,7 +10,7 @@ still being `running`, claimed by the writer and carrying the writer's token.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psycopg
 from psycopg import errors
@@ -92,6 +92,33 @@ def claim(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] |
         runs = libpq.claimed_runs(conn, libpq.run(conn, _CLAIM, values), first_column=0)
     runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
     return runs
+
+
+def claim_before_commit(conn: psycopg.Connection, runner: str, limit: int, routes: list[str] | None = None,
+                        skipped: Sequence[str] = ()) -> tuple[list[ClaimedRun], Callable[[], None]]:
+    """`claim`, with the claimed runs as soon as the claim ran, before its
+    commit: the worker starts them while the commit's WAL flush goes on.
+    `confirm()` waits for the commit (raising a connection error if the
+    connection broke meanwhile: whether the claim committed is then
+    unknown); it is to be called before anything else runs on `conn`, and
+    an execution of a run reads and writes nothing about it before. When
+    no run is claimed, the commit has returned already (confirm does nothing)."""
+    values = {"runner": runner, "limit": limit, "routes": libpq.array_literal(routes),
+              "skipped": libpq.array_literal(list(skipped))}
+    for attempt in (1, 2):
+        result, confirm = libpq.run_before_commit(conn, _CLAIM, values)
+        try:
+            runs = libpq.claimed_runs(conn, result, first_column=0)
+        except BaseException:
+            confirm()
+            raise
+        if runs:
+            runs.sort(key=lambda r: r.id)  # UUIDv7: creation order
+            return runs, confirm
+        confirm()  # nothing to start: the connection is free again at once
+        if attempt == 2 or limit <= 0 or not unblock(conn):
+            break
+    return [], libpq.committed
 
 
 def unblock(conn: psycopg.Connection) -> int:
