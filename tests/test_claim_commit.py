@@ -142,3 +142,28 @@ def test_a_worker_whose_claim_fails_to_commit_stops_that_execution_and_claims_th
     # Its first execution ran the step's body before the commit failed; the second ran it again.
     assert [tag for _, tag, _ in workflows.marks_of(marks)] == ["q", "q:end", "q", "q:end"]
     assert worker.alive()
+
+
+def test_a_worker_whose_control_session_dies_while_its_claim_commits_abandons_that_execution(
+        db, start_worker, marks):
+    """The claim's commit is on its way when the server ends the worker's
+    control session: whether it committed is unknown to the worker, which
+    takes its lock again on a new session, finds the run not held, abandons
+    the execution whose body ran meanwhile, and claims the run again."""
+    slow_commits(db, seconds=30.0)
+    worker = start_worker("w-cut", threads=2)
+    worker.wait_logged("holding the lock")
+    (run,) = db.schedule_many(workflows.quick, [(marks,)])
+    wait_for(lambda: [tag for _, tag, _ in workflows.marks_of(marks)] == ["q", "q:end"], timeout=20,
+             what="the step's body ran while its claim commits")
+    committing = db.value("SELECT pid FROM pg_stat_activity"
+                          " WHERE application_name = 'everystep w-cut control' AND wait_event = 'PgSleep'")
+    assert committing is not None
+    with db.connect() as conn:
+        conn.execute("DELETE FROM slow_commit")  # the next claim commits at once
+        conn.execute("SELECT pg_terminate_backend(%s)", (committing,))
+    wait_for(lambda: db.run(run.id)["status"] == "completed", timeout=60, what="the run completed")
+    worker.wait_logged("lost the control connection")
+    assert db.value("SELECT count(*) FROM everystep_step WHERE workflow_id = %s", (run.id,)) == 1
+    assert [tag for _, tag, _ in workflows.marks_of(marks)] == ["q", "q:end", "q", "q:end"]
+    assert worker.alive()
