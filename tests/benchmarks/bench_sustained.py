@@ -61,13 +61,17 @@ def hold_backlog(db: Database, backlog: int, seconds: float) -> tuple[list[tuple
             for table, dead in dead_tuples(db).items():
                 peak[table] = max(peak.get(table, 0), dead)
         time.sleep(0.5)
+    waiting, unfinished = db.query(WAITING)[0]
+    samples.append((time.monotonic() - began, scheduled - unfinished))  # the end's: at least two samples
     return samples, peak
 
 
 def rate_between(samples: list[tuple[float, int]], start: float, end: float) -> float:
-    """Runs done per second between two moments, from the samples nearest them."""
-    first = min(samples, key=lambda s: abs(s[0] - start))
-    last = min(samples, key=lambda s: abs(s[0] - end))
+    """Runs done per second between two moments, from the samples nearest
+    them: a sample before the last for the start, a later one for the end
+    (on a slow machine the samples of a short run are few and far apart)."""
+    first = min(samples[:-1], key=lambda s: abs(s[0] - start))
+    last = min((s for s in samples if s[0] > first[0]), key=lambda s: abs(s[0] - end))
     return (last[1] - first[1]) / (last[0] - first[0])
 
 
