@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import json
 import os
-import select
 import threading
 import time
 import uuid
@@ -35,7 +34,7 @@ from typing import NamedTuple
 
 import psycopg
 
-from everystep import db
+from everystep import db, waits
 from everystep.errors import EverystepError
 from everystep.schema import TERMINAL
 
@@ -229,8 +228,7 @@ class Hub:
                     return False
                 wait = IDLE if not self._tails else max(
                     0.0, min(t.looked_at for t in self._tails.values()) + LOOK_AGAIN - time.monotonic())
-            ready, _, _ = select.select([conn.fileno(), self._wake_r], [], [], wait)
-            if self._wake_r in ready:
+            if self._wake_r in waits.readable([conn.fileno(), self._wake_r], wait):
                 os.read(self._wake_r, 4096)
             notifies = list(conn.notifies(timeout=0))
         handed: dict[int, Reader] = {}  # woken once all the notifications are handed (a commit sends several)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import select
 import threading
 import time
 import uuid
@@ -39,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from everystep import db, liveness, metrics, registry
+from everystep import db, liveness, metrics, registry, waits
 from everystep.errors import Drain, LostClaim
 from everystep.logs import first_line
 from everystep.runner import IO_THREADS, Execution, Fence, Runner, Successors
@@ -673,8 +672,7 @@ class Worker(Successors):
         if self._drain_notifications(conn):
             return True  # it came in during the loop's own statements: already read off the socket
         if timeout > 0:
-            readable, _, _ = select.select([conn.fileno(), self._wake_r], [], [], timeout)
-            if self._wake_r in readable:
+            if self._wake_r in waits.readable([conn.fileno(), self._wake_r], timeout):
                 os.read(self._wake_r, 4096)
         return self._drain_notifications(conn)
 
@@ -685,8 +683,7 @@ class Worker(Successors):
         return received > 0
 
     def _sleep(self, seconds: float) -> None:
-        readable, _, _ = select.select([self._wake_r], [], [], seconds)
-        if readable:
+        if waits.readable([self._wake_r], seconds):
             os.read(self._wake_r, 4096)
 
     # ---------------------------------------------------------------- runs

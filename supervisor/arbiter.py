@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import signal
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import psycopg
 from setproctitle import setproctitle
 
-from everystep import db, embedded, logs, registry
+from everystep import db, embedded, logs, registry, waits
 from everystep.config import Config, ConfigError, check_workflows, load
 from everystep.logs import first_line
 from supervisor import metrics, metrics_dir, state_file
@@ -180,8 +179,7 @@ class Arbiter:
             if self.phase == "stopping" and not any(s.pid for s in self.slots.values()):
                 return
             fds = [self._signal_r] + [s.status_fd for s in self.slots.values() if s.status_fd is not None]
-            readable, _, _ = select.select(fds, [], [], self._next_timeout())
-            for fd in readable:
+            for fd in waits.readable(fds, self._next_timeout()):
                 if fd == self._signal_r:
                     for signum in os.read(self._signal_r, 64):
                         self._on_signal(signum)

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -46,6 +47,25 @@ def test_two_workers_claim_disjoint_sets(db, start_worker, marks):
         pids_per_run[run].add(pid)
     assert all(len(pids) == 1 for pids in pids_per_run.values())  # no run split across processes
     assert len(pids_per_run) == len(runs)
+
+
+# A worker process whose first 1,100 descriptors are taken (by the
+# application's files, say) before it opens its connections and pipes.
+CROWDED_WORKER = (sys.executable, "-c", "import os, sys; "
+                  "crowd = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]; "
+                  "from everystep.cli import main; sys.exit(main())")
+
+
+def test_a_worker_whose_descriptors_number_past_1024_waits_claims_and_ends_runs(db, start_worker, marks):
+    """select(2) refuses a descriptor numbered 1024 or more: the worker's
+    waits (for a notification, for the claim's answer) must not use it."""
+    worker = start_worker("w-crowded", threads=4, command=CROWDED_WORKER)
+    worker.wait_logged("holding the lock")
+    time.sleep(1.0)  # its control loop waits for a notification on a socket numbered past 1024
+    runs = db.schedule_many(workflows.two_steps, [(marks,)] * 20)
+    wait_for(all_done(db, len(runs)), timeout=30, what="20 runs completed by the crowded worker")
+    assert worker.alive()
+    assert "out of range" not in worker.output()
 
 
 def test_an_idle_worker_starts_the_run_it_claims_on_the_thread_that_claimed_it(db, start_worker, tmp_path):

@@ -14,7 +14,6 @@ in during one of these statements waits in libpq's queue
 from __future__ import annotations
 
 import json
-import select
 import uuid
 import weakref
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg import errors, pq
 
+from everystep import waits
 from everystep.db import queries
 from everystep.db.rows import ClaimedRun
 from everystep.db.session import Executor, TransactionPooledConnection
@@ -95,7 +95,7 @@ def run_before_commit(on: Executor, statement: Hot,
         pgconn.send_flush_request()
         pgconn.pipeline_sync()
         while pgconn.flush():
-            select.select([], [pgconn.socket], [])
+            waits.writable(pgconn.socket)
         result = _next_result(pgconn)
     except BaseException:
         conn.close()  # where the pipeline stands is not known: no statement may follow on it
@@ -126,7 +126,7 @@ def _next_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
         pgconn.consume_input()
         if not pgconn.is_busy():
             return pgconn.get_result()
-        select.select([pgconn.socket], [], [])
+        waits.readable([pgconn.socket])
 
 
 def _to_sync(conn: psycopg.Connection) -> pq.abc.PGresult | None:
