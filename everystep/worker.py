@@ -242,10 +242,10 @@ class Worker(Successors):
         self._last_query = 0.0  # when the loop last queried its connection
         self._drain_deadline: float | None = None
         self._claimed: tuple[int, int] | None = None  # the last holder's claim: (runs, free slots), to count
-        # The last claim's commit, still on its way, and the tokens it claimed
-        # (its runs start meanwhile): confirmed before the control connection
-        # runs anything else.
-        self._uncommitted: tuple[Callable[[], None], list[int]] | None = None
+        # The last claim's commit, still on its way, the tokens it claimed
+        # (its runs start meanwhile) and the event their fence waits on:
+        # confirmed before the control connection runs anything else.
+        self._uncommitted: tuple[Callable[[], None], list[int], threading.Event] | None = None
 
     # ---------------------------------------------------------------- control
 
@@ -618,7 +618,7 @@ class Worker(Successors):
             commit = threading.Event()
             for run in runs:
                 self.fence.uncommitted[run.token] = commit
-            self._uncommitted = (confirm, [run.token for run in runs])
+            self._uncommitted = (confirm, [run.token for run in runs], commit)
         mine = None
         for run in runs:
             if self._start(run, here=mine is None and self._role_waiting > 0):
@@ -637,7 +637,7 @@ class Worker(Successors):
         lock to be taken again, which abandons those whose claim did not
         commit (_after_relock); if the commit failed, nothing was claimed:
         they are abandoned at once."""
-        (confirm, tokens), self._uncommitted = self._uncommitted, None
+        (confirm, tokens, commit), self._uncommitted = self._uncommitted, None
         try:
             confirm()
         except db.CONNECTION_ERRORS:
@@ -650,11 +650,9 @@ class Worker(Successors):
                 self.fence.abandoned.update(token for token in tokens if token in self._executing)
                 self._backlog = [run for run in self._backlog if run.token not in tokens]
         finally:
-            commit = self.fence.uncommitted.get(tokens[0])
             for token in tokens:
                 self.fence.uncommitted.pop(token, None)
-            if commit is not None:
-                commit.set()
+            commit.set()
 
     def _after_claim(self, conn: psycopg.Connection, claimed: int, free: int) -> bool:
         """Count a claim of `claimed` runs for `free` slots; whether to claim

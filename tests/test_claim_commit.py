@@ -13,6 +13,7 @@ import pytest
 
 import everystep.db
 from tests.apps import workflows
+from tests.benchmarks.workflows import latency_probe
 from tests.support.processes import wait_for
 
 # The commit of a transaction that claimed a run waits `seconds`, then fails
@@ -117,8 +118,8 @@ def test_a_workers_run_starts_while_its_claim_commits_and_writes_after(db, start
         END $$;
         CREATE TRIGGER step_written AFTER INSERT ON everystep_step FOR EACH ROW EXECUTE FUNCTION step_written();
     """)
-    start_worker("w-early", threads=2).wait_logged("holding the lock")
-    (run,) = db.schedule_many(workflows.when_started, [()])
+    start_worker("w-early", threads=2, imports=("tests.benchmarks.workflows",)).wait_logged("holding the lock")
+    (run,) = db.schedule_many(latency_probe, [()])
     wait_for(lambda: db.run(run.id)["status"] == "completed", timeout=30, what="the run completed")
     body_started = float(db.run(run.id)["result"])
     (committed,) = db.query("SELECT extract(epoch FROM at)::float8 FROM claim_committed")[0]

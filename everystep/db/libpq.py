@@ -134,7 +134,7 @@ def _to_sync(conn: psycopg.Connection) -> pq.abc.PGresult | None:
     transaction) and leave pipeline mode; the first error among them, if any."""
     pgconn, error = conn.pgconn, None
     try:
-        while (result := _next_result(conn.pgconn)) is None or result.status != pq.ExecStatus.PIPELINE_SYNC:
+        while (result := _next_result(pgconn)) is None or result.status != pq.ExecStatus.PIPELINE_SYNC:
             if result is not None and result.status == pq.ExecStatus.FATAL_ERROR and error is None:
                 error = result
         pgconn.exit_pipeline_mode()

@@ -91,17 +91,6 @@ def thread_name(release: str | None) -> str:
     return threading.current_thread().name
 
 
-@step
-def wall_clock() -> float:
-    return time.time()
-
-
-@workflow
-def when_started() -> float:
-    """When its step's body started (the worker's clock, epoch seconds)."""
-    return wall_clock()
-
-
 @workflow
 def on_which_thread(release: str | None = None) -> str:
     return thread_name(release)

@@ -61,7 +61,7 @@ def hold_backlog(db: Database, backlog: int, seconds: float) -> tuple[list[tuple
             for table, dead in dead_tuples(db).items():
                 peak[table] = max(peak.get(table, 0), dead)
         time.sleep(0.5)
-    waiting, unfinished = db.query(WAITING)[0]
+    _, unfinished = db.query(WAITING)[0]
     samples.append((time.monotonic() - began, scheduled - unfinished))  # the end's: at least two samples
     return samples, peak
 
