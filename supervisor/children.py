@@ -135,7 +135,7 @@ def _after_fork(spec: ChildSpec, parent_pid: int, config) -> None:
 def _worker(spec: ChildSpec, config, status: _Status) -> None:
     from everystep import metrics  # noqa: PLC0415
     from everystep.config import worker_options  # noqa: PLC0415
-    from everystep.worker import Worker  # noqa: PLC0415
+    from everystep.worker import Worker, freeze_what_is_loaded  # noqa: PLC0415
 
     worker = Worker(
         spec.database_url, spec.name, **worker_options(config), on_claim=status.claimed_work,
@@ -145,6 +145,7 @@ def _worker(spec: ChildSpec, config, status: _Status) -> None:
     )
     metrics.declare_runner(spec.name)
     stop_on_signals(worker)
+    freeze_what_is_loaded()
     status.booted()
     worker.run()
 

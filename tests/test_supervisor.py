@@ -45,6 +45,14 @@ def test_sigkill_of_a_worker_child_brings_the_same_name_back(db, supervisors, ma
     sup.wait_logged(f"worker sk-0 (pid {before}) was killed by signal 9 (SIGKILL) unexpectedly")
 
 
+def test_a_worker_child_freezes_what_it_loaded_out_of_the_collectors_walks(db, supervisors):
+    sup = supervisors(config(db.url, "gc", workers={"processes": 1}))
+    sup.wait_workers({"gc-0"})
+    (run,) = db.schedule_many(workflows.collector_settings, [()])
+    wait_for(lambda: db.run(run.id)["status"] == "completed", what="the run completed")
+    assert db.run(run.id)["result"]["frozen"] > 1000  # the modules, the application, the config
+
+
 def test_a_lost_pod_is_recovered_by_another_supervisor(db, supervisors, marks, tmp_path):
     first = supervisors(config(db.url, "pod-a"))
     first.wait_workers({"pod-a-0", "pod-a-1"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import re
 import resource
 import signal
@@ -73,6 +74,25 @@ def test_a_worker_whose_descriptors_number_past_1024_waits_claims_and_ends_runs(
     wait_for(all_done(db, len(runs)), timeout=30, what="20 runs completed by the crowded worker")
     assert worker.alive()
     assert "out of range" not in worker.output()
+
+
+def test_an_everystep_worker_process_freezes_what_it_loaded_out_of_the_collectors_walks(db, start_worker):
+    start_worker("w-collector", threads=2).wait_logged("holding the lock")
+    (run,) = db.schedule_many(workflows.collector_settings, [()])
+    wait_for(lambda: db.run(run.id)["status"] == "completed", what="the run completed")
+    settings = db.run(run.id)["result"]
+    assert settings["frozen"] > 1000  # the modules, the application, the config
+    assert settings["threshold"] == list(gc.get_threshold())  # Python's own: young cycles are still collected
+
+
+def test_a_worker_hosted_beside_other_code_leaves_its_processs_collector_alone(db):
+    frozen = gc.get_freeze_count()
+    worker = Worker(db.url, "w-hosted", threads=1)
+    stopper = threading.Thread(target=lambda: (time.sleep(1.0), worker.stop()))
+    stopper.start()
+    worker.run()
+    stopper.join()
+    assert gc.get_freeze_count() == frozen
 
 
 def test_an_idle_worker_starts_the_run_it_claims_on_the_thread_that_claimed_it(db, start_worker, tmp_path):

@@ -110,7 +110,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     With -c FILE it runs as the supervisor's workers do; options given win."""
     from everystep.config import worker_options  # noqa: PLC0415
     from everystep.signals import stop_on_signals  # noqa: PLC0415
-    from everystep.worker import Worker  # noqa: PLC0415
+    from everystep.worker import Worker, freeze_what_is_loaded  # noqa: PLC0415
 
     config = _config(args)
     url = database_url(args)
@@ -125,6 +125,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             log.warning("worker %s: --workflows: %s", args.name, problem)
         worker = Worker(url, args.name, **options, direct_url=direct_url, allow_newer_schema=allow_newer_schema(args))
         stop_on_signals(worker)
+        freeze_what_is_loaded()
         worker.run()
     sys.stdout.flush()
     # Steps still running past the drain deadline were requeued; do not wait for their threads.

@@ -6,6 +6,7 @@ a step mid-execution until it releases it (or kills the process)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -94,6 +95,12 @@ def thread_name(release: str | None) -> str:
 @workflow
 def on_which_thread(release: str | None = None) -> str:
     return thread_name(release)
+
+
+@workflow
+def collector_settings() -> dict:
+    """How the garbage collector of the process that runs it is set."""
+    return {"threshold": list(gc.get_threshold()), "frozen": gc.get_freeze_count()}
 
 
 @workflow

@@ -33,7 +33,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         from everystep.signals import stop_on_signals  # noqa: PLC0415
-        from everystep.worker import Worker  # noqa: PLC0415
+        from everystep.worker import Worker, freeze_what_is_loaded  # noqa: PLC0415
 
         logs.configure(options["log_level"])
         autodiscover_modules("tasks")
@@ -43,4 +43,5 @@ class Command(BaseCommand):
         name = options["name"] or f"{socket.gethostname()}-{os.getpid()}"
         worker = Worker(url, name, threads=options["threads"], async_slots=options["async_slots"])
         stop_on_signals(worker)
+        freeze_what_is_loaded()
         worker.run()
