@@ -88,10 +88,8 @@ def test_an_everystep_worker_process_freezes_what_it_loaded_out_of_the_collector
 def test_a_worker_hosted_beside_other_code_leaves_its_processs_collector_alone(db):
     frozen = gc.get_freeze_count()
     worker = Worker(db.url, "w-hosted", threads=1)
-    stopper = threading.Thread(target=lambda: (time.sleep(1.0), worker.stop()))
-    stopper.start()
+    threading.Timer(1.0, worker.stop).start()
     worker.run()
-    stopper.join()
     assert gc.get_freeze_count() == frozen
 
 
